@@ -1,0 +1,41 @@
+"""simcap: a discrete-event capacity simulator of the vLLM V1 serving engine.
+
+Reading guide, in the order data flows:
+
+1. :mod:`simcap.scenario` -- the input: engine flags (vLLM's names), step-time model,
+   workload, SLO, seed; loaded from YAML with ``--set`` overrides.
+2. :mod:`simcap.workload` -- the requests: arrival times, prompt/output lengths, shared prefixes.
+3. :mod:`simcap.engine` -- the pure engine model: scheduler, KV cache, step time.
+4. :mod:`simcap.simulator` -- the SimPy world around it: one event per engine step.
+5. :mod:`simcap.records` and :mod:`simcap.metrics` -- per-request records (the same type
+   for simulated and live runs) and the one path from records to a :class:`Summary`.
+6. :mod:`simcap.report` and :mod:`simcap.cli` -- tables, JSON and the ``simcap`` command.
+
+Usage::
+
+    import simcap
+    result = simcap.simulate(simcap.load_scenario("examples/chat.yaml"))
+    print(result.summary.ttft_s.p95)
+"""
+
+from simcap._version import __version__
+from simcap.errors import ScenarioError, SimcapError
+from simcap.metrics import Summary, summarize
+from simcap.records import RequestRecord
+from simcap.scenario import Scenario, load_scenario, parse_scenario
+from simcap.simulator import Result, SimulationError, simulate
+
+__all__ = [
+    "RequestRecord",
+    "Result",
+    "Scenario",
+    "ScenarioError",
+    "SimcapError",
+    "SimulationError",
+    "Summary",
+    "__version__",
+    "load_scenario",
+    "parse_scenario",
+    "simulate",
+    "summarize",
+]

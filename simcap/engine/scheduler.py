@@ -1,0 +1,290 @@
+"""The vLLM V1 scheduler as a pure, time-free state machine.
+
+Models ``vllm/v1/core/sched/scheduler.py`` of vLLM 0.32 by default; the behaviours that differ
+in the field's older releases are switches in :class:`SchedulerFeatures`, chosen by
+``engine.vllm_version`` (and overridable one by one).
+
+One rule, not phases: every step gives each request tokens so that ``num_computed_tokens``
+catches up with ``num_tokens_with_spec``. A request still reading its prompt simply gets a
+large ``n``; a decoding one gets ``1 + num_spec_tokens``. Within one step:
+
+1. RUNNING requests, in admission order, while the token budget lasts. When the KV pool
+   cannot hold a request's new tokens, the last admitted running request is preempted
+   (its blocks freed, ``num_computed_tokens = 0``, back to the head of the queue), until the
+   allocation fits or the request preempted itself.
+2. WAITING requests, in queue order, only if nothing was preempted in (1), while the budget
+   lasts and fewer than ``max_num_seqs`` run. The head of the queue blocks the rest when it
+   does not fit (no skipping).
+
+``schedule()`` returns a :class:`SchedulerOutput` and advances ``num_computed_tokens`` at once;
+``update_from_output()`` then appends the sampled tokens, rolls back rejected drafts and
+finishes requests. Nothing here knows about time: the caller prices a step with the step-time
+model and moves a clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from simcap.engine.kv_cache import KVCacheManager
+from simcap.engine.request import Request, RequestStatus
+from simcap.scenario import EngineConfig
+
+
+@dataclass(frozen=True)
+class SchedulerFeatures:
+    """Scheduler behaviours that changed between vLLM releases."""
+
+    # Admission from WAITING needs KV blocks for the whole prompt, not just its first chunk.
+    reserve_full_isl: bool
+    # long_prefill_token_threshold is ignored when only one request (running + waiting) exists.
+    threshold_exempts_single_request: bool
+
+    @classmethod
+    def for_engine(cls, engine: EngineConfig) -> "SchedulerFeatures":
+        defaults = VERSION_FEATURES[engine.vllm_version]
+        reserve = engine.scheduler_reserve_full_isl
+        return cls(
+            reserve_full_isl=defaults.reserve_full_isl if reserve is None else reserve,
+            threshold_exempts_single_request=defaults.threshold_exempts_single_request,
+        )
+
+
+VERSION_FEATURES: dict[str, SchedulerFeatures] = {
+    "0.11": SchedulerFeatures(reserve_full_isl=False, threshold_exempts_single_request=False),
+    "0.23": SchedulerFeatures(reserve_full_isl=False, threshold_exempts_single_request=False),
+    "0.26": SchedulerFeatures(reserve_full_isl=False, threshold_exempts_single_request=False),
+    "0.32": SchedulerFeatures(reserve_full_isl=True, threshold_exempts_single_request=True),
+}
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes; the step-time model prices it from the summary counts."""
+
+    # Scheduled requests in batch order, with the tokens each computes this step.
+    reqs: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Of those tokens, how many are drafts to verify (0 without speculation).
+    num_scheduled_spec_tokens: list[int] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    # Requests computing prompt (or recomputing after preemption) tokens, and those tokens.
+    num_prefill_reqs: int = 0
+    num_prefill_tokens: int = 0
+    # Requests computing only their last sampled token (+ drafts), and those tokens.
+    num_decode_reqs: int = 0
+    num_decode_tokens: int = 0
+    # KV tokens the batch attends to: sum over requests of context length after the step.
+    num_context_tokens: int = 0
+    # Requests admitted from WAITING this step (first scheduling or resumption).
+    new_reqs: list[Request] = field(default_factory=list)
+    # Requests preempted this step.
+    preempted_reqs: list[Request] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """Tokens produced by one step: per request the count (a stream chunk), and who finished."""
+
+    reqs: list[Request]
+    num_new_tokens: list[int]
+    finished: list[Request]
+
+
+class Scheduler:
+    """vLLM V1's FCFS scheduler over a :class:`KVCacheManager` (pure, no clock)."""
+
+    def __init__(self, engine: EngineConfig, num_lookahead_tokens: int = 0) -> None:
+        self.config = engine
+        self.features = SchedulerFeatures.for_engine(engine)
+        self.max_num_seqs = engine.max_num_seqs
+        self.max_num_batched_tokens = engine.max_num_batched_tokens
+        self.max_model_len = engine.max_model_len
+        self.long_prefill_token_threshold = engine.long_prefill_token_threshold
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.block_size = engine.block_size
+        self.watermark_blocks = int(engine.watermark * (engine.num_gpu_blocks - 1))
+        self.kv = KVCacheManager(
+            engine.num_gpu_blocks, engine.block_size, engine.max_model_len, engine.enable_prefix_caching
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        if threshold and self.features.threshold_exempts_single_request:
+            if len(self.running) + len(self.waiting) <= 1:
+                threshold = 0
+        budget = self._schedule_running(out, budget, threshold)
+        if not out.preempted_reqs:
+            self._schedule_waiting(out, budget, threshold)
+        # num_computed_tokens advances as soon as the step is scheduled (vLLM does the same).
+        for req, n in zip(out.reqs, out.num_scheduled_tokens):
+            req.num_computed_tokens += n
+        return out
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int, num_spec: int) -> None:
+        out.reqs.append(req)
+        out.num_scheduled_tokens.append(n)
+        out.num_scheduled_spec_tokens.append(num_spec)
+        out.total_num_scheduled_tokens += n
+        out.num_context_tokens += req.num_computed_tokens + n
+        if req.num_computed_tokens + n - num_spec == req.num_tokens and n - num_spec == 1:
+            out.num_decode_reqs += 1
+            out.num_decode_tokens += n
+        else:
+            out.num_prefill_reqs += 1
+            out.num_prefill_tokens += n
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, threshold: int) -> int:
+        running = self.running
+        kv = self.kv
+        lookahead = self.num_lookahead_tokens
+        max_len_minus_1 = self.max_model_len - 1
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = req.num_tokens_with_spec - computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n > max_len_minus_1 - computed:
+                n = max_len_minus_1 - computed
+            if n <= 0:
+                i += 1
+                continue
+            while not kv.allocate_slots(req, n, num_lookahead_tokens=lookahead):
+                victim = running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget
+            # Drafts that did not fit in the budget are dropped, not delayed.
+            num_spec = computed + n - req.num_tokens
+            if num_spec < 0:
+                num_spec = 0
+            if num_spec < req.num_spec_tokens:
+                req.num_spec_tokens = num_spec
+            self._add(out, req, n, num_spec)
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_spec_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_reqs.append(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, threshold: int) -> None:
+        waiting = self.waiting
+        running = self.running
+        kv = self.kv
+        bs = self.block_size
+        while waiting and budget > 0:
+            if len(running) >= self.max_num_seqs:
+                break
+            req = waiting[0]
+            hit_blocks: list[int] = []
+            num_hit = 0
+            if req.num_computed_tokens == 0:
+                hit_blocks, num_hit = kv.get_computed_blocks(req, drop_last_block=self.num_lookahead_tokens > 0)
+            n = req.num_tokens - num_hit
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n <= 0:
+                break
+            if self.features.reserve_full_isl:
+                full = min(req.num_tokens, self.max_model_len)
+                need = -(-full // bs) - len(hit_blocks)
+                evictable_hits = sum(1 for b in hit_blocks if kv.ref_cnt[b] == 0)
+                headroom = self.watermark_blocks if running else 0
+                if need + evictable_hits + headroom > kv.num_free_blocks:
+                    break
+            elif self.watermark_blocks and running:
+                need = -(-(num_hit + n) // bs) - len(hit_blocks)
+                if need + self.watermark_blocks > kv.num_free_blocks:
+                    break
+            if not kv.allocate_slots(
+                req, n, num_hit, hit_blocks, num_lookahead_tokens=self.num_lookahead_tokens
+            ):
+                break
+            waiting.popleft()
+            running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            out.new_reqs.append(req)
+            self._add(out, req, n, 0)
+            budget -= n
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(
+        self, out: SchedulerOutput, num_accepted: Sequence[int] | None = None
+    ) -> EngineOutput:
+        """Apply a finished step: sample tokens, roll back rejected drafts, finish requests.
+
+        ``num_accepted[i]`` is how many of ``out.reqs[i]``'s scheduled drafts were accepted.
+        A request samples only when its computed tokens reach ``num_tokens`` (a non-final
+        prefill chunk produces nothing). Each verify step emits ``accepted + 1`` tokens.
+        """
+        reqs_out: list[Request] = []
+        counts: list[int] = []
+        finished: list[Request] = []
+        max_model_len = self.max_model_len
+        for idx, req in enumerate(out.reqs):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted later in the same step (cannot happen under FCFS)
+            num_spec = out.num_scheduled_spec_tokens[idx]
+            if num_spec:
+                accepted = num_accepted[idx] if num_accepted is not None else 0
+                req.num_computed_tokens -= num_spec - accepted
+                req.num_spec_tokens = 0
+            else:
+                accepted = 0
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # non-final prefill chunk
+            new = accepted + 1
+            room = req.max_tokens - req.num_output_tokens
+            if new > room:
+                new = room
+            room = max_model_len - req.num_tokens
+            if new > room:
+                new = room
+            req.num_output_tokens += new
+            reqs_out.append(req)
+            counts.append(new)
+            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                finished.append(req)
+        if finished:
+            for req in finished:
+                self.kv.free(req)
+            done = set(id(r) for r in finished)
+            self.running = [r for r in self.running if id(r) not in done]
+        return EngineOutput(reqs_out, counts, finished)

@@ -1,0 +1,103 @@
+"""Rendering results for people: rich tables of a run's summary, with its provenance."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+_LATENCIES = (
+    ("ttft_s", "TTFT"),
+    ("tpot_s", "TPOT"),
+    ("itl_s", "ITL (per step)"),
+    ("itl_per_token_s", "ITL (per token)"),
+    ("e2e_s", "E2E"),
+    ("queue_s", "queue"),
+)
+_PERCENTILES = ("p90", "p95", "p99")
+
+
+def to_json(data: dict[str, Any]) -> str:
+    """The JSON form of a result: stable key order, so equal results are equal bytes."""
+    return json.dumps(data, indent=2, allow_nan=False)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:,.1f}"
+
+
+def latency_table(result: dict[str, Any], title: str = "latency (ms)") -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("metric")
+    for col in ("mean", "p50", "p90", "p95", "p99", "max"):
+        table.add_column(col, justify="right")
+    table.add_column("n", justify="right")
+    for key, label in _LATENCIES:
+        dist = result.get(key)
+        if not dist:
+            continue
+        adequate = dist.get("samples_adequate", {})
+        cells = [_ms(dist.get(c)) for c in ("mean", "p50")]
+        for p in _PERCENTILES:
+            mark = "" if adequate.get(p, True) or dist.get(p) is None else "*"
+            cells.append(_ms(dist.get(p)) + mark)
+        cells.append(_ms(dist.get("max")))
+        table.add_row(label, *cells, f"{dist.get('count', 0):,}")
+    return table
+
+
+def render_summary(result: dict[str, Any], console: Console) -> None:
+    """Print a run's summary: latencies, throughput, SLO, engine counters, provenance."""
+    console.print(latency_table(result))
+    if any(
+        not d.get("samples_adequate", {}).get(p, True)
+        for key, _ in _LATENCIES
+        if (d := result.get(key)) and d.get("count")
+        for p in _PERCENTILES
+    ):
+        console.print(
+            "* too few samples for this percentile (MLPerf early stopping, 99% confidence, "
+            "one sample over the bound)",
+            style="dim",
+        )
+    tp = result["throughput"]
+    console.print(
+        f"completed {result['completed']:,} requests ({result['failed']:,} failed) in "
+        f"{result['duration_s']:,.2f} s: {tp['requests_per_s']:.3f} req/s, "
+        f"{tp['output_tokens_per_s']:,.1f} output tok/s, {tp['input_tokens_per_s']:,.1f} input tok/s"
+    )
+    slo = result.get("slo") or {}
+    if slo:
+        table = Table(title="SLO", title_justify="left")
+        for col in ("target", "target (ms)", "value (ms)", "pass"):
+            table.add_column(col, justify="right" if col != "target" else "left")
+        for key, row in slo.items():
+            verdict = "yes" if row["pass"] else "NO"
+            if not row.get("samples_adequate", True):
+                verdict += " *"
+            table.add_row(key, _ms(row["target"]), _ms(row["value"]), verdict)
+        console.print(table)
+        good = result.get("goodput") or {}
+        if good:
+            console.print(
+                f"goodput {good['requests_per_s']:.3f} req/s ({good['fraction'] * 100:.1f}% of "
+                f"requests meet every per-request SLO); SLO {'met' if result['slo_pass'] else 'MISSED'}"
+            )
+    kv = result.get("kv_cache_usage") or {}
+    line = f"preemptions {result['preemptions']:,}"
+    if kv:
+        line += f"; KV cache usage mean {kv['mean'] * 100:.1f}%, max {kv['max'] * 100:.1f}%"
+    if "num_steps" in result:
+        line += f"; engine steps {result['num_steps']:,}"
+    console.print(line)
+    prov = result.get("provenance") or {}
+    if prov:
+        console.print(
+            f"simcap {prov.get('simcap_version')} modelling vLLM {prov.get('vllm_version_modelled')}"
+            f" V1; scenario {prov.get('scenario_name') or '(unnamed)'} "
+            f"sha256 {str(prov.get('scenario_sha256'))[:12]}, seed {prov.get('seed')}, "
+            f"step time from {prov.get('step_time_source')}",
+            style="dim",
+        )

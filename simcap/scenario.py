@@ -1,0 +1,393 @@
+"""Scenario: the one input of a simulation, as frozen pydantic models loaded from YAML.
+
+A scenario names the engine configuration (vLLM's own flag names), the step-time model,
+the workload, the SLO and the seed. ``load_scenario`` reads a YAML file, applies dotted
+``key=value`` overrides and validates; every problem becomes a :class:`ScenarioError`
+whose message starts with the offending field's dotted path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from simcap.errors import ScenarioError
+
+# vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
+VllmVersion = Literal["0.11", "0.23", "0.26", "0.32"]
+DEFAULT_VLLM_VERSION: VllmVersion = "0.32"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class EngineConfig(_Model):
+    """vLLM engine settings, named as ``vllm serve`` names them."""
+
+    vllm_version: VllmVersion = Field(
+        DEFAULT_VLLM_VERSION, description="vLLM release whose V1 scheduler is modelled."
+    )
+    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    block_size: int = Field(16, gt=0)
+    num_gpu_blocks: int = Field(gt=1, description="KV pool size in blocks (block 0 is reserved).")
+    max_model_len: int = Field(gt=1)
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    # None: the modelled version's default (see VERSION_FEATURES).
+    scheduler_reserve_full_isl: bool | None = None
+    watermark: float = Field(0.0, ge=0.0, lt=1.0)
+    async_scheduling: bool = False
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Usable KV tokens: block 0 is vLLM's reserved null block."""
+        return (self.num_gpu_blocks - 1) * self.block_size
+
+
+# --------------------------------------------------------------------------- step time
+
+
+class StepTimeConfig(_Model):
+    """Seconds for one engine step, linear in the batch's features (see engine.step_time)."""
+
+    base: float = Field(0.004, ge=0.0, description="Fixed cost of a forward pass, s.")
+    per_prefill_token: float = Field(1.0e-5, ge=0.0, description="s per prompt token computed.")
+    per_decode_token: float = Field(5.0e-5, ge=0.0, description="s per decode token.")
+    per_context_token: float = Field(
+        0.0, ge=0.0, description="s per KV token attended by the batch (sum of context lengths)."
+    )
+    mixed_step: float = Field(
+        0.0,
+        ge=0.0,
+        description="Extra s for a step mixing prefill into decodes (graphs cover pure decode only).",
+    )
+    host_overhead: float = Field(
+        0.0, ge=0.0, description="Scheduling and output processing between forwards, s per step."
+    )
+
+
+# --------------------------------------------------------------------------- workload
+
+
+class PoissonArrival(_Model):
+    process: Literal["poisson"]
+    rate: float = Field(gt=0.0, description="requests per second")
+
+
+class GammaArrival(_Model):
+    process: Literal["gamma"]
+    rate: float = Field(gt=0.0, description="requests per second")
+    burstiness: float = Field(1.0, gt=0.0, description="gamma shape; 1 is Poisson, <1 burstier")
+
+
+class ClosedArrival(_Model):
+    process: Literal["closed"]
+    concurrency: int = Field(gt=0, description="clients, each with one request in flight")
+    think_time_s: float = Field(0.0, ge=0.0)
+
+
+Arrival = Annotated[
+    Union[PoissonArrival, GammaArrival, ClosedArrival], Field(discriminator="process")
+]
+
+
+class FixedLength(_Model):
+    dist: Literal["fixed"]
+    value: int = Field(gt=0)
+
+    @property
+    def min_value(self) -> int:
+        return self.value
+
+    @property
+    def max_value(self) -> int:
+        return self.value
+
+
+class UniformLength(_Model):
+    """Integers uniform on [low, high], both included."""
+
+    dist: Literal["uniform"]
+    low: int = Field(gt=0)
+    high: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "UniformLength":
+        if self.high < self.low:
+            raise ValueError(f"high must be >= low (got low={self.low}, high={self.high})")
+        return self
+
+    @property
+    def min_value(self) -> int:
+        return self.low
+
+    @property
+    def max_value(self) -> int:
+        return self.high
+
+
+class EmpiricalLength(_Model):
+    """Lengths drawn with replacement from a list, given inline or as a file of numbers."""
+
+    dist: Literal["empirical"]
+    values: tuple[Annotated[int, Field(gt=0)], ...] = Field(min_length=1)
+
+    @property
+    def min_value(self) -> int:
+        return min(self.values)
+
+    @property
+    def max_value(self) -> int:
+        return max(self.values)
+
+
+def _length_shorthand(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value  # let validation reject it
+    if isinstance(value, int):
+        return {"dist": "fixed", "value": value}
+    return value
+
+
+Length = Annotated[
+    Union[FixedLength, UniformLength, EmpiricalLength], Field(discriminator="dist")
+]
+
+
+class PrefixSharing(_Model):
+    """Requests open with one of ``num_prefixes`` shared prefixes (a system prompt)."""
+
+    shared_tokens: int = Field(gt=0, description="tokens of the shared prefix, counted in input_len")
+    num_prefixes: int = Field(1, gt=0)
+
+
+class WorkloadConfig(_Model):
+    arrival: Arrival
+    num_requests: int | None = Field(None, gt=0)
+    duration_s: float | None = Field(None, gt=0.0)
+    input_len: Length
+    output_len: Length
+    prefix: PrefixSharing | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthands(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in ("input_len", "output_len"):
+                if key in data:
+                    data[key] = _length_shorthand(data[key])
+        return data
+
+    @model_validator(mode="after")
+    def _one_stop_rule(self) -> "WorkloadConfig":
+        if (self.num_requests is None) == (self.duration_s is None):
+            raise ValueError("give exactly one of num_requests or duration_s")
+        return self
+
+
+# --------------------------------------------------------------------------- SLO
+
+SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
+SLO_STATS = ("mean", "p50", "p90", "p95", "p99")
+
+
+class Scenario(_Model):
+    """Everything a simulation needs; the same scenario and seed give the same bytes out."""
+
+    name: str | None = None
+    engine: EngineConfig
+    step_time: StepTimeConfig = StepTimeConfig()
+    workload: WorkloadConfig
+    slo: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
+        default_factory=dict, description="e.g. {ttft_p95: 2.0, tpot_p95: 0.05}, seconds"
+    )
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _slo_keys(self) -> "Scenario":
+        allowed = [f"{m}_{s}" for m in SLO_METRICS for s in SLO_STATS]
+        for key in self.slo:
+            if key not in allowed:
+                raise ValueError(
+                    f"slo.{key}: unknown SLO; allowed: METRIC_STAT with METRIC in "
+                    f"{', '.join(SLO_METRICS)} and STAT in {', '.join(SLO_STATS)}"
+                )
+        return self
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON form: names this exact scenario in results."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` overrides; values are parsed as YAML (``3``, ``true``, ``[1,2]``)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ScenarioError(f"--set {item!r}: expected dotted.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ScenarioError(
+                    f"{'.'.join(parts[: i + 1])}: is a value, not a section; cannot set {key}"
+                )
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _resolve_files(data: dict[str, Any], base_dir: Path) -> None:
+    """Read ``{dist: empirical, file: F}`` lengths (F relative to the scenario) into values."""
+    workload = data.get("workload")
+    if not isinstance(workload, dict):
+        return
+    for key in ("input_len", "output_len"):
+        spec = workload.get(key)
+        if isinstance(spec, dict) and "file" in spec:
+            spec = dict(spec)
+            path = base_dir / str(spec.pop("file"))
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                raise ScenarioError(f"workload.{key}.file: cannot read {path}: {exc.strerror}")
+            try:
+                spec["values"] = [int(tok) for tok in text.replace(",", " ").split()]
+            except ValueError:
+                raise ScenarioError(
+                    f"workload.{key}.file: {path} must hold whole numbers separated by "
+                    "spaces, commas or newlines"
+                ) from None
+            workload[key] = spec
+
+
+def _field_names(loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys allowed at the section ``loc`` of a scenario, for 'unknown key' messages."""
+    model: Any = Scenario
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        model = field.annotation
+        args = getattr(model, "__args__", ())
+        if args:  # Optional[X] / Union: pick the model member whose tag we cannot see
+            models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            model = models[0] if len(models) == 1 else None
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return None
+
+
+_TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical"}
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line: the first error's dotted field path, what is wrong and what is allowed."""
+    err = exc.errors()[0]
+    loc = tuple(p for p in err["loc"] if p not in _TAGS)
+    path = ".".join(str(p) for p in loc) or "scenario"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = _field_names(loc[:-1])
+        hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
+        msg = f"{path}: unknown key{hint}"
+    elif kind == "missing":
+        msg = f"{path}: required field is missing"
+    elif kind == "union_tag_invalid":
+        msg = f"{path}: {err['msg']}"
+    else:
+        text = err["msg"]
+        if text.startswith("Value error, "):
+            text = text[len("Value error, ") :]
+            if text.startswith(path.split(".")[0] + ".") or ":" in text.split(" ")[0]:
+                return text  # the validator already named its field
+        got = err.get("input")
+        shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+        msg = f"{path}: {text[0].lower() + text[1:]}{shown}"
+    extra = len(exc.errors()) - 1
+    return msg + (f" [and {extra} more problem{'s' if extra > 1 else ''}]" if extra else "")
+
+
+def parse_scenario(data: Any, *, base_dir: Path | None = None) -> Scenario:
+    """Validate a scenario given as a dict (e.g. parsed YAML) and check it is feasible."""
+    if not isinstance(data, dict):
+        raise ScenarioError("scenario: expected a mapping of sections (engine, workload, ...)")
+    data = json.loads(json.dumps(data))  # deep copy; rejects non-JSON values early
+    _resolve_files(data, base_dir or Path.cwd())
+    try:
+        scenario = Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(format_validation_error(exc)) from None
+    check_feasible(scenario)
+    return scenario
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
+    """Read a YAML scenario, apply ``--set`` style overrides, validate it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read scenario file: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ScenarioError(f"{path}: malformed YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: expected a mapping of sections (engine, workload, ...)")
+    apply_overrides(data, list(overrides or []))
+    return parse_scenario(data, base_dir=path.parent)
+
+
+def check_feasible(scenario: Scenario) -> None:
+    """Reject configurations the engine could never serve, naming the field at fault."""
+    eng, wl = scenario.engine, scenario.workload
+    max_in, max_out = wl.input_len.max_value, wl.output_len.max_value
+    if wl.prefix is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
+        raise ScenarioError(
+            f"workload.prefix.shared_tokens: must be < the shortest input_len "
+            f"({wl.input_len.min_value}), got {wl.prefix.shared_tokens}"
+        )
+    if max_in + max_out > eng.max_model_len:
+        raise ScenarioError(
+            f"workload.input_len: prompt ({max_in}) + output ({max_out}) tokens exceed "
+            f"engine.max_model_len ({eng.max_model_len}); vLLM rejects such a request"
+        )
+    need = max_in + max_out
+    if eng.kv_capacity_tokens < need:
+        raise ScenarioError(
+            f"engine.num_gpu_blocks: a KV pool of {eng.kv_capacity_tokens} tokens "
+            f"(({eng.num_gpu_blocks} - 1) x {eng.block_size}) can never hold one request of "
+            f"{need} tokens; need at least {math.ceil(need / eng.block_size) + 1} blocks"
+        )

@@ -1,0 +1,217 @@
+"""The SimPy world: arrivals or closed-loop clients, and one engine process.
+
+The engine loops ``schedule -> timeout(step period) -> update``: one SimPy event per engine
+step, never one per token. Tokens a step produces reach the client at the end of the step,
+as one stream chunk per request. Clients (closed loop) wait on their request's completion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import simpy
+
+from simcap._version import __version__
+from simcap.engine.request import Request
+from simcap.engine.scheduler import Scheduler
+from simcap.engine.step_time import StepTimeModel
+from simcap.metrics import Summary, summarize
+from simcap.records import RequestRecord
+from simcap.scenario import ClosedArrival, Scenario
+from simcap.workload import RequestSpec, Workload
+
+
+class SimulationError(RuntimeError):
+    """The engine model reached a state vLLM could not (a bug, or an unservable request)."""
+
+
+@dataclass
+class StepLog:
+    """One row per engine step: when it started, how long it took, what it computed."""
+
+    start: list[float] = field(default_factory=list)
+    duration: list[float] = field(default_factory=list)
+    num_prefill_tokens: list[int] = field(default_factory=list)
+    num_decode_tokens: list[int] = field(default_factory=list)
+    num_reqs: list[int] = field(default_factory=list)
+    num_running: list[int] = field(default_factory=list)
+    num_waiting: list[int] = field(default_factory=list)
+    kv_cache_usage: list[float] = field(default_factory=list)
+    num_preempted: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def as_arrays(self) -> dict[str, np.ndarray]:
+        return {name: np.asarray(values) for name, values in vars(self).items()}
+
+
+@dataclass
+class Result:
+    """A finished simulation: its inputs, every request's record, the step log, the summary."""
+
+    scenario: Scenario
+    records: list[RequestRecord]
+    steps: StepLog
+    summary: Summary
+    provenance: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Summary fields at the top level, plus where the numbers came from."""
+        return {
+            **self.summary.to_dict(),
+            "num_steps": len(self.steps),
+            "provenance": self.provenance,
+        }
+
+
+def provenance(scenario: Scenario) -> dict[str, Any]:
+    """What a printed number can be traced to: simcap, the modelled vLLM, scenario, seed."""
+    return {
+        "simcap_version": __version__,
+        "vllm_version_modelled": scenario.engine.vllm_version,
+        "scenario_name": scenario.name,
+        "scenario_sha256": scenario.digest(),
+        "seed": scenario.seed,
+        "step_time_source": "scenario",
+    }
+
+
+class _World:
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.env = simpy.Environment()
+        self.scheduler = Scheduler(scenario.engine)
+        self.step_model = StepTimeModel.from_config(
+            scenario.step_time, async_scheduling=scenario.engine.async_scheduling
+        )
+        self.workload = Workload(scenario.workload, scenario.seed)
+        self.records: list[RequestRecord] = []
+        self.steps = StepLog()
+        self._wakeup: simpy.Event | None = None
+        self._on_finish: dict[int, Callable[[], None]] = {}
+
+    # ------------------------------------------------------------------ actors
+
+    def submit(self, spec: RequestSpec) -> None:
+        now = self.env.now
+        self.records.append(
+            RequestRecord(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens)
+        )
+        self.scheduler.add_request(
+            Request(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments)
+        )
+        if self._wakeup is not None:
+            self._wakeup.succeed()
+            self._wakeup = None
+
+    def open_loop(self, times: np.ndarray):
+        env = self.env
+        for i, t in enumerate(times.tolist()):
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            self.submit(self.workload.spec(i))
+
+    def closed_loop(self, arrival: ClosedArrival):
+        env = self.env
+        limit = self.workload.num_requests
+        duration = self.workload.duration_s
+        counter = iter(range(limit) if limit is not None else _count())
+
+        def client():
+            for i in counter:
+                if duration is not None and env.now >= duration:
+                    return
+                done = env.event()
+                self._on_finish[i] = done.succeed
+                self.submit(self.workload.spec(i))
+                yield done
+                if arrival.think_time_s:
+                    yield env.timeout(arrival.think_time_s)
+
+        for _ in range(arrival.concurrency):
+            env.process(client())
+
+    def engine(self):
+        env = self.env
+        scheduler = self.scheduler
+        step_model = self.step_model
+        records = self.records
+        steps = self.steps
+        kv = scheduler.kv
+        while True:
+            if not scheduler.has_unfinished_requests():
+                self._wakeup = env.event()
+                yield self._wakeup
+                continue
+            out = scheduler.schedule()
+            if out.total_num_scheduled_tokens == 0:
+                raise SimulationError(
+                    f"engine stalled at t={env.now:.6f}s: {len(scheduler.waiting)} waiting, "
+                    f"{len(scheduler.running)} running, nothing schedulable"
+                )
+            start = env.now
+            for req in out.new_reqs:
+                rec = records[req.request_id]
+                if rec.scheduled_time is None:
+                    rec.scheduled_time = start
+            dt = step_model.step_period(out)
+            steps.start.append(start)
+            steps.duration.append(dt)
+            steps.num_prefill_tokens.append(out.num_prefill_tokens)
+            steps.num_decode_tokens.append(out.num_decode_tokens)
+            steps.num_reqs.append(len(out.reqs))
+            steps.num_running.append(len(scheduler.running))
+            steps.num_waiting.append(len(scheduler.waiting))
+            steps.kv_cache_usage.append(kv.usage)
+            steps.num_preempted.append(len(out.preempted_reqs))
+            yield env.timeout(dt)
+            result = scheduler.update_from_output(out)
+            now = env.now
+            for req, n in zip(result.reqs, result.num_new_tokens):
+                rec = records[req.request_id]
+                rec.chunk_times.append(now)
+                rec.chunk_tokens.append(n)
+            for req in result.finished:
+                rec = records[req.request_id]
+                rec.finish_time = now
+                rec.finish_reason = "length"
+                rec.num_preemptions = req.num_preemptions
+                rec.num_cached_tokens = max(req.num_cached_tokens, 0)
+                notify = self._on_finish.pop(req.request_id, None)
+                if notify is not None:
+                    notify()
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> Result:
+        arrival = self.scenario.workload.arrival
+        if isinstance(arrival, ClosedArrival):
+            self.closed_loop(arrival)
+        else:
+            self.env.process(self.open_loop(self.workload.arrival_times()))
+        self.env.process(self.engine())
+        self.env.run()
+        if self.scheduler.has_unfinished_requests():
+            raise SimulationError("simulation ended with unfinished requests")
+        self.records.sort(key=lambda r: r.request_id)
+        summary = summarize(
+            self.records,
+            slo=dict(self.scenario.slo) or None,
+            kv_usage=(self.steps.start, self.steps.kv_cache_usage),
+        )
+        return Result(self.scenario, self.records, self.steps, summary, provenance(self.scenario))
+
+
+def _count():
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+def simulate(scenario: Scenario) -> Result:
+    """Run one scenario to completion (every request finishes) and summarise it."""
+    return _World(scenario).run()

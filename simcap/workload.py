@@ -1,0 +1,122 @@
+"""Workload: which requests arrive when, with what prompt and output lengths.
+
+Deterministic in the scenario's seed: independent random streams (spawned from one
+``numpy.random.SeedSequence``) drive arrivals, input lengths, output lengths and prefix
+groups, so that changing the arrival rate leaves the i-th request's lengths unchanged.
+The same object feeds the simulator and the live client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from simcap.scenario import (
+    ClosedArrival,
+    EmpiricalLength,
+    FixedLength,
+    GammaArrival,
+    PoissonArrival,
+    UniformLength,
+    WorkloadConfig,
+)
+
+_CHUNK = 1024  # lengths are drawn in fixed-size chunks so request i is the same in any run
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """What the i-th request asks for: its prompt (as content segments) and output length."""
+
+    request_id: int
+    num_prompt_tokens: int
+    max_tokens: int
+    # (content key, tokens): prompts sharing a key share those tokens (prefix caching).
+    segments: tuple[tuple[int, int], ...]
+
+
+class _LengthSampler:
+    def __init__(self, spec: FixedLength | UniformLength | EmpiricalLength, rng: np.random.Generator):
+        self.spec = spec
+        self.rng = rng
+        self.drawn = np.empty(0, dtype=np.int64)
+
+    def _draw(self) -> np.ndarray:
+        spec = self.spec
+        if isinstance(spec, FixedLength):
+            return np.full(_CHUNK, spec.value, dtype=np.int64)
+        if isinstance(spec, UniformLength):
+            return self.rng.integers(spec.low, spec.high + 1, size=_CHUNK, dtype=np.int64)
+        return self.rng.choice(np.asarray(spec.values, dtype=np.int64), size=_CHUNK)
+
+    def __getitem__(self, i: int) -> int:
+        while i >= len(self.drawn):
+            self.drawn = np.concatenate([self.drawn, self._draw()])
+        return int(self.drawn[i])
+
+
+class Workload:
+    """Request specs and (open loop) arrival times for one scenario and seed."""
+
+    def __init__(self, config: WorkloadConfig, seed: int) -> None:
+        self.config = config
+        arrival_ss, input_ss, output_ss, prefix_ss = np.random.SeedSequence(seed).spawn(4)
+        self._arrival_rng = np.random.default_rng(arrival_ss)
+        self._input = _LengthSampler(config.input_len, np.random.default_rng(input_ss))
+        self._output = _LengthSampler(config.output_len, np.random.default_rng(output_ss))
+        self._prefix_rng = np.random.default_rng(prefix_ss)
+        self._prefix_groups = np.empty(0, dtype=np.int64)
+
+    @property
+    def is_closed_loop(self) -> bool:
+        return isinstance(self.config.arrival, ClosedArrival)
+
+    @property
+    def num_requests(self) -> int | None:
+        return self.config.num_requests
+
+    @property
+    def duration_s(self) -> float | None:
+        return self.config.duration_s
+
+    def spec(self, i: int) -> RequestSpec:
+        """The i-th request (0-based); the same for every run of this workload and seed."""
+        num_prompt = self._input[i]
+        max_tokens = self._output[i]
+        unique_key = -2 * i - 1
+        prefix = self.config.prefix
+        if prefix is None:
+            segments = ((unique_key, num_prompt),)
+        else:
+            while i >= len(self._prefix_groups):
+                draw = self._prefix_rng.integers(0, prefix.num_prefixes, size=_CHUNK)
+                self._prefix_groups = np.concatenate([self._prefix_groups, draw])
+            group = int(self._prefix_groups[i])
+            segments = ((group, prefix.shared_tokens), (unique_key, num_prompt - prefix.shared_tokens))
+        return RequestSpec(i, num_prompt, max_tokens, segments)
+
+    def arrival_times(self) -> np.ndarray:
+        """Open-loop send times in seconds, the first at 0 (as a benchmark client starts)."""
+        arrival = self.config.arrival
+        if isinstance(arrival, ClosedArrival):
+            raise ValueError("a closed-loop workload has no arrival times; clients pace it")
+        if isinstance(arrival, PoissonArrival):
+            shape, scale = 1.0, 1.0 / arrival.rate
+        else:
+            assert isinstance(arrival, GammaArrival)
+            shape, scale = arrival.burstiness, 1.0 / (arrival.rate * arrival.burstiness)
+        rng = self._arrival_rng
+        if self.num_requests is not None:
+            gaps = rng.gamma(shape, scale, size=self.num_requests - 1)
+            return np.concatenate([[0.0], np.cumsum(gaps)])
+        duration = self.duration_s
+        assert duration is not None
+        parts = [np.zeros(1)]
+        last = 0.0
+        while last <= duration:
+            times = last + np.cumsum(rng.gamma(shape, scale, size=_CHUNK))
+            parts.append(times)
+            last = float(times[-1])
+        times = np.concatenate(parts)
+        return times[times < duration]
