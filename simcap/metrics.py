@@ -240,12 +240,15 @@ def summarize(
     queue = (sched - arrival)[~np.isnan(sched)]
 
     # Gaps across record boundaries are not ITLs: drop the gap ending at each record's start.
-    gaps = np.diff(times)
-    within = np.ones(gaps.size, dtype=bool)
+    within = np.ones(max(total_chunks - 1, 0), dtype=bool)
     within[starts[1:] - 1] = False
-    itl = gaps[within]
+    itl = np.diff(times)[within]
     k = tokens[1:][within]
-    itl_tok = np.repeat(itl[k > 0] / k[k > 0], k[k > 0])
+    del times, tokens, within  # up to 1e8+ chunks: free memory before the per-token copy
+    g = itl
+    if not k.all():  # chunks without tokens contribute no per-token samples
+        g, k = itl[k > 0], k[k > 0]
+    itl_tok = np.repeat(g / k, k)
 
     output_tokens, input_tokens = int(out_tok.sum()), int(prompt.sum())
     if duration_s is None:

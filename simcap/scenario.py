@@ -47,7 +47,17 @@ class EngineConfig(_Model):
     # None: the modelled version's default (see VERSION_FEATURES).
     scheduler_reserve_full_isl: bool | None = None
     watermark: float = Field(0.0, ge=0.0, lt=1.0)
-    async_scheduling: bool = False
+    # None: on as vLLM >= 0.14 runs on GPUs. Set false for the CPU platform (always off there).
+    async_scheduling: bool | None = None
+
+    @model_validator(mode="after")
+    def _version_has_watermark(self) -> "EngineConfig":
+        if self.watermark and self.vllm_version in ("0.11", "0.23"):
+            raise ValueError(
+                f"engine.watermark: vLLM {self.vllm_version} has no admission watermark "
+                "(added in 0.24); allowed: 0"
+            )
+        return self
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -84,9 +84,10 @@ class _World:
         self.scenario = scenario
         self.env = simpy.Environment()
         self.scheduler = Scheduler(scenario.engine)
-        self.step_model = StepTimeModel.from_config(
-            scenario.step_time, async_scheduling=scenario.engine.async_scheduling
-        )
+        async_scheduling = scenario.engine.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = self.scheduler.features.async_scheduling_default
+        self.step_model = StepTimeModel.from_config(scenario.step_time, async_scheduling)
         self.workload = Workload(scenario.workload, scenario.seed)
         self.records: list[RequestRecord] = []
         self.steps = StepLog()

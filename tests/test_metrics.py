@@ -186,3 +186,9 @@ def test_percentiles_ordered(rs):
         if d.count:
             assert d.p50 <= d.p90 <= d.p95 <= d.p99 <= d.max
     assert all(summarize([r]).ttft_s.mean >= 0 for r in rs)
+
+
+def test_zero_token_chunk_keeps_chunk_itl():
+    s = summarize([rec(0, 0.0, [0.1, 0.2, 0.4], tokens=[1, 0, 2])])
+    assert s.itl_s.count == 2
+    assert s.itl_per_token_s.count == 2 and s.itl_per_token_s.mean == pytest.approx(0.1)

@@ -2,8 +2,8 @@
 
 Blocks ``1 .. num_blocks-1`` are usable; block 0 is vLLM's reserved null block, so the pool
 holds ``(num_blocks - 1) * block_size`` tokens. Free blocks wait in an LRU queue: allocation
-takes from the head (evicting the block's cached hash), freeing appends a request's blocks to
-the tail in reverse order, so a request's tail blocks are evicted first. A block whose hash
+takes from the head (evicting the block's cached hash), freeing appends a request's cached
+blocks to the tail in reverse order, so a request's tail blocks are evicted first. A block whose hash
 is cached and whose ref count is 0 is both free and reusable by a prefix hit ("touch").
 
 Invariant (checked by the tests): free blocks + blocks with ref_cnt > 0 == num_blocks - 1.
@@ -20,7 +20,12 @@ class KVCacheManager:
     """Allocate, share and free KV blocks for requests; a narrow interface over the pool."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        free_unhashed_first: bool = True,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is reserved)")
@@ -28,6 +33,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.free_unhashed_first = free_unhashed_first
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
@@ -72,9 +78,11 @@ class KVCacheManager:
             blocks.append(block)
         if drop_last_block and blocks:
             blocks.pop()
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(blocks) * bs
         return blocks, len(blocks) * bs
+
+    def record_prefix_cache_stats(self, num_queried: int, num_hit: int) -> None:
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
 
     # ------------------------------------------------------------------ changes
 
@@ -152,7 +160,11 @@ class KVCacheManager:
         self._num_committed[rid] = num_full
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, to the tail of the LRU free queue."""
+        """Release a request's blocks, tail first, to the LRU free queue.
+
+        Cached (hashed) blocks join the tail, to be evicted last; blocks without a hash hold
+        nothing reusable and, since vLLM 0.24, go to the head to be reused first.
+        """
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
         self._num_committed.pop(rid, None)
@@ -160,10 +172,14 @@ class KVCacheManager:
             return
         ref_cnt = self.ref_cnt
         free_queue = self.free_queue
+        block_hash = self.block_hash
+        head_first = self.free_unhashed_first
         for block in reversed(blocks):
             ref_cnt[block] -= 1
             if ref_cnt[block] == 0:
                 free_queue[block] = None
+                if head_first and block_hash[block] is None:
+                    free_queue.move_to_end(block, last=False)
 
     def check_invariants(self) -> None:
         """free + referenced == usable blocks; every referenced block is off the free queue."""

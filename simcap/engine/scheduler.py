@@ -25,7 +25,7 @@ model and moves a clock.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from simcap.engine.kv_cache import KVCacheManager
@@ -35,28 +35,37 @@ from simcap.scenario import EngineConfig
 
 @dataclass(frozen=True)
 class SchedulerFeatures:
-    """Scheduler behaviours that changed between vLLM releases."""
+    """Scheduler behaviours that changed between vLLM releases (read from each release's source)."""
 
-    # Admission from WAITING needs KV blocks for the whole prompt, not just its first chunk.
+    # Admission from WAITING needs KV blocks for the whole prompt, not just its first chunk
+    # (``scheduler_reserve_full_isl``, 0.19+).
     reserve_full_isl: bool
-    # long_prefill_token_threshold is ignored when only one request (running + waiting) exists.
+    # An admission watermark exists (0.24+; default 0.0).
+    has_watermark: bool
+    # long_prefill_token_threshold is ignored when running + waiting <= 1 (0.31+).
     threshold_exempts_single_request: bool
+    # Freed blocks without a cached hash go to the HEAD of the free queue (0.24+); before,
+    # every freed block went to the tail.
+    free_unhashed_first: bool
+    # Prefix-cache queries/hits are counted once per admission (0.27+), not per lookup.
+    prefix_stats_at_admission: bool
+    # Async scheduling is on by default on GPUs (0.14+); the CPU platform forces it off.
+    async_scheduling_default: bool
 
     @classmethod
     def for_engine(cls, engine: EngineConfig) -> "SchedulerFeatures":
         defaults = VERSION_FEATURES[engine.vllm_version]
         reserve = engine.scheduler_reserve_full_isl
-        return cls(
-            reserve_full_isl=defaults.reserve_full_isl if reserve is None else reserve,
-            threshold_exempts_single_request=defaults.threshold_exempts_single_request,
-        )
+        if reserve is None:
+            return defaults
+        return replace(defaults, reserve_full_isl=reserve)
 
 
 VERSION_FEATURES: dict[str, SchedulerFeatures] = {
-    "0.11": SchedulerFeatures(reserve_full_isl=False, threshold_exempts_single_request=False),
-    "0.23": SchedulerFeatures(reserve_full_isl=False, threshold_exempts_single_request=False),
-    "0.26": SchedulerFeatures(reserve_full_isl=False, threshold_exempts_single_request=False),
-    "0.32": SchedulerFeatures(reserve_full_isl=True, threshold_exempts_single_request=True),
+    "0.11": SchedulerFeatures(False, False, False, False, False, False),
+    "0.23": SchedulerFeatures(True, False, False, False, False, True),
+    "0.26": SchedulerFeatures(True, True, False, True, False, True),
+    "0.32": SchedulerFeatures(True, True, True, True, True, True),
 }
 
 
@@ -105,9 +114,13 @@ class Scheduler:
         self.long_prefill_token_threshold = engine.long_prefill_token_threshold
         self.num_lookahead_tokens = num_lookahead_tokens
         self.block_size = engine.block_size
-        self.watermark_blocks = int(engine.watermark * (engine.num_gpu_blocks - 1))
+        self.watermark_blocks = int(engine.watermark * engine.num_gpu_blocks)
         self.kv = KVCacheManager(
-            engine.num_gpu_blocks, engine.block_size, engine.max_model_len, engine.enable_prefix_caching
+            engine.num_gpu_blocks,
+            engine.block_size,
+            engine.max_model_len,
+            engine.enable_prefix_caching,
+            free_unhashed_first=self.features.free_unhashed_first,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -209,7 +222,11 @@ class Scheduler:
             hit_blocks: list[int] = []
             num_hit = 0
             if req.num_computed_tokens == 0:
-                hit_blocks, num_hit = kv.get_computed_blocks(req, drop_last_block=self.num_lookahead_tokens > 0)
+                hit_blocks, num_hit = kv.get_computed_blocks(
+                    req, drop_last_block=self.num_lookahead_tokens > 0
+                )
+                if not self.features.prefix_stats_at_admission and kv.enable_caching:
+                    kv.record_prefix_cache_stats(req.num_tokens, num_hit)
             n = req.num_tokens - num_hit
             if 0 < threshold < n:
                 n = threshold
@@ -217,21 +234,24 @@ class Scheduler:
                 n = budget
             if n <= 0:
                 break
+            headroom = self.watermark_blocks if running else 0
             if self.features.reserve_full_isl:
+                # The whole prompt (+ outputs, if resumed) must fit, hits counted as held.
                 full = min(req.num_tokens, self.max_model_len)
                 need = -(-full // bs) - len(hit_blocks)
-                evictable_hits = sum(1 for b in hit_blocks if kv.ref_cnt[b] == 0)
-                headroom = self.watermark_blocks if running else 0
-                if need + evictable_hits + headroom > kv.num_free_blocks:
+                need += sum(1 for b in hit_blocks if kv.ref_cnt[b] == 0)
+                if need + headroom > kv.num_free_blocks:
                     break
-            elif self.watermark_blocks and running:
-                need = -(-(num_hit + n) // bs) - len(hit_blocks)
-                if need + self.watermark_blocks > kv.num_free_blocks:
+            elif headroom:
+                need = -(-(num_hit + n + self.num_lookahead_tokens) // bs) - len(hit_blocks)
+                if need + headroom > kv.num_free_blocks:
                     break
             if not kv.allocate_slots(
                 req, n, num_hit, hit_blocks, num_lookahead_tokens=self.num_lookahead_tokens
             ):
                 break
+            if self.features.prefix_stats_at_admission and kv.enable_caching:
+                kv.record_prefix_cache_stats(req.num_tokens, num_hit)
             waiting.popleft()
             running.append(req)
             req.status = RequestStatus.RUNNING
