@@ -87,6 +87,9 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
             )
     kv = result.get("kv_cache_usage") or {}
     line = f"preemptions {result['preemptions']:,}"
+    if result.get("input_tokens"):
+        hits = result.get("prefix_cache_hit_tokens", 0)
+        line += f"; prefix-cache hits {hits:,} tokens ({hits / result['input_tokens'] * 100:.1f}% of input)"
     if kv:
         line += f"; KV cache usage mean {kv['mean'] * 100:.1f}%, max {kv['max'] * 100:.1f}%"
     if "num_steps" in result:

@@ -115,6 +115,13 @@ class _World:
                 yield env.timeout(t - env.now)
             self.submit(self.workload.spec(i))
 
+    def replay(self, trace: list[tuple[float, RequestSpec]]):
+        env = self.env
+        for t, spec in trace:
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            self.submit(spec)
+
     def closed_loop(self, arrival: ClosedArrival):
         env = self.env
         limit = self.workload.num_requests
@@ -187,9 +194,11 @@ class _World:
 
     # ------------------------------------------------------------------ run
 
-    def run(self) -> Result:
+    def run(self, trace: list[tuple[float, RequestSpec]] | None = None) -> Result:
         arrival = self.scenario.workload.arrival
-        if isinstance(arrival, ClosedArrival):
+        if trace is not None:
+            self.env.process(self.replay(trace))
+        elif isinstance(arrival, ClosedArrival):
             self.closed_loop(arrival)
         else:
             self.env.process(self.open_loop(self.workload.arrival_times()))
@@ -213,6 +222,13 @@ def _count():
         i += 1
 
 
-def simulate(scenario: Scenario) -> Result:
-    """Run one scenario to completion (every request finishes) and summarise it."""
-    return _World(scenario).run()
+def simulate(
+    scenario: Scenario, trace: list[tuple[float, RequestSpec]] | None = None
+) -> Result:
+    """Run one scenario to completion (every request finishes) and summarise it.
+
+    ``trace``: replay these (send time, request) pairs instead of the scenario's workload,
+    e.g. the arrivals and lengths a live run actually produced. Request ids must be
+    0..N-1 in send order.
+    """
+    return _World(scenario).run(trace)

@@ -1,0 +1,124 @@
+"""End-to-end tests of the ``simcap`` command: the README's command, JSON, overrides, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "simcap", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_readme_opens_with_two_setup_commands():
+    install_and_run, tests = readme_commands()[:2]
+    assert install_and_run.startswith("pip install -e . && simcap simulate examples/")
+    assert "pytest" in tests
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests.split("&& ")[-1] in ci, ".ci/run must run the README's test command"
+
+
+def test_readme_main_command_runs():
+    command = readme_commands()[0].split("&& ", 1)[1]
+    args = shlex.split(command)
+    assert args[0] == "simcap"
+    proc = run(*args[1:])
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFT" in proc.stdout and "vLLM 0.32" in proc.stdout
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_runs_to_json(example):
+    proc = run("simulate", str(example), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(data[key]) >= {"mean", "p50", "p90", "p95", "p99"}
+    assert set(data["throughput"]) >= {"requests_per_s", "output_tokens_per_s", "input_tokens_per_s"}
+    assert data["completed"] > 0 and data["duration_s"] > 0 and "preemptions" in data
+    assert data["provenance"]["vllm_version_modelled"] == "0.32"
+
+
+def test_json_is_byte_identical_for_the_same_seed_and_changes_with_the_seed():
+    first = run("simulate", "examples/chat.yaml", "--json", "--set", "workload.num_requests=200")
+    second = run("simulate", "examples/chat.yaml", "--json", "--set", "workload.num_requests=200")
+    other = run("simulate", "examples/chat.yaml", "--json", "--set", "workload.num_requests=200",
+                "--set", "seed=1")
+    assert first.stdout == second.stdout
+    assert first.stdout != other.stdout
+
+
+def test_set_overrides_change_the_run():
+    base = json.loads(run("simulate", "examples/chat.yaml", "--json",
+                          "--set", "workload.num_requests=100").stdout)
+    faster = json.loads(run("simulate", "examples/chat.yaml", "--json",
+                            "--set", "workload.num_requests=100",
+                            "--set", "workload.arrival.rate=3",
+                            "--set", "engine.max_num_batched_tokens=8192").stdout)
+    assert faster["duration_s"] < base["duration_s"]
+    assert faster["provenance"]["scenario_sha256"] != base["provenance"]["scenario_sha256"]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+engine: {max_num_seqs: 8, max_num_batched_tokens: 512, block_size: 32, num_gpu_blocks: 64, max_model_len: 2048}
+workload: {arrival: {process: poisson, rate: 2.0}, num_requests: 10, input_len: 512, output_len: 64}
+"""
+
+
+@pytest.mark.parametrize(
+    "text,overrides,expected",
+    [
+        (GOOD.replace("max_num_seqs: 8", "max_num_seq: 8"), [], "engine.max_num_seq: unknown key; allowed keys:"),
+        (GOOD, ["workload.arrival.rate=-1"], "workload.arrival.rate: input should be greater than 0 (got -1)"),
+        (GOOD, ["workload.input_len=4000"], "workload.input_len: prompt (4000) + output (64) tokens exceed engine.max_model_len (2048)"),
+        (GOOD, ["engine.num_gpu_blocks=10"], "engine.num_gpu_blocks: a KV pool of 288 tokens"),
+        ("engine: {max_num_seqs: [1, 2\n", [], "malformed YAML"),
+        (GOOD, ["workload.arrival.process=uniform"], "workload.arrival: "),
+        (GOOD, ["seed=abc"], "seed: input should be a valid integer"),
+        (GOOD, ["slo.ttft_p42=1"], "slo.ttft_p42: unknown SLO"),
+        (GOOD, ["workload.duration_s=5"], "give exactly one of num_requests or duration_s"),
+        (GOOD, ["engine=3"], "engine: "),
+        (GOOD, ["noequals"], "--set 'noequals': expected dotted.key=value"),
+        (GOOD, ["workload.input_len={dist: uniform, low: 9, high: 3}"], "high must be >= low"),
+        (GOOD, ["engine.watermark=0.1", "engine.vllm_version='0.23'"], "engine.watermark: vLLM 0.23 has no admission watermark"),
+    ],
+)
+def test_bad_input_is_one_clear_line_with_exit_code_2(tmp_path, text, overrides, expected):
+    path = write(tmp_path, text)
+    args = ["simulate", str(path)]
+    for item in overrides:
+        args += ["--set", item]
+    proc = run(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_file_is_one_line(tmp_path):
+    proc = run("simulate", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "cannot read scenario file" in proc.stderr

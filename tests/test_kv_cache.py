@@ -1,0 +1,102 @@
+"""Hand cases of the KV pool: capacity, LRU eviction, prefix hits, free order, usage."""
+
+from __future__ import annotations
+
+from simcap.engine.kv_cache import KVCacheManager
+from tests.conftest import make_request
+
+
+def kv(num_blocks=9, block_size=4, **kw) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, max_model_len=1024, **kw)
+
+
+def test_block_zero_is_reserved_and_usage_counts_usable_blocks():
+    pool = kv(num_blocks=9)
+    assert pool.num_free_blocks == 8
+    req = make_request(0, 10, 4)
+    assert pool.allocate_slots(req, 10)  # ceil(10 / 4) = 3 blocks
+    assert pool.num_blocks_held(req) == 3 and 0 not in pool.req_to_blocks[0]
+    assert pool.usage == 3 / 8
+    pool.check_invariants()
+
+
+def test_allocation_fails_without_changing_anything():
+    pool = kv(num_blocks=5)  # 4 usable blocks
+    req = make_request(0, 20, 4)
+    assert not pool.allocate_slots(req, 20)  # needs 5
+    assert pool.num_free_blocks == 4 and pool.num_blocks_held(req) == 0
+    assert pool.allocate_slots(req, 16)
+
+
+def test_lookahead_slots_are_reserved():
+    pool = kv()
+    req = make_request(0, 8, 4)
+    assert pool.allocate_slots(req, 8, num_lookahead_tokens=3)  # 11 slots -> 3 blocks
+    assert pool.num_blocks_held(req) == 3
+
+
+def test_free_returns_cached_blocks_to_the_tail_in_reverse_order():
+    pool = kv(num_blocks=9)
+    a = make_request(0, 8, 4)  # two full blocks, both cached
+    pool.allocate_slots(a, 8)
+    blocks = list(pool.req_to_blocks[0])
+    pool.free(a)
+    # Never-used blocks first; a's blocks last, its tail block before its head block.
+    assert list(pool.free_queue)[-2:] == [blocks[1], blocks[0]]
+    pool.check_invariants()
+
+
+def test_unhashed_blocks_are_reused_first_since_0_24():
+    for first in (True, False):
+        pool = kv(num_blocks=9, free_unhashed_first=first)
+        a = make_request(0, 6, 4)  # block 1 full (cached), block 2 partial (no hash)
+        pool.allocate_slots(a, 6)
+        partial = pool.req_to_blocks[0][1]
+        pool.free(a)
+        assert (next(iter(pool.free_queue)) == partial) == first
+
+
+def test_prefix_hit_shares_blocks_and_eviction_is_lru():
+    pool = kv(num_blocks=5, block_size=4)  # 4 usable blocks
+    seg = ((1, 8),)
+    a = make_request(0, 8, 2, seg)
+    pool.allocate_slots(a, 8)
+    pool.free(a)  # both blocks cached, free
+    b = make_request(1, 9, 2, (*seg, (-3, 1)))
+    hits, n = pool.get_computed_blocks(b)
+    assert n == 8 and hits == pool_blocks_of(pool, seg)
+    assert pool.allocate_slots(b, 1, 8, hits)
+    assert pool.ref_cnt[hits[0]] == 1 and hits[0] not in pool.free_queue
+    pool.check_invariants()
+
+
+def pool_blocks_of(pool, seg):
+    probe = make_request(99, 9, 1, (*seg, (-5, 1)))
+    blocks, _ = pool.get_computed_blocks(probe)
+    return blocks
+
+
+def test_evicting_a_cached_block_drops_its_hash():
+    pool = kv(num_blocks=3, block_size=4)  # 2 usable blocks
+    a = make_request(0, 8, 1, ((1, 8),))
+    pool.allocate_slots(a, 8)
+    pool.free(a)
+    assert len(pool.cached_block_hash_to_block) == 2
+    c = make_request(1, 8, 1)  # unrelated content takes both blocks
+    assert pool.allocate_slots(c, 8)
+    probe = make_request(2, 9, 1, ((1, 8), (-7, 1)))
+    assert pool.get_computed_blocks(probe) == ([], 0)
+
+
+def test_hit_on_free_cached_block_counts_against_free_blocks():
+    pool = kv(num_blocks=4, block_size=4)  # 3 usable
+    seg = ((1, 8),)
+    a = make_request(0, 8, 1, seg)
+    pool.allocate_slots(a, 8)
+    pool.free(a)
+    b = make_request(1, 12, 1, (*seg, (-3, 4)))
+    hits, n = pool.get_computed_blocks(b)
+    assert n == 8
+    # needs 1 new block + 2 touched free blocks = 3 <= 3 free
+    assert pool.allocate_slots(b, 4, n, hits)
+    assert pool.num_free_blocks == 0
