@@ -51,6 +51,28 @@ def simulate_cmd(
         report.render_summary(data, Console(width=max(100, Console().width)))
 
 
+@app.command("kv")
+def kv_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file with an engine.memory section."),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Size the KV pool from card memory, model shape and flags, as vLLM does at start-up."""
+    try:
+        loaded = load_scenario(scenario, set_ or [], check=False)
+    except SimcapError as exc:
+        _fail(str(exc))
+    plan = loaded.engine.kv_plan
+    if plan is None:
+        _fail("engine.memory: this scenario gives num_gpu_blocks, not a memory spec to plan from")
+    if json_out:
+        typer.echo(report.to_json(plan.to_dict()))
+    else:
+        report.render_kv_plan(plan.to_dict(), Console(width=max(100, Console().width)))
+
+
 @app.command()
 def version() -> None:
     """Print simcap's version and the vLLM version modelled by default."""

@@ -104,3 +104,29 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
             f"step time from {prov.get('step_time_source')}",
             style="dim",
         )
+
+
+def render_kv_plan(plan: dict[str, Any], console: Console) -> None:
+    """Print a KV pool plan: where each card's memory goes and what the pool holds."""
+    table = Table(title=f"KV pool per card (GB = 1e9 bytes; source: {plan['source']})",
+                  title_justify="left")
+    table.add_column("item")
+    table.add_column("value", justify="right")
+    rows = [
+        ("usable memory (total x gpu_memory_utilization)", f"{plan['usable_gb']:.2f} GB"),
+        ("weights", f"{plan['weights_gb']:.2f} GB"),
+        ("graph-capture reserve", f"{plan['cuda_graph_gb']:.2f} GB"),
+        ("profiling activations", f"{plan['activation_gb']:.2f} GB"),
+        ("KV cache", f"{plan['kv_gb']:.2f} GB"),
+        ("KV bytes per token per card", f"{plan['kv_bytes_per_token_per_card']:,}"),
+        ("block size (tokens)", f"{plan['block_size']}"),
+        ("blocks", f"{plan['num_gpu_blocks']:,}"),
+        ("pool tokens (blocks x block size)", f"{plan['pool_tokens']:,}"),
+        ("usable tokens (block 0 reserved)", f"{plan['usable_tokens']:,}"),
+        (f"max concurrency at max_model_len {plan['max_model_len']:,}",
+         f"{plan['max_concurrency_at_max_model_len']:.2f}"),
+        ("max_model_len fits", "yes" if plan["max_model_len_fits"] else "NO"),
+    ]
+    for item, value in rows:
+        table.add_row(item, value)
+    console.print(table)

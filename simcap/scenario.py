@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from simcap.errors import ScenarioError
+from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
 VllmVersion = Literal["0.11", "0.23", "0.26", "0.32"]
@@ -40,7 +41,12 @@ class EngineConfig(_Model):
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
     block_size: int = Field(16, gt=0)
-    num_gpu_blocks: int = Field(gt=1, description="KV pool size in blocks (block 0 is reserved).")
+    num_gpu_blocks: int | None = Field(
+        None, gt=1, description="KV pool size in blocks (block 0 is reserved); or give memory."
+    )
+    memory: MemorySpec | None = Field(
+        None, description="Card memory and model shape, from which vLLM's pool size follows."
+    )
     max_model_len: int = Field(gt=1)
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = Field(0, ge=0)
@@ -49,6 +55,38 @@ class EngineConfig(_Model):
     watermark: float = Field(0.0, ge=0.0, lt=1.0)
     # None: on as vLLM >= 0.14 runs on GPUs. Set false for the CPU platform (always off there).
     async_scheduling: bool | None = None
+
+    _kv_plan: KVPlan | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _pool_size(self) -> "EngineConfig":
+        if (self.num_gpu_blocks is None) == (self.memory is None):
+            raise ValueError(
+                "engine.num_gpu_blocks: give exactly one of num_gpu_blocks (the pool in blocks) "
+                "or memory (card memory and model shape)"
+            )
+        if self.memory is not None:
+            self._kv_plan = plan_kv(
+                self.memory,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                require_fit=False,
+            )
+        return self
+
+    @property
+    def num_blocks(self) -> int:
+        """The KV pool in blocks: ``num_gpu_blocks``, or what ``memory`` gives on the server."""
+        if self._kv_plan is not None:
+            return self._kv_plan.num_gpu_blocks
+        assert self.num_gpu_blocks is not None
+        return self.num_gpu_blocks
+
+    @property
+    def kv_plan(self) -> KVPlan | None:
+        """The memory breakdown behind the pool, when the pool comes from ``memory``."""
+        return self._kv_plan
 
     @model_validator(mode="after")
     def _version_has_watermark(self) -> "EngineConfig":
@@ -62,7 +100,7 @@ class EngineConfig(_Model):
     @property
     def kv_capacity_tokens(self) -> int:
         """Usable KV tokens: block 0 is vLLM's reserved null block."""
-        return (self.num_gpu_blocks - 1) * self.block_size
+        return (self.num_blocks - 1) * self.block_size
 
 
 # --------------------------------------------------------------------------- step time
@@ -272,7 +310,27 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def _resolve_files(data: dict[str, Any], base_dir: Path) -> None:
-    """Read ``{dist: empirical, file: F}`` lengths (F relative to the scenario) into values."""
+    """Read files a scenario names (paths relative to it) into the data they stand for.
+
+    ``{dist: empirical, file: F}`` lengths become values; ``engine.memory.model: {hf_config:
+    F, kv_cache_dtype, draft_layers}`` becomes the model shape read from a config.json.
+    """
+    memory = (data.get("engine") or {}).get("memory") if isinstance(data.get("engine"), dict) else None
+    model = memory.get("model") if isinstance(memory, dict) else None
+    if isinstance(model, dict) and "hf_config" in model:
+        extra = set(model) - {"hf_config", "kv_cache_dtype", "draft_layers"}
+        if extra:
+            raise ScenarioError(
+                f"engine.memory.model.{sorted(extra)[0]}: unknown key next to hf_config; "
+                "allowed: hf_config, kv_cache_dtype, draft_layers"
+            )
+        config = load_hf_config(base_dir / str(model["hf_config"]))
+        shape = ModelShape.from_hf_config(
+            config,
+            kv_cache_dtype=model.get("kv_cache_dtype"),
+            draft_layers=int(model.get("draft_layers", 0)),
+        )
+        memory["model"] = shape.model_dump()
     workload = data.get("workload")
     if not isinstance(workload, dict):
         return
@@ -344,8 +402,12 @@ def format_validation_error(exc: ValidationError) -> str:
     return msg + (f" [and {extra} more problem{'s' if extra > 1 else ''}]" if extra else "")
 
 
-def parse_scenario(data: Any, *, base_dir: Path | None = None) -> Scenario:
-    """Validate a scenario given as a dict (e.g. parsed YAML) and check it is feasible."""
+def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = True) -> Scenario:
+    """Validate a scenario given as a dict (e.g. parsed YAML) and check it is feasible.
+
+    ``check=False`` skips :func:`check_feasible`, for questions about an infeasible
+    configuration itself (e.g. "does 128K context fit?").
+    """
     if not isinstance(data, dict):
         raise ScenarioError("scenario: expected a mapping of sections (engine, workload, ...)")
     data = json.loads(json.dumps(data))  # deep copy; rejects non-JSON values early
@@ -354,11 +416,14 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None) -> Scenario:
         scenario = Scenario.model_validate(data)
     except ValidationError as exc:
         raise ScenarioError(format_validation_error(exc)) from None
-    check_feasible(scenario)
+    if check:
+        check_feasible(scenario)
     return scenario
 
 
-def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
+def load_scenario(
+    path: str | Path, overrides: list[str] | None = None, *, check: bool = True
+) -> Scenario:
     """Read a YAML scenario, apply ``--set`` style overrides, validate it."""
     path = Path(path)
     try:
@@ -377,7 +442,7 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: expected a mapping of sections (engine, workload, ...)")
     apply_overrides(data, list(overrides or []))
-    return parse_scenario(data, base_dir=path.parent)
+    return parse_scenario(data, base_dir=path.parent, check=check)
 
 
 def check_feasible(scenario: Scenario) -> None:
@@ -397,7 +462,8 @@ def check_feasible(scenario: Scenario) -> None:
     need = max_in + max_out
     if eng.kv_capacity_tokens < need:
         raise ScenarioError(
-            f"engine.num_gpu_blocks: a KV pool of {eng.kv_capacity_tokens} tokens "
-            f"(({eng.num_gpu_blocks} - 1) x {eng.block_size}) can never hold one request of "
-            f"{need} tokens; need at least {math.ceil(need / eng.block_size) + 1} blocks"
+            f"{'engine.num_gpu_blocks' if eng.memory is None else 'engine.memory'}: a KV pool of "
+            f"{eng.kv_capacity_tokens} tokens (({eng.num_blocks} - 1) x {eng.block_size}) can "
+            f"never hold one request of {need} tokens; need at least "
+            f"{math.ceil(need / eng.block_size) + 1} blocks"
         )

@@ -76,6 +76,12 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
         "scenario_sha256": scenario.digest(),
         "seed": scenario.seed,
         "step_time_source": "scenario",
+        "kv_pool_blocks": scenario.engine.num_blocks,
+        "kv_pool_source": (
+            "engine.num_gpu_blocks"
+            if scenario.engine.kv_plan is None
+            else f"engine.memory ({scenario.engine.kv_plan.source})"
+        ),
     }
 
 

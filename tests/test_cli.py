@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,8 @@ def test_every_example_runs_to_json(example):
         assert set(data[key]) >= {"mean", "p50", "p90", "p95", "p99"}
     assert set(data["throughput"]) >= {"requests_per_s", "output_tokens_per_s", "input_tokens_per_s"}
     assert data["completed"] > 0 and data["duration_s"] > 0 and "preemptions" in data
-    assert data["provenance"]["vllm_version_modelled"] == "0.32"
+    declared = yaml.safe_load(example.read_text())["engine"].get("vllm_version", "0.32")
+    assert data["provenance"]["vllm_version_modelled"] == declared
 
 
 def test_json_is_byte_identical_for_the_same_seed_and_changes_with_the_seed():
@@ -122,3 +124,21 @@ def test_missing_file_is_one_line(tmp_path):
     proc = run("simulate", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "cannot read scenario file" in proc.stderr
+
+
+def test_kv_command_prints_the_pool_from_memory():
+    proc = run("kv", "examples/ascend910b4-kv.yaml", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["pool_tokens"] == 695_936 and plan["kv_bytes_per_token_per_card"] == 258_048 // 8
+
+
+def test_kv_command_answers_whether_a_context_fits():
+    proc = run("kv", "examples/ascend910b4-kv.yaml", "--json", "--set", "engine.max_model_len=1000000")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["max_model_len_fits"] is False
+
+
+def test_kv_command_needs_a_memory_section():
+    proc = run("kv", "examples/chat.yaml")
+    assert proc.returncode == 2 and "engine.memory:" in proc.stderr

@@ -104,7 +104,16 @@ class KVCacheManager:
         held = self.req_to_blocks.get(rid)
         num_held = len(held) if held is not None else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        need_tokens = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        need_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+        if need_tokens > self.max_model_len:
+            need_tokens = self.max_model_len
+        if not new_computed_blocks and need_tokens <= num_held * bs:
+            # Common decode step: the held blocks already have room.
+            if self.enable_caching:
+                num_tokens = request.num_prompt_tokens + request.num_output_tokens
+                end = num_computed + num_new_tokens
+                self._cache_full_blocks(request, end if end < num_tokens else num_tokens)
+            return True
         num_new_blocks = -(-need_tokens // bs) - num_held - len(new_computed_blocks)
         ref_cnt = self.ref_cnt
         num_evictable_hits = 0

@@ -114,9 +114,9 @@ class Scheduler:
         self.long_prefill_token_threshold = engine.long_prefill_token_threshold
         self.num_lookahead_tokens = num_lookahead_tokens
         self.block_size = engine.block_size
-        self.watermark_blocks = int(engine.watermark * engine.num_gpu_blocks)
+        self.watermark_blocks = int(engine.watermark * engine.num_blocks)
         self.kv = KVCacheManager(
-            engine.num_gpu_blocks,
+            engine.num_blocks,
             engine.block_size,
             engine.max_model_len,
             engine.enable_prefix_caching,

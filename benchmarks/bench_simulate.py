@@ -1,0 +1,65 @@
+"""Simulator speed on the reference workload (run by hand: ``python benchmarks/bench_simulate.py``).
+
+10,000 requests of 1000 input / 200 output tokens, Poisson 5 req/s, max_num_seqs 256,
+max_num_batched_tokens 8192, block 16, 16,384 blocks. Prints wall seconds, simulated seconds
+per wall second, engine steps per second and peak resident memory. Machines are shared and
+noisy: compare medians of repeats measured side by side, not lone figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+from simcap.scenario import parse_scenario
+from simcap.simulator import simulate
+
+REFERENCE = {
+    "name": "bench-reference",
+    "engine": {
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "block_size": 16,
+        "num_gpu_blocks": 16384,
+        "max_model_len": 4096,
+    },
+    "step_time": {"base": 0.004, "per_prefill_token": 1.0e-5, "per_decode_token": 5.0e-5},
+    "workload": {
+        "arrival": {"process": "poisson", "rate": 5.0},
+        "num_requests": 10000,
+        "input_len": 1000,
+        "output_len": 200,
+    },
+    "seed": 0,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=10000)
+    args = parser.parse_args()
+    data = dict(REFERENCE)
+    data["workload"] = {**REFERENCE["workload"], "num_requests": args.num_requests}
+    scenario = parse_scenario(data)
+    walls = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        result = simulate(scenario)
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
+    sim_s = result.summary.duration_s
+    steps = len(result.steps)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"requests          {args.num_requests:,}")
+    print(f"wall s (median)   {wall:.3f}   all: {', '.join(f'{w:.3f}' for w in walls)}")
+    print(f"simulated s       {sim_s:,.1f}")
+    print(f"sim s / wall s    {sim_s / wall:,.0f}")
+    print(f"engine steps      {steps:,}   steps/s {steps / wall:,.0f}")
+    print(f"peak RSS MiB      {peak_mib:,.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,551 @@
+"""The live load generator: a scenario's workload sent to a real vLLM server.
+
+:func:`run_live` sends the same requests the simulator would (``Workload.spec(i)``, same seed)
+over HTTP with streaming, and fills one :class:`~simcap.records.RequestRecord` per request,
+so live and simulated runs go through the one metrics path (:func:`simcap.metrics.summarize`).
+
+- Open loop: request ``i`` is sent at ``Workload.arrival_times()[i]`` after the run starts,
+  whether or not earlier ones finished. Closed loop: ``concurrency`` workers, each with one
+  request in flight (plus ``think_time_s``), pull request ids in order.
+- Prompts (completions endpoint) are lists of token ids built from the spec's content segments
+  (:mod:`simcap.live.prompts`): exact lengths, shared prefixes shared token for token. The chat
+  endpoint cannot take token ids: there each segment's ids are turned into text with the
+  server's ``/detokenize`` and the server retokenizes it and adds its chat template, so the
+  prompt length is only approximate; the real length (``usage.prompt_tokens``) is recorded.
+- Every request asks for ``max_tokens`` with ``ignore_eos``, temperature 0, ``stream`` with
+  ``include_usage``, and ``return_token_ids`` so each chunk's token count is known. The final
+  usage's ``completion_tokens`` is authoritative: when the chunk counts disagree the last chunk
+  absorbs the difference, and the run lists every such fix-up in ``token_fixups``.
+- ``arrival_time`` = send time, chunk times = arrival of each SSE message carrying tokens,
+  ``finish_time`` = the last such chunk, all on the run's clock (0 = run start). A failed
+  request (HTTP error, cut stream, malformed SSE) gets ``error`` set and never stops the run.
+- With ``out_path``, each record is appended to that JSONL file as its request completes
+  (one ``RequestRecord.to_dict()`` per line, flushed), so an interrupted run keeps every
+  finished request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Literal, Sequence
+
+import httpx
+import numpy as np
+
+from simcap.errors import SimcapError
+from simcap.live.prom import ServerMetrics, cross_check, metrics_delta, scrape
+from simcap.live.prompts import PROBE_TEXT, PromptBuilder
+from simcap.metrics import Summary, summarize
+from simcap.records import RequestRecord
+from simcap.scenario import ClosedArrival, Scenario
+from simcap.workload import RequestSpec, Workload
+
+Endpoint = Literal["completions", "chat"]
+ENDPOINTS = ("completions", "chat")
+
+
+class LiveError(SimcapError):
+    """The server cannot be used for this run (unreachable, wrong model, too short context)."""
+
+
+@dataclass
+class LiveRun:
+    """One live run: its records and how the load it offered compares with what was asked."""
+
+    records: list[RequestRecord]
+    specs: dict[int, RequestSpec]
+    base_url: str
+    model: str
+    endpoint: str
+    closed_loop: bool
+    requested_rate: float | None  # open loop: the scenario's rate, req/s
+    scheduled_rate: float | None  # open loop: (N-1) / span of the drawn send schedule
+    achieved_rate: float | None  # (N-1) / (last send - first send), as sent
+    wall_duration_s: float  # run start to last request done
+    max_send_lag_s: float | None  # open loop: worst lateness of a send against its schedule
+    metrics_before: ServerMetrics | None = None
+    metrics_after: ServerMetrics | None = None
+    token_fixups: list[dict[str, int]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    interrupted: bool = False
+    out_path: str | None = None
+
+    @property
+    def num_failed(self) -> int:
+        return sum(1 for r in self.records if not r.succeeded)
+
+    def summary(self, slo: dict[str, float] | None = None) -> Summary:
+        """The records summarised as the simulator's are (duration: first send to last finish)."""
+        return summarize(self.records, slo=slo)
+
+    def server_delta(self) -> dict[str, Any]:
+        return metrics_delta(self.metrics_before, self.metrics_after)
+
+    def cross_check(self) -> dict[str, Any]:
+        return cross_check(self.records, self.server_delta())
+
+    def to_dict(self, slo: dict[str, float] | None = None) -> dict[str, Any]:
+        """Summary fields at the top level (as ``simcap simulate --json``), plus the live facts."""
+        return {
+            **self.summary(slo).to_dict(),
+            "live": {
+                "base_url": self.base_url,
+                "model": self.model,
+                "endpoint": self.endpoint,
+                "closed_loop": self.closed_loop,
+                "num_requests": len(self.records),
+                "failed": self.num_failed,
+                "requested_rate": self.requested_rate,
+                "scheduled_rate": self.scheduled_rate,
+                "achieved_rate": self.achieved_rate,
+                "max_send_lag_s": self.max_send_lag_s,
+                "wall_duration_s": self.wall_duration_s,
+                "interrupted": self.interrupted,
+                "out_path": self.out_path,
+                "token_fixups": list(self.token_fixups),
+                "errors": sorted({r.error for r in self.records if r.error})[:10],
+                "notes": list(self.notes),
+            },
+            "server": self.server_delta(),
+            "cross_check": self.cross_check(),
+        }
+
+
+# --------------------------------------------------------------------------- server probing
+
+
+async def _get_json(client: httpx.AsyncClient, url: str, what: str) -> Any:
+    try:
+        resp = await client.get(url, timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise LiveError(f"cannot reach vLLM server at {url.rsplit('/', 2)[0]}: {_exc_text(exc)}")
+    if resp.status_code != 200:
+        raise LiveError(f"{url}: HTTP {resp.status_code} asking for {what}")
+    try:
+        return resp.json()
+    except ValueError:
+        raise LiveError(f"{url}: not JSON; is this an OpenAI-compatible vLLM server?") from None
+
+
+def _exc_text(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | None) -> tuple[str, int | None]:
+    """The served model name (``model`` or the server's first) and its max_model_len."""
+    base = base_url.rstrip("/")
+    try:
+        await client.get(base + "/health", timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise LiveError(f"cannot reach vLLM server at {base_url}: {_exc_text(exc)}") from None
+    data = await _get_json(client, base + "/v1/models", "the served models")
+    served = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+    if not served:
+        raise LiveError(f"{base_url}: the server lists no models at /v1/models")
+    names = [m["id"] for m in served]
+    if model is None:
+        entry = served[0]
+    else:
+        matches = [m for m in served if m["id"] == model]
+        if not matches:
+            raise LiveError(f"model {model!r} is not served at {base_url}; served: {', '.join(names)}")
+        entry = matches[0]
+    max_len = entry.get("max_model_len")
+    return entry["id"], int(max_len) if isinstance(max_len, (int, float)) else None
+
+
+async def discover_token_pool(client: httpx.AsyncClient, base_url: str, model: str) -> list[int]:
+    """Ordinary token ids of the served model: ``/tokenize`` of a probe text, no special tokens."""
+    url = base_url.rstrip("/") + "/tokenize"
+    try:
+        resp = await client.post(
+            url, json={"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False}, timeout=30.0
+        )
+    except httpx.HTTPError as exc:
+        raise LiveError(f"cannot reach vLLM server at {base_url}: {_exc_text(exc)}") from None
+    if resp.status_code != 200:
+        raise LiveError(
+            f"{url}: HTTP {resp.status_code}; live prompts need the server's /tokenize "
+            "(or pass token_pool=)"
+        )
+    tokens = resp.json().get("tokens") or []
+    pool = sorted({int(t) for t in tokens})
+    if len(pool) < 16:
+        raise LiveError(f"{url}: the probe text gave only {len(pool)} distinct token ids")
+    return pool
+
+
+class _ChatText:
+    """Text for chat prompts: each segment's token ids detokenized once by the server."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str, builder: PromptBuilder):
+        self.client, self.url, self.model, self.builder = client, base_url.rstrip("/") + "/detokenize", model, builder
+        self.cache: dict[tuple[int, int], str] = {}
+
+    async def text(self, spec: RequestSpec) -> str:
+        parts = []
+        for key, n in spec.segments:
+            if (key, n) not in self.cache:
+                ids = self.builder.segment_ids(key, n)
+                resp = await self.client.post(self.url, json={"model": self.model, "tokens": ids}, timeout=30.0)
+                if resp.status_code != 200:
+                    raise LiveError(f"{self.url}: HTTP {resp.status_code}; the chat endpoint needs /detokenize")
+                self.cache[(key, n)] = resp.json()["prompt"]
+            parts.append(self.cache[(key, n)])
+        return "".join(parts)
+
+
+# --------------------------------------------------------------------------- one request
+
+
+def request_body(
+    endpoint: str, model: str, spec: RequestSpec, prompt: list[int] | str, return_token_ids: bool = True
+) -> dict[str, Any]:
+    """The JSON body for one streaming request."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": spec.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if return_token_ids:
+        body["return_token_ids"] = True
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+class _StreamError(Exception):
+    pass
+
+
+async def stream_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    record: RequestRecord,
+    t0: float,
+    chat: bool,
+    fixups: list[dict[str, int]],
+) -> None:
+    """Send one request and fill ``record`` from its SSE stream; never raises for its faults."""
+    clock = time.perf_counter
+    usage: dict[str, Any] | None = None
+    done = False
+    try:
+        async with client.stream(
+            "POST", url, content=body, headers={"content-type": "application/json"}
+        ) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace").strip().replace("\n", " ")
+                raise _StreamError(f"HTTP {resp.status_code}: {text[:300]}")
+            async for line in resp.aiter_lines():
+                if not line or line.startswith(":"):
+                    continue
+                now = clock() - t0
+                if not line.startswith("data:"):
+                    continue  # event:/id:/retry: fields carry nothing we use
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                try:
+                    msg = json.loads(payload)
+                except ValueError:
+                    raise _StreamError(f"malformed SSE data after {len(record.chunk_times)} chunks: {payload[:80]!r}") from None
+                if not isinstance(msg, dict):
+                    raise _StreamError(f"malformed SSE data: {payload[:80]!r}")
+                if "error" in msg:
+                    err = msg["error"]
+                    text = err.get("message") if isinstance(err, dict) else err
+                    raise _StreamError(f"server error in stream: {str(text)[:300]}")
+                if msg.get("usage"):
+                    usage = msg["usage"]
+                for choice in msg.get("choices") or ():
+                    if chat:
+                        text = (choice.get("delta") or {}).get("content") or ""
+                    else:
+                        text = choice.get("text") or ""
+                    ids = choice.get("token_ids")
+                    n = len(ids) if isinstance(ids, list) else (1 if text else 0)
+                    if n or text:
+                        record.add_chunk(now, n)
+                    if choice.get("finish_reason"):
+                        record.finish_reason = choice["finish_reason"]
+        if not done:
+            raise _StreamError(f"stream ended without [DONE] after {len(record.chunk_times)} chunks")
+        if not record.chunk_times:
+            raise _StreamError("stream carried no tokens")
+    except _StreamError as exc:
+        record.error = str(exc)
+    except httpx.HTTPError as exc:
+        record.error = f"{_exc_text(exc)} after {len(record.chunk_times)} chunks"
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        record.error = f"unexpected response shape: {_exc_text(exc)}"
+    if record.chunk_times:
+        record.finish_time = record.chunk_times[-1]
+    if record.error is not None:
+        record.finish_reason = "error"
+        return
+    if usage is not None:
+        prompt_tokens = usage.get("prompt_tokens")
+        if isinstance(prompt_tokens, int):
+            record.num_prompt_tokens = prompt_tokens
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int):
+            counted = record.num_output_tokens
+            if counted != completion:
+                fixups.append({"request_id": record.request_id, "chunk_tokens": counted, "usage_tokens": completion})
+                _absorb(record.chunk_tokens, completion - counted)
+
+
+def _absorb(tokens: list[int], diff: int) -> None:
+    """Add ``diff`` to the last chunk (walking back when it would go below 0)."""
+    i = len(tokens) - 1
+    while diff and i >= 0:
+        new = max(tokens[i] + diff, 0)
+        diff -= new - tokens[i]
+        tokens[i] = new
+        i -= 1
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class _Sink:
+    def __init__(self, path: str | Path | None) -> None:
+        self.fh: IO[str] | None = open(path, "w", encoding="utf-8") if path else None
+
+    def write(self, record: RequestRecord) -> None:
+        if self.fh is not None:
+            self.fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
+            self.fh.flush()
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+
+
+def _progress(total: int | None, enabled: bool):
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+    prog.start()
+    prog.add_task("live requests", total=total)
+    return prog
+
+
+async def run_live_async(
+    scenario: Scenario,
+    base_url: str,
+    model: str | None = None,
+    *,
+    endpoint: Endpoint = "completions",
+    out_path: str | Path | None = None,
+    progress: bool = True,
+    token_pool: Sequence[int] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    request_timeout_s: float = 600.0,
+    return_token_ids: bool = True,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> LiveRun:
+    """Async form of :func:`run_live` (same arguments)."""
+    if endpoint not in ENDPOINTS:
+        raise LiveError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
+    base_url = base_url.rstrip("/")
+    workload = Workload(scenario.workload, scenario.seed)
+    arrival = scenario.workload.arrival
+    closed = isinstance(arrival, ClosedArrival)
+    chat = endpoint == "chat"
+    url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(request_timeout_s, connect=30.0, pool=None)
+    notes: list[str] = []
+    fixups: list[dict[str, int]] = []
+    records: dict[int, RequestRecord] = {}
+    specs: dict[int, RequestSpec] = {}
+    sink = _Sink(out_path)
+    prog = None
+    try:
+        async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout) as client:
+            model, max_len = await resolve_model(client, base_url, model)
+            longest = scenario.workload.input_len.max_value + scenario.workload.output_len.max_value
+            if max_len is not None and longest > max_len:
+                raise LiveError(
+                    f"workload.input_len: prompt + output up to {longest} tokens exceed the "
+                    f"server's max_model_len ({max_len}) for model {model!r}"
+                )
+            pool = list(token_pool) if token_pool is not None else await discover_token_pool(client, base_url, model)
+            builder = PromptBuilder(pool, seed=scenario.seed)
+            chat_text = _ChatText(client, base_url, model, builder) if chat else None
+            if chat:
+                notes.append(
+                    "chat endpoint: prompts are detokenized text, retokenized by the server with "
+                    "its chat template; prompt lengths are approximate (recorded from usage)"
+                )
+
+            async def body_for(spec: RequestSpec) -> bytes:
+                prompt = await chat_text.text(spec) if chat_text else builder.prompt_ids(spec)
+                return json.dumps(request_body(endpoint, model, spec, prompt, return_token_ids)).encode()
+
+            before = await scrape(client, base_url)
+            if before is None:
+                notes.append("server has no readable /metrics: no server-side cross-check")
+            if closed:
+                n_total = workload.num_requests
+                times = None
+            else:
+                times = workload.arrival_times()
+                n_total = len(times)
+            prog = _progress(n_total, progress)
+
+            async def one(spec: RequestSpec, body: bytes, t0: float) -> None:
+                rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens)
+                records[spec.request_id] = rec
+                await stream_request(client, url, body, rec, t0, chat, fixups)
+                sink.write(rec)
+                if on_record is not None:
+                    on_record(rec)
+                if prog is not None:
+                    prog.advance(prog.task_ids[0])
+
+            sched_lag: list[float] = []
+            if closed:
+                assert isinstance(arrival, ClosedArrival)
+                counter = iter(range(n_total) if n_total is not None else _count())
+                duration = workload.duration_s
+                t0 = time.perf_counter()
+
+                async def worker() -> None:
+                    for i in counter:
+                        if duration is not None and time.perf_counter() - t0 >= duration:
+                            return
+                        spec = workload.spec(i)
+                        specs[i] = spec
+                        await one(spec, await body_for(spec), t0)
+                        if arrival.think_time_s:
+                            await asyncio.sleep(arrival.think_time_s)
+
+                await asyncio.gather(*(worker() for _ in range(arrival.concurrency)))
+            else:
+                assert times is not None
+                bodies = []
+                for i in range(n_total):
+                    spec = workload.spec(i)
+                    specs[i] = spec
+                    bodies.append(await body_for(spec))
+                tasks = []
+                t0 = time.perf_counter()
+                for i, t in enumerate(times.tolist()):
+                    delay = t0 + t - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    sched_lag.append(time.perf_counter() - t0 - t)
+                    tasks.append(asyncio.create_task(one(specs[i], bodies[i], t0)))
+                await asyncio.gather(*tasks)
+            wall = time.perf_counter() - t0
+            after = await _scrape_settled(client, base_url, before, records.values())
+    finally:
+        if prog is not None:
+            prog.stop()
+        sink.close()
+
+    recs = [records[i] for i in sorted(records)]
+    sends = np.sort(np.fromiter((r.arrival_time for r in recs), float, len(recs)))
+    achieved = (len(sends) - 1) / float(sends[-1] - sends[0]) if len(sends) > 1 and sends[-1] > sends[0] else None
+    requested = scheduled = lag = None
+    if not closed:
+        requested = float(arrival.rate)  # type: ignore[union-attr]
+        if times is not None and len(times) > 1 and times[-1] > 0:
+            scheduled = (len(times) - 1) / float(times[-1])
+        lag = max(sched_lag) if sched_lag else None
+    if fixups:
+        notes.append(f"{len(fixups)} request(s): chunk token counts differed from usage; usage used")
+    return LiveRun(
+        records=recs,
+        specs=specs,
+        base_url=base_url,
+        model=model,
+        endpoint=endpoint,
+        closed_loop=closed,
+        requested_rate=requested,
+        scheduled_rate=scheduled,
+        achieved_rate=achieved,
+        wall_duration_s=wall,
+        max_send_lag_s=lag,
+        metrics_before=before,
+        metrics_after=after,
+        token_fixups=fixups,
+        notes=notes,
+        out_path=str(out_path) if out_path else None,
+    )
+
+
+async def _scrape_settled(client, base_url, before, records) -> ServerMetrics | None:
+    """Scrape /metrics once the server has counted every request it answered (max ~3 s).
+
+    The server streams the last token before its stat logger records the request, so an
+    immediate scrape can miss the last few requests' counters.
+    """
+    if before is None:
+        return None
+    answered = sum(1 for r in records if r.succeeded)
+    base = before.counters.get("vllm:request_success", 0.0)
+    deadline = time.monotonic() + 3.0
+    while True:
+        after = await scrape(client, base_url)
+        if after is None:
+            return None
+        if after.counters.get("vllm:request_success", 0.0) - base >= answered or time.monotonic() > deadline:
+            return after
+        await asyncio.sleep(0.1)
+
+
+def _count():
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+def run_live(
+    scenario: Scenario,
+    base_url: str,
+    model: str | None = None,
+    *,
+    endpoint: Endpoint = "completions",
+    out_path: str | Path | None = None,
+    progress: bool = True,
+    **kwargs: Any,
+) -> LiveRun:
+    """Run ``scenario``'s workload against the vLLM server at ``base_url`` (see module doc).
+
+    ``model``: the served model name (None: the server's first). ``out_path``: JSONL file the
+    records are appended to as requests complete (truncated first). ``progress``: a rich
+    progress bar on stderr. Raises :class:`LiveError` (a one-line user error) when the server
+    cannot be reached or cannot serve the workload.
+    """
+    return asyncio.run(
+        run_live_async(
+            scenario, base_url, model, endpoint=endpoint, out_path=out_path, progress=progress, **kwargs
+        )
+    )

