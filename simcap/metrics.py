@@ -149,6 +149,8 @@ class Summary:
     kv_cache_usage: dict[str, float | None] | None
     output_tokens: int
     input_tokens: int
+    # vLLM's spec-decode counters and the mean acceptance length they give; None without drafts.
+    spec_decode: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict with keys in field order."""
@@ -198,12 +200,15 @@ def summarize(
     slo: dict[str, float] | None = None,
     duration_s: float | None = None,
     kv_usage: tuple[Sequence[float], Sequence[float]] | None = None,
+    spec_decode: dict[str, Any] | None = None,
 ) -> Summary:
     """Summarize request records into a ``Summary`` (see the module docstring for definitions).
 
     ``slo`` maps ``METRIC_STAT`` keys (e.g. ``"ttft_p95"``) to targets in seconds;
     ``duration_s`` overrides the run duration (default: last finish - first arrival of completed
-    requests); ``kv_usage`` is a ``(times, usages)`` step series of KV-cache usage fractions.
+    requests); ``kv_usage`` is a ``(times, usages)`` step series of KV-cache usage fractions;
+    ``spec_decode`` holds the engine's speculative-decoding counters (simulated, or the server's
+    Prometheus deltas in a live run), passed through unchanged.
     """
     done: list[RequestRecord] = []
     failed = preemptions = cached = 0
@@ -318,4 +323,5 @@ def summarize(
         kv_cache_usage=None if kv_usage is None else _kv_usage(kv_usage),
         output_tokens=output_tokens,
         input_tokens=input_tokens,
+        spec_decode=spec_decode,
     )

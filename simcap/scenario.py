@@ -123,6 +123,79 @@ class StepTimeConfig(_Model):
     host_overhead: float = Field(
         0.0, ge=0.0, description="Scheduling and output processing between forwards, s per step."
     )
+    per_verify_token: float | None = Field(
+        None, ge=0.0, description="s per draft token verified; None: same as per_decode_token."
+    )
+    draft_per_pass: float = Field(
+        0.0, ge=0.0, description="s per sequential draft pass (k passes per step with drafting)."
+    )
+    draft_per_request: float = Field(
+        0.0, ge=0.0, description="s per drafting request per draft pass (grows with the batch)."
+    )
+
+
+# --------------------------------------------------------------------------- speculation
+
+
+class SpeculativeConfig(_Model):
+    """``--speculative-config``: method, drafts per step, and measured acceptance.
+
+    Acceptance is given either as vLLM's mean acceptance length (``1 + accepted / drafts``,
+    e.g. 2.26), spread over positions with one constant conditional probability, or as
+    vLLM's per-position rates ``P(accepted >= i)`` (non-increasing, one per draft position).
+    """
+
+    method: Literal["eagle3", "eagle", "ngram"]
+    num_speculative_tokens: int = Field(ge=1, le=16)
+    acceptance_length: float | None = Field(None, ge=1.0)
+    acceptance_rates: tuple[Annotated[float, Field(ge=0.0, le=1.0)], ...] | None = None
+    proposal_rate: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="ngram: fraction of request-steps whose prompt lookup finds a match.",
+    )
+
+    @model_validator(mode="after")
+    def _acceptance(self) -> "SpeculativeConfig":
+        k = self.num_speculative_tokens
+        if (self.acceptance_length is None) == (self.acceptance_rates is None):
+            raise ValueError(
+                "speculative.acceptance_length: give exactly one of acceptance_length or "
+                "acceptance_rates"
+            )
+        if self.acceptance_length is not None and self.acceptance_length > k + 1:
+            raise ValueError(
+                f"speculative.acceptance_length: must be in [1, k+1] = [1, {k + 1}] "
+                f"(got {self.acceptance_length})"
+            )
+        rates = self.acceptance_rates
+        if rates is not None:
+            if len(rates) != k:
+                raise ValueError(
+                    f"speculative.acceptance_rates: need one rate per draft position, "
+                    f"{k} (got {len(rates)})"
+                )
+            if any(b > a for a, b in zip(rates, rates[1:])):
+                raise ValueError(
+                    "speculative.acceptance_rates: per-position rates P(accepted >= i) cannot "
+                    f"rise with position (got {list(rates)})"
+                )
+        if self.method != "ngram" and self.proposal_rate != 1.0:
+            raise ValueError("speculative.proposal_rate: only ngram drafts selectively; allowed: 1.0")
+        return self
+
+    @property
+    def per_position_rates(self) -> tuple[float, ...]:
+        if self.acceptance_rates is not None:
+            return self.acceptance_rates
+        from simcap.engine.speculative import rates_for_length
+
+        assert self.acceptance_length is not None
+        return rates_for_length(self.acceptance_length, self.num_speculative_tokens)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots reserved ahead of each request: k for EAGLE methods, 0 for ngram."""
+        return self.num_speculative_tokens if self.method != "ngram" else 0
 
 
 # --------------------------------------------------------------------------- workload
@@ -257,6 +330,7 @@ class Scenario(_Model):
     name: str | None = None
     engine: EngineConfig
     step_time: StepTimeConfig = StepTimeConfig()
+    speculative: SpeculativeConfig | None = None
     workload: WorkloadConfig
     slo: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
         default_factory=dict, description="e.g. {ttft_p95: 2.0, tpot_p95: 0.05}, seconds"
@@ -459,7 +533,9 @@ def check_feasible(scenario: Scenario) -> None:
             f"workload.input_len: prompt ({max_in}) + output ({max_out}) tokens exceed "
             f"engine.max_model_len ({eng.max_model_len}); vLLM rejects such a request"
         )
-    need = max_in + max_out
+    # EAGLE also reserves k lookahead slots per request (capped at max_model_len).
+    lookahead = scenario.speculative.num_lookahead_tokens if scenario.speculative else 0
+    need = min(max_in + max_out + lookahead, eng.max_model_len)
     if eng.kv_capacity_tokens < need:
         raise ScenarioError(
             f"{'engine.num_gpu_blocks' if eng.memory is None else 'engine.memory'}: a KV pool of "

@@ -16,6 +16,7 @@ import simpy
 from simcap._version import __version__
 from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
+from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import StepTimeModel
 from simcap.metrics import Summary, summarize
 from simcap.records import RequestRecord
@@ -89,11 +90,24 @@ class _World:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.env = simpy.Environment()
-        self.scheduler = Scheduler(scenario.engine)
+        spec = scenario.speculative
+        self.scheduler = Scheduler(
+            scenario.engine, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0
+        )
         async_scheduling = scenario.engine.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.scheduler.features.async_scheduling_default
-        self.step_model = StepTimeModel.from_config(scenario.step_time, async_scheduling)
+        self.step_model = StepTimeModel.from_config(
+            scenario.step_time, async_scheduling, spec.num_speculative_tokens if spec else 0
+        )
+        # Engine randomness (acceptance, ngram matches) has its own streams, apart from the
+        # workload's, so turning speculation on leaves the requests unchanged.
+        accept_ss, propose_ss = np.random.SeedSequence([scenario.seed, 1]).spawn(2)
+        self.acceptance = (
+            AcceptanceModel.from_config(spec, np.random.default_rng(accept_ss)) if spec else None
+        )
+        self.proposer = Proposer(spec, np.random.default_rng(propose_ss)) if spec else None
+        self.spec_counters = SpecDecodeCounters() if spec else None
         self.workload = Workload(scenario.workload, scenario.seed)
         self.records: list[RequestRecord] = []
         self.steps = StepLog()
@@ -182,7 +196,13 @@ class _World:
             steps.kv_cache_usage.append(kv.usage)
             steps.num_preempted.append(len(out.preempted_reqs))
             yield env.timeout(dt)
-            result = scheduler.update_from_output(out)
+            accepted = None
+            if out.num_verify_tokens:
+                accepted = self.acceptance.sample(out.num_scheduled_spec_tokens)
+                self.spec_counters.record(out.num_scheduled_spec_tokens, accepted)
+            result = scheduler.update_from_output(out, accepted)
+            if self.proposer is not None:
+                self.proposer.propose(result.reqs)
             now = env.now
             for req, n in zip(result.reqs, result.num_new_tokens):
                 rec = records[req.request_id]
@@ -217,6 +237,7 @@ class _World:
             self.records,
             slo=dict(self.scenario.slo) or None,
             kv_usage=(self.steps.start, self.steps.kv_cache_usage),
+            spec_decode=self.spec_counters.to_dict() if self.spec_counters else None,
         )
         return Result(self.scenario, self.records, self.steps, summary, provenance(self.scenario))
 

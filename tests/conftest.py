@@ -67,10 +67,13 @@ def check_step_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert req.num_computed_tokens <= req.num_tokens_with_spec
 
 
-def run_to_completion(scheduler: Scheduler, requests, arrivals=None, max_steps=100_000):
+def run_to_completion(
+    scheduler: Scheduler, requests, arrivals=None, max_steps=100_000, acceptance=None, proposer=None
+):
     """Drive the pure scheduler step by step; ``arrivals[i]`` is request i's arrival step.
 
-    Returns (emitted tokens per request id, first-scheduled order, steps run).
+    With ``acceptance`` and ``proposer`` (engine.speculative), drafts are verified and proposed
+    as the simulator does. Returns (emitted tokens per request id, first-scheduled order, steps).
     """
     arrivals = arrivals or [0] * len(requests)
     pending = sorted(range(len(requests)), key=lambda i: (arrivals[i], i))
@@ -89,7 +92,12 @@ def run_to_completion(scheduler: Scheduler, requests, arrivals=None, max_steps=1
                 if req.request_id not in seen:
                     seen.add(req.request_id)
                     first_scheduled.append(req.request_id)
-            result = scheduler.update_from_output(out)
+            accepted = None
+            if acceptance is not None and out.num_verify_tokens:
+                accepted = acceptance.sample(out.num_scheduled_spec_tokens)
+            result = scheduler.update_from_output(out, accepted)
+            if proposer is not None:
+                proposer.propose(result.reqs)
             for req, n in zip(result.reqs, result.num_new_tokens):
                 emitted[req.request_id].append(n)
             scheduler.kv.check_invariants()

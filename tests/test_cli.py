@@ -105,6 +105,11 @@ workload: {arrival: {process: poisson, rate: 2.0}, num_requests: 10, input_len: 
         (GOOD, ["noequals"], "--set 'noequals': expected dotted.key=value"),
         (GOOD, ["workload.input_len={dist: uniform, low: 9, high: 3}"], "high must be >= low"),
         (GOOD, ["engine.watermark=0.1", "engine.vllm_version='0.23'"], "engine.watermark: vLLM 0.23 has no admission watermark"),
+        (GOOD, ["speculative={method: eagle3, num_speculative_tokens: 0, acceptance_length: 1.5}"], "speculative.num_speculative_tokens: input should be greater than or equal to 1"),
+        (GOOD, ["speculative={method: eagle3, num_speculative_tokens: 3, acceptance_length: 4.5}"], "speculative.acceptance_length: must be in [1, k+1] = [1, 4]"),
+        (GOOD, ["speculative={method: eagle3, num_speculative_tokens: 3, acceptance_rates: [0.7, 0.5]}"], "speculative.acceptance_rates: need one rate per draft position, 3 (got 2)"),
+        (GOOD, ["speculative={method: eagle3, num_speculative_tokens: 2, acceptance_rates: [0.7, 1.5]}"], "speculative.acceptance_rates.1: input should be less than or equal to 1"),
+        (GOOD, ["speculative={method: medusa, num_speculative_tokens: 2, acceptance_length: 2}"], "speculative.method: "),
     ],
 )
 def test_bad_input_is_one_clear_line_with_exit_code_2(tmp_path, text, overrides, expected):

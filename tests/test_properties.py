@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
+from simcap.engine.speculative import AcceptanceModel, Proposer
+from simcap.scenario import SpeculativeConfig
 from simcap.report import to_json
 from simcap.simulator import simulate
 from tests.conftest import make_engine, make_scenario, run_to_completion
@@ -51,15 +54,31 @@ def engine_and_requests(draw):
             segments = None
         requests.append(Request(i, 0.0, p, o, segments))
     arrivals = sorted(draw(st.lists(st.integers(0, 30), min_size=n, max_size=n)))
-    return engine, requests, arrivals
+    spec = draw(st.sampled_from([None, None, "eagle3", "ngram"]))
+    if spec is not None:
+        k = draw(st.integers(1, 4))
+        spec = SpeculativeConfig(method=spec, num_speculative_tokens=k,
+                                 acceptance_length=draw(st.floats(1.0, k + 1.0)),
+                                 proposal_rate=1.0 if spec == "eagle3" else 0.6)
+    return engine, requests, arrivals, spec
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(engine_and_requests())
 def test_scheduler_invariants_conservation_and_fcfs(case):
-    engine, requests, arrivals = case
-    scheduler = Scheduler(engine)
-    emitted, first_scheduled, _ = run_to_completion(scheduler, requests, arrivals)
+    engine, requests, arrivals, spec = case
+    acceptance = proposer = None
+    lookahead = 0
+    if spec is not None:
+        rng = np.random.default_rng(0)
+        acceptance, proposer = AcceptanceModel.from_config(spec, rng), Proposer(spec, rng)
+        lookahead = spec.num_lookahead_tokens
+        if engine.kv_capacity_tokens < max(r.num_prompt_tokens + r.max_tokens for r in requests) + lookahead:
+            return  # the pool must also hold the lookahead slots of one request
+    scheduler = Scheduler(engine, num_lookahead_tokens=lookahead)
+    emitted, first_scheduled, _ = run_to_completion(
+        scheduler, requests, arrivals, acceptance=acceptance, proposer=proposer
+    )
     for req in requests:
         assert req.is_finished
         assert sum(emitted[req.request_id]) == req.max_tokens == req.num_output_tokens

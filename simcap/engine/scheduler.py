@@ -82,9 +82,11 @@ class SchedulerOutput:
     # Requests computing prompt (or recomputing after preemption) tokens, and those tokens.
     num_prefill_reqs: int = 0
     num_prefill_tokens: int = 0
-    # Requests computing only their last sampled token (+ drafts), and those tokens.
+    # Requests computing only their last sampled token (+ drafts); one token each.
     num_decode_reqs: int = 0
     num_decode_tokens: int = 0
+    # Draft tokens verified in this forward pass (counted apart from decode tokens).
+    num_verify_tokens: int = 0
     # KV tokens the batch attends to: sum over requests of context length after the step.
     num_context_tokens: int = 0
     # Requests admitted from WAITING this step (first scheduling or resumption).
@@ -160,7 +162,8 @@ class Scheduler:
         out.num_context_tokens += req.num_computed_tokens + n
         if req.num_computed_tokens + n - num_spec == req.num_tokens and n - num_spec == 1:
             out.num_decode_reqs += 1
-            out.num_decode_tokens += n
+            out.num_decode_tokens += 1
+            out.num_verify_tokens += num_spec
         else:
             out.num_prefill_reqs += 1
             out.num_prefill_tokens += n

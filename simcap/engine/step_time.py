@@ -5,9 +5,12 @@ learned values end in ``_``)::
 
     forward = base
             + per_prefill_token  * prefill tokens      (prompt chunks, recomputation)
-            + per_decode_token   * decode tokens       (1 per decoding request, + drafts)
+            + per_decode_token   * decode tokens       (1 per decoding request)
+            + per_verify_token   * verified drafts     (speculation: k more per request)
             + per_context_token  * attended KV tokens  (sum of context lengths in the batch)
             + mixed_step         * [step mixes prefill into decodes]
+            + k * (draft_per_pass + draft_per_request * requests in the batch)
+                                                       (EAGLE: k sequential draft passes)
 
 The engine's step period adds ``host_overhead`` (scheduling, output processing, messaging:
 work vLLM's per-iteration log does not time). With async scheduling that host work overlaps
@@ -25,18 +28,31 @@ from scipy.optimize import nnls
 from simcap.engine.scheduler import SchedulerOutput
 from simcap.scenario import StepTimeConfig
 
-FEATURES = ("base", "per_prefill_token", "per_decode_token", "per_context_token", "mixed_step")
+FEATURES = (
+    "base",
+    "per_prefill_token",
+    "per_decode_token",
+    "per_verify_token",
+    "per_context_token",
+    "mixed_step",
+    "draft_per_pass",
+    "draft_per_request",
+)
 
 
-def step_features(out: SchedulerOutput) -> tuple[float, float, float, float, float]:
+def step_features(out: SchedulerOutput, num_speculative_tokens: int = 0) -> tuple[float, ...]:
     """The feature row of one step, in the order of ``FEATURES``."""
     mixed = 1.0 if (out.num_prefill_tokens and out.num_decode_reqs) else 0.0
+    k = float(num_speculative_tokens)
     return (
         1.0,
         float(out.num_prefill_tokens),
         float(out.num_decode_tokens),
+        float(out.num_verify_tokens),
         float(out.num_context_tokens),
         mixed,
+        k,
+        k * len(out.reqs),
     )
 
 
@@ -47,14 +63,26 @@ class StepTimeModel:
     base: float = 0.004
     per_prefill_token: float = 1.0e-5
     per_decode_token: float = 5.0e-5
+    per_verify_token: float = 5.0e-5
     per_context_token: float = 0.0
     mixed_step: float = 0.0
+    draft_per_pass: float = 0.0
+    draft_per_request: float = 0.0
     host_overhead: float = 0.0
     async_scheduling: bool = False
+    # Drafts per step (k) when speculative decoding is on; 0 disables the draft term.
+    num_speculative_tokens: int = 0
 
     @classmethod
-    def from_config(cls, config: StepTimeConfig, async_scheduling: bool = False) -> "StepTimeModel":
-        return cls(**config.model_dump(), async_scheduling=async_scheduling)
+    def from_config(
+        cls, config: StepTimeConfig, async_scheduling: bool = False, num_speculative_tokens: int = 0
+    ) -> "StepTimeModel":
+        values = config.model_dump()
+        if values["per_verify_token"] is None:
+            values["per_verify_token"] = values["per_decode_token"]
+        return cls(
+            **values, async_scheduling=async_scheduling, num_speculative_tokens=num_speculative_tokens
+        )
 
     @property
     def coef_(self) -> np.ndarray:
@@ -64,10 +92,15 @@ class StepTimeModel:
         """Seconds of the forward pass (and sampling) for the batch ``out``."""
         t = self.base + self.per_prefill_token * out.num_prefill_tokens
         t += self.per_decode_token * out.num_decode_tokens
+        if out.num_verify_tokens:
+            t += self.per_verify_token * out.num_verify_tokens
         if self.per_context_token:
             t += self.per_context_token * out.num_context_tokens
         if self.mixed_step and out.num_prefill_tokens and out.num_decode_reqs:
             t += self.mixed_step
+        k = self.num_speculative_tokens
+        if k:
+            t += k * (self.draft_per_pass + self.draft_per_request * len(out.reqs))
         return t
 
     def step_period(self, out: SchedulerOutput) -> float:

@@ -243,10 +243,13 @@ class VllmServer:
             _remove(path)
         if self._workdir is not None:
             keep_log = self.log_path is not None and self._workdir in self.log_path.parents
-            for child in self._workdir.iterdir():
-                if keep_log and child == self.log_path:
-                    continue  # the log outlives the server, for post-mortems
-                _remove(str(child))
+            if keep_log:
+                for child in self._workdir.iterdir():
+                    if child != self.log_path:  # the log outlives the server, for post-mortems
+                        _remove(str(child))
+            else:
+                _remove(str(self._workdir))
+            self._workdir = None
 
     def __enter__(self) -> "VllmServer":
         return self.start()

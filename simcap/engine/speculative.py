@@ -1,0 +1,147 @@
+"""Speculative decoding: who gets drafts after a step, and how many of them verify.
+
+vLLM V1 appends drafts to ``spec_token_ids``; the next step verifies them in the same target
+forward pass as everyone's prefill and decode, accepts the longest matching prefix and emits
+``accepted + 1`` tokens (the bonus or corrected token). The scheduler charges the drafts to
+the token budget and rolls rejected ones back; this module decides the rest:
+
+- :class:`AcceptanceModel` -- per-position acceptance. vLLM reports per-position rates
+  ``r_i = P(accepted >= i)`` (``spec_decode_num_accepted_tokens_per_pos / num_drafts``) and the
+  mean acceptance length ``1 + sum(r_i)``. A draft run stops at its first rejection, so the
+  rates never increase with position; the conditional probability of position ``i`` given
+  ``i-1`` is ``r_i / r_{i-1}``. One uniform draw ``u`` per verified request gives
+  ``accepted = #{i : u < r_i}``, which has exactly these rates.
+- :class:`Proposer` -- after each step, which requests carry ``k`` drafts into the next:
+  EAGLE/EAGLE3 draft for every request that sampled (k sequential draft passes); ngram only
+  where the prompt-lookup finds a match (``proposal_rate`` of request-steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from simcap.engine.request import Request
+from simcap.scenario import SpeculativeConfig
+
+
+def rates_for_length(acceptance_length: float, k: int) -> tuple[float, ...]:
+    """Per-position rates with one constant conditional acceptance ``p`` and mean length L.
+
+    Solves ``1 + p + p^2 + ... + p^k = L`` for ``p`` (bisection; the left side rises with p).
+    """
+    target = acceptance_length - 1.0
+    if target <= 0.0:
+        return (0.0,) * k
+    if target >= k:
+        return (1.0,) * k
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        p = (lo + hi) / 2
+        if sum(p**i for i in range(1, k + 1)) < target:
+            lo = p
+        else:
+            hi = p
+    p = (lo + hi) / 2
+    return tuple(p**i for i in range(1, k + 1))
+
+
+class AcceptanceModel:
+    """Samples accepted draft counts from per-position acceptance rates (seeded)."""
+
+    def __init__(self, rates: Sequence[float], rng: np.random.Generator) -> None:
+        self.rates = np.asarray(rates, dtype=float)
+        self.rng = rng
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
+        return cls(config.per_position_rates, rng)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """``1 + sum(r_i)``: vLLM's mean acceptance length for full-length drafts."""
+        return 1.0 + float(self.rates.sum())
+
+    def sample(self, num_drafts: Sequence[int]) -> list[int]:
+        """Accepted count for each request that verifies ``num_drafts[i]`` drafts (may be 0)."""
+        n = len(num_drafts)
+        if n == 0:
+            return []
+        u = self.rng.random(n)
+        rates = self.rates
+        accepted = []
+        for ui, d in zip(u.tolist(), num_drafts):
+            a = 0
+            while a < d and ui < rates[a]:
+                a += 1
+            accepted.append(a)
+        return accepted
+
+
+@dataclass
+class SpecDecodeCounters:
+    """vLLM's spec-decode counters (``vllm:spec_decode_*``), for simulated and live runs."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: Sequence[int], accepted: Sequence[int]) -> None:
+        per_pos = self.accepted_per_pos
+        for d, a in zip(num_drafts, accepted):
+            if d <= 0:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += d
+            self.num_accepted_tokens += a
+            while len(per_pos) < a:
+                per_pos.append(0)
+            for i in range(a):
+                per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """``1 + accepted / drafts`` (bonus token included), as vLLM reports it."""
+        if not self.num_drafts:
+            return None
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+    def to_dict(self) -> dict:
+        drafts = self.num_drafts
+        return {
+            "num_drafts": drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": (
+                self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+            ),
+            "per_position_rate": [c / drafts for c in self.accepted_per_pos] if drafts else [],
+        }
+
+
+class Proposer:
+    """Gives requests their next drafts after a step (EAGLE: all who sampled; ngram: matches)."""
+
+    def __init__(self, config: SpeculativeConfig, rng: np.random.Generator) -> None:
+        self.k = config.num_speculative_tokens
+        self.method = config.method
+        self.proposal_rate = config.proposal_rate
+        self.rng = rng
+
+    def propose(self, sampled: Sequence[Request]) -> None:
+        """Set ``num_spec_tokens`` for requests that sampled this step and still run."""
+        # vLLM drafts k tokens even near max_tokens; tokens past the stop are trimmed.
+        k = self.k
+        if self.proposal_rate >= 1.0:
+            for req in sampled:
+                if not req.is_finished:
+                    req.num_spec_tokens = k
+            return
+        draws = self.rng.random(len(sampled)).tolist()
+        for req, u in zip(sampled, draws):
+            if not req.is_finished and u < self.proposal_rate:
+                req.num_spec_tokens = k

@@ -1,0 +1,157 @@
+"""Who else used the CPU during a live run: detect runs disturbed by foreign processes.
+
+On a small shared machine a live run competes with whatever else runs there; such a run
+measures the disturbance, not the server. :class:`CpuWatch` reads ``/proc/stat`` and every
+``/proc/[pid]/stat`` at the start and end of a run (no psutil) and splits the CPU time into:
+
+- ``measured_cpu_s``: the load generator (this process and its descendants) and the server
+  (given PIDs, plus any process whose command line or name mentions vLLM, and descendants);
+- ``foreign_cpu_s``: every other process (those started during the run count in full);
+- ``unattributed_cpu_s``: busy time no live process accounts for (kernel threads, interrupts,
+  processes that exited during the run);
+- ``steal_s``: time the hypervisor gave to other guests (a VM's invisible neighbour).
+
+A run is ``disturbed`` when foreign processes or steal used more than ``threshold_cores`` of a
+core on average. Without ``/proc`` (not Linux) the watch reports ``available: False``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+DEFAULT_THRESHOLD_CORES = 0.10
+SERVER_MARKERS = ("vllm", "VLLM")
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+def _system_times() -> dict[str, float] | None:
+    text = _read("/proc/stat")
+    if not text:
+        return None
+    fields = text.splitlines()[0].split()[1:]
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    vals = [int(v) / _TICK for v in fields[: len(names)]]
+    return dict(zip(names, vals + [0.0] * (len(names) - len(vals))))
+
+
+@dataclass(frozen=True)
+class _Proc:
+    pid: int
+    ppid: int
+    cpu_s: float
+    start: int  # start time in ticks since boot: tells a reused PID apart
+    name: str
+
+
+def _processes() -> dict[int, _Proc]:
+    procs: dict[int, _Proc] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return procs
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        text = _read(f"/proc/{entry}/stat")
+        if not text:
+            continue
+        lpar, rpar = text.find("("), text.rfind(")")
+        rest = text[rpar + 2 :].split()
+        try:
+            ppid, utime, stime, start = int(rest[1]), int(rest[11]), int(rest[12]), int(rest[19])
+        except (IndexError, ValueError):
+            continue
+        pid = int(entry)
+        procs[pid] = _Proc(pid, ppid, (utime + stime) / _TICK, start, text[lpar + 1 : rpar])
+    return procs
+
+
+def _cmdline(pid: int) -> str:
+    text = _read(f"/proc/{pid}/cmdline")
+    return text.replace("\0", " ") if text else ""
+
+
+def _measured(procs: dict[int, _Proc], roots: Iterable[int]) -> set[int]:
+    """``roots``, vLLM-looking processes, and all their descendants."""
+    keep = {p for p in roots if p in procs}
+    for p in procs.values():
+        if any(m in p.name for m in SERVER_MARKERS) or "vllm" in _cmdline(p.pid):
+            keep.add(p.pid)
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    stack = list(keep)
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in keep:
+                keep.add(child)
+                stack.append(child)
+    return keep
+
+
+class CpuWatch:
+    """CPU time of foreign processes between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, server_pids: Iterable[int] = (), threshold_cores: float = DEFAULT_THRESHOLD_CORES):
+        self.roots = {os.getpid(), *server_pids}
+        self.threshold_cores = threshold_cores
+        self._t0 = 0.0
+        self._sys0: dict[str, float] | None = None
+        self._procs0: dict[int, _Proc] = {}
+
+    def start(self) -> "CpuWatch":
+        self._t0 = time.monotonic()
+        self._sys0 = _system_times()
+        self._procs0 = _processes()
+        return self
+
+    def stop(self) -> dict:
+        wall = time.monotonic() - self._t0
+        sys1 = _system_times()
+        if self._sys0 is None or sys1 is None:
+            return {"available": False, "note": "no /proc/stat: disturbance not measured", "disturbed": False}
+        procs1 = _processes()
+        measured = _measured(procs1, self.roots)
+        measured_s = foreign_s = 0.0
+        top: list[tuple[float, str]] = []
+        for pid, p in procs1.items():
+            old = self._procs0.get(pid)
+            used = p.cpu_s - old.cpu_s if old is not None and old.start == p.start else p.cpu_s
+            if pid in measured:
+                measured_s += used
+            else:
+                foreign_s += used
+                if used > 0:
+                    top.append((used, f"{p.name}[{pid}]"))
+        busy_keys = ("user", "nice", "system", "irq", "softirq")
+        busy = sum(sys1[k] - self._sys0[k] for k in busy_keys)
+        steal = sys1["steal"] - self._sys0["steal"]
+        foreign_cores = foreign_s / wall if wall > 0 else 0.0
+        steal_cores = steal / wall if wall > 0 else 0.0
+        top.sort(reverse=True)
+        return {
+            "available": True,
+            "wall_s": wall,
+            "cpus": os.cpu_count(),
+            "busy_cpu_s": busy,
+            "measured_cpu_s": measured_s,
+            "foreign_cpu_s": foreign_s,
+            "unattributed_cpu_s": max(busy - measured_s - foreign_s, 0.0),
+            "steal_s": steal,
+            "foreign_cores": foreign_cores,
+            "steal_cores": steal_cores,
+            "top_foreign": [f"{name} {s:.2f}s" for s, name in top[:5]],
+            "threshold_cores": self.threshold_cores,
+            "disturbed": foreign_cores > self.threshold_cores or steal_cores > self.threshold_cores,
+        }

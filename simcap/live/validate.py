@@ -1,0 +1,353 @@
+"""Simulated vs live: run a workload on a real server and predict the very same trace.
+
+:func:`validate` runs the scenario's workload live ``repeats`` times (resetting the server's
+prefix cache between runs where it allows it), and for each live run simulates EXACTLY that
+run's trace: the same send times, prompt lengths (as the server counted them), output lengths
+and prefix segments (``simulate(scenario, trace=...)``). Run-to-run noise of a real server is
+large (medians move +-15-20 %, tails 2-3x), so each prediction is judged against the live
+runs' own spread: per metric it reports every repeat's live value, their min-max range, the
+prediction, its relative error against the live median, and whether it lies inside the range.
+For TTFT and ITL it also gives the two-sample Kolmogorov-Smirnov statistic between the pooled
+simulated and live samples.
+
+Runs disturbed by foreign processes (see :mod:`simcap.live.hostload`) are flagged and left
+out of the range and median while at least one undisturbed run remains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import httpx
+import numpy as np
+from rich.table import Table
+from scipy.stats import ks_2samp
+
+from simcap.live.client import LiveError, LiveRun, run_live
+from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
+from simcap.metrics import Summary
+from simcap.records import RequestRecord
+from simcap.scenario import ClosedArrival, Scenario
+from simcap.simulator import simulate
+from simcap.workload import RequestSpec
+
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
+STATS = ("mean", "p50", "p95", "p99")
+METRICS = tuple(f"{m}_{s}" for m in LATENCY_METRICS for s in STATS) + ("output_throughput",)
+
+
+def metric_value(summary: Summary, key: str) -> float | None:
+    """One comparable number of a summary: ``ttft_p95`` (s), ``output_throughput`` (tok/s)."""
+    if key == "output_throughput":
+        return summary.throughput["output_tokens_per_s"]
+    metric, _, stat = key.partition("_")
+    return getattr(getattr(summary, f"{metric}_s"), stat)
+
+
+def samples(records: Iterable[RequestRecord]) -> dict[str, np.ndarray]:
+    """Raw TTFT and per-chunk ITL samples (s) of the completed records."""
+    ttft, itl = [], []
+    for r in records:
+        if not r.succeeded:
+            continue
+        ttft.append(r.chunk_times[0] - r.arrival_time)
+        itl.extend(np.diff(r.chunk_times).tolist())
+    return {"ttft": np.asarray(ttft), "itl": np.asarray(itl)}
+
+
+def trace_of(run: LiveRun) -> list[tuple[float, RequestSpec]]:
+    """The live run as a simulator trace: completed requests in send order, ids 0..N-1.
+
+    Prompt lengths are the server's (``usage.prompt_tokens``); when they differ from the spec
+    (chat endpoint), the request's own last segment absorbs the difference so shared prefix
+    segments stay shared.
+    """
+    done = sorted((r for r in run.records if r.succeeded), key=lambda r: (r.arrival_time, r.request_id))
+    trace = []
+    for j, rec in enumerate(done):
+        spec = run.specs[rec.request_id]
+        segments = list(spec.segments)
+        diff = rec.num_prompt_tokens - spec.num_prompt_tokens
+        if diff:
+            key, n = segments[-1]
+            if n + diff > 0:
+                segments[-1] = (key, n + diff)
+            else:
+                segments = [(key, rec.num_prompt_tokens)]
+        trace.append((rec.arrival_time, RequestSpec(j, rec.num_prompt_tokens, rec.max_tokens, tuple(segments))))
+    return trace
+
+
+@dataclass
+class Repeat:
+    """One live run and its simulated twin."""
+
+    index: int
+    live: LiveRun
+    live_summary: Summary
+    sim_summary: Summary
+    sim_records: list[RequestRecord]
+    cpu: dict[str, Any]
+    prefix_cache_reset: str  # "ok", "not allowed (HTTP 404)", "skipped"
+
+    @property
+    def disturbed(self) -> bool:
+        return bool(self.cpu.get("disturbed"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "disturbed": self.disturbed,
+            "prefix_cache_reset": self.prefix_cache_reset,
+            "cpu": self.cpu,
+            "live": {k: metric_value(self.live_summary, k) for k in METRICS},
+            "predicted": {k: metric_value(self.sim_summary, k) for k in METRICS},
+            "completed": self.live_summary.completed,
+            "failed": self.live_summary.failed,
+            "achieved_rate": self.live.achieved_rate,
+            "requested_rate": self.live.requested_rate,
+            "wall_duration_s": self.live.wall_duration_s,
+            "cross_check": self.live.cross_check(),
+            "server": {
+                k: v for k, v in self.live.server_delta().items() if k != "cache_config"
+            },
+            "notes": list(self.live.notes),
+        }
+
+
+@dataclass
+class Validation:
+    scenario: Scenario
+    simulated_scenario: Scenario
+    repeats: list[Repeat]
+    metrics: dict[str, dict[str, Any]]
+    ks: dict[str, dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def used(self) -> list[Repeat]:
+        """Repeats the comparison rests on: the undisturbed ones (all, if every one was)."""
+        clean = [r for r in self.repeats if not r.disturbed]
+        return clean or list(self.repeats)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "scenario_name": self.scenario.name,
+            "scenario_sha256": self.scenario.digest(),
+            "simulated_engine": self.simulated_scenario.engine.model_dump(mode="json"),
+            "repeats": [r.to_dict() for r in self.repeats],
+            "used_repeats": [r.index for r in self.used],
+            "metrics": self.metrics,
+            "ks": self.ks,
+            "notes": list(self.notes),
+        }
+
+
+def _rel(pred: float | None, ref: float | None) -> float | None:
+    if pred is None or ref is None or ref == 0:
+        return None
+    return (pred - ref) / ref
+
+
+def compare(repeats: Sequence[Repeat]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Per metric: live values, range, median; prediction, error, in range. And KS tests."""
+    clean = [r for r in repeats if not r.disturbed] or list(repeats)
+    metrics: dict[str, dict[str, Any]] = {}
+    for key in METRICS:
+        live_all = [metric_value(r.live_summary, key) for r in repeats]
+        pred_all = [metric_value(r.sim_summary, key) for r in repeats]
+        live = [v for r in clean if (v := metric_value(r.live_summary, key)) is not None]
+        pred = [v for r in clean if (v := metric_value(r.sim_summary, key)) is not None]
+        lo = min(live) if live else None
+        hi = max(live) if live else None
+        med = float(np.median(live)) if live else None
+        p = float(np.median(pred)) if pred else None
+        metrics[key] = {
+            "live": live_all,
+            "predicted_per_repeat": pred_all,
+            "live_min": lo,
+            "live_max": hi,
+            "live_median": med,
+            "predicted": p,
+            "rel_error": _rel(p, med),
+            "in_range": None if p is None or lo is None else bool(lo <= p <= hi),
+        }
+    ks: dict[str, dict[str, Any]] = {}
+    for name in ("ttft", "itl"):
+        live_s = np.concatenate([samples(r.live.records)[name] for r in clean])
+        sim_s = np.concatenate([samples(r.sim_records)[name] for r in clean])
+        entry: dict[str, Any] = {"live_n": int(live_s.size), "sim_n": int(sim_s.size)}
+        if live_s.size and sim_s.size:
+            res = ks_2samp(sim_s, live_s)
+            entry.update(statistic=float(res.statistic), pvalue=float(res.pvalue))
+        else:
+            entry.update(statistic=None, pvalue=None)
+        per = []
+        for r in clean:
+            a, b = samples(r.sim_records)[name], samples(r.live.records)[name]
+            per.append(float(ks_2samp(a, b).statistic) if a.size and b.size else None)
+        entry["per_repeat_statistic"] = per
+        ks[name] = entry
+    return metrics, ks
+
+
+def reset_prefix_cache(base_url: str, timeout: float = 30.0) -> str:
+    """POST /reset_prefix_cache (vLLM with VLLM_SERVER_DEV_MODE=1): "ok" or why not."""
+    try:
+        resp = httpx.post(base_url.rstrip("/") + "/reset_prefix_cache", timeout=timeout)
+    except httpx.HTTPError as exc:
+        return f"failed ({type(exc).__name__})"
+    if resp.status_code == 200:
+        return "ok"
+    return f"not allowed (HTTP {resp.status_code})"
+
+
+def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> Scenario:
+    """The scenario with the server's KV cache shape (block size, pool) where it reports it."""
+    after = run.metrics_after
+    if after is None:
+        notes.append("server exposes no cache_config_info: simulating the scenario's KV cache as given")
+        return scenario
+    eng = scenario.engine
+    update: dict[str, Any] = {}
+    if after.block_size and after.block_size != eng.block_size:
+        update["block_size"] = after.block_size
+    if after.num_gpu_blocks and after.num_gpu_blocks != eng.num_gpu_blocks:
+        update["num_gpu_blocks"] = after.num_gpu_blocks
+    pc = after.cache_config.get("enable_prefix_caching")
+    if pc in ("True", "False") and (pc == "True") != eng.enable_prefix_caching:
+        update["enable_prefix_caching"] = pc == "True"
+    if update:
+        notes.append(
+            "simulated with the server's cache config "
+            + ", ".join(f"{k}={v} (scenario: {getattr(eng, k)})" for k, v in update.items())
+        )
+        scenario = scenario.model_copy(update={"engine": eng.model_copy(update=update)})
+    return scenario
+
+
+def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str) -> None:
+    """A few unmeasured requests: a fresh server compiles/allocates on its first batches."""
+    wl = scenario.workload
+    n = min(8, wl.num_requests or 8)
+    warm = scenario.model_copy(
+        update={
+            "seed": scenario.seed + 7919,
+            "workload": wl.model_copy(
+                update={"arrival": ClosedArrival(process="closed", concurrency=min(4, n)),
+                        "num_requests": n, "duration_s": None}
+            ),
+        }
+    )
+    run_live(warm, base_url, model, endpoint=endpoint, progress=False)  # type: ignore[arg-type]
+
+
+def validate(
+    scenario: Scenario,
+    base_url: str,
+    model: str | None = None,
+    repeats: int = 3,
+    *,
+    endpoint: str = "completions",
+    progress: bool = False,
+    warmup: bool = True,
+    reset_cache: bool = True,
+    adopt_server_cache_config: bool = True,
+    server_pids: Iterable[int] = (),
+    disturbance_threshold_cores: float = DEFAULT_THRESHOLD_CORES,
+    out_prefix: str | None = None,
+    **live_kwargs: Any,
+) -> Validation:
+    """Run ``scenario`` live ``repeats`` times and compare each run with its simulated twin.
+
+    ``adopt_server_cache_config``: simulate with the server's block size, KV pool size and
+    prefix-caching switch (from ``vllm:cache_config_info``) instead of the scenario's, noted in
+    the result. ``server_pids``: PIDs of the server when known (a local :class:`VllmServer`);
+    vLLM-named processes are recognised anyway. ``out_prefix``: write each live run's records
+    to ``{out_prefix}{i}.jsonl``.
+    """
+    if repeats < 1:
+        raise LiveError(f"repeats: must be >= 1 (got {repeats})")
+    notes: list[str] = []
+    if warmup:
+        _warmup(scenario, base_url, model, endpoint)
+    results: list[Repeat] = []
+    simulated = scenario
+    for i in range(repeats):
+        reset = reset_prefix_cache(base_url) if reset_cache else "skipped"
+        if reset != "ok" and reset_cache and i == 0:
+            notes.append(f"prefix cache not reset between runs: {reset}; reruns may hit the cache")
+        watch = CpuWatch(server_pids, disturbance_threshold_cores).start()
+        out = f"{out_prefix}{i}.jsonl" if out_prefix else None
+        run = run_live(scenario, base_url, model, endpoint=endpoint, out_path=out, progress=progress, **live_kwargs)  # type: ignore[arg-type]
+        cpu = watch.stop()
+        if i == 0 and adopt_server_cache_config:
+            simulated = _adopt_server_config(scenario, run, notes)
+        trace = trace_of(run)
+        if not trace:
+            raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
+        sim = simulate(simulated, trace=trace)
+        if run.num_failed:
+            notes.append(f"run {i}: {run.num_failed} failed request(s) left out of the simulated trace")
+        if cpu.get("disturbed"):
+            notes.append(
+                f"run {i}: disturbed (foreign CPU {cpu['foreign_cores']:.2f} cores, steal "
+                f"{cpu['steal_cores']:.2f} cores; top: {', '.join(cpu['top_foreign'][:3]) or '-'})"
+            )
+        elif not cpu.get("available", True):
+            notes.append(f"run {i}: {cpu.get('note')}")
+        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset))
+    if all(r.disturbed for r in results):
+        notes.append("every run was disturbed: the comparison uses them all; rerun on a quiet machine")
+    if scenario.engine.async_scheduling is None:
+        notes.append(
+            "engine.async_scheduling unset: the modelled version's default is used; a CPU server "
+            "always runs without async scheduling (set engine.async_scheduling=false)"
+        )
+    metrics, ks = compare(results)
+    return Validation(scenario, simulated, results, metrics, ks, notes)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _fmt(key: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if key == "output_throughput":
+        return f"{value:,.1f}"
+    return f"{value * 1e3:,.1f}"
+
+
+def validation_table(data: dict[str, Any]) -> Table:
+    """Predicted vs live per metric (ms; throughput in output tok/s), from ``to_dict()``."""
+    used = set(data.get("used_repeats", []))
+    table = Table(title="simulated vs live (latencies in ms, throughput in output tok/s)", title_justify="left")
+    table.add_column("metric")
+    for r in data["repeats"]:
+        mark = "" if r["index"] in used else " (disturbed)"
+        table.add_column(f"live {r['index']}{mark}", justify="right")
+    for col in ("live range", "predicted", "error vs median", "in range"):
+        table.add_column(col, justify="right")
+    for key, m in data["metrics"].items():
+        err = m["rel_error"]
+        table.add_row(
+            key,
+            *(_fmt(key, v) for v in m["live"]),
+            f"{_fmt(key, m['live_min'])} - {_fmt(key, m['live_max'])}",
+            _fmt(key, m["predicted"]),
+            "-" if err is None else f"{err * 100:+.1f}%",
+            {True: "yes", False: "NO", None: "-"}[m["in_range"]],
+        )
+    return table
+
+
+def ks_line(data: dict[str, Any]) -> str:
+    parts = []
+    for name, k in data["ks"].items():
+        if k["statistic"] is None:
+            parts.append(f"{name}: no samples")
+        else:
+            parts.append(f"{name} D={k['statistic']:.3f} (n sim {k['sim_n']}, live {k['live_n']})")
+    return "KS simulated vs live: " + "; ".join(parts)

@@ -1,0 +1,121 @@
+"""Speculative decoding: hand cases, budget truncation, acceptance statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simcap.engine.scheduler import Scheduler
+from simcap.engine.speculative import AcceptanceModel, Proposer, rates_for_length
+from simcap.scenario import SpeculativeConfig
+from simcap.simulator import simulate
+from tests.conftest import make_engine, make_request, make_scenario, run_to_completion
+
+
+def spec_scenario(rates, k=3, **step_time):
+    return make_scenario(
+        engine={"max_num_batched_tokens": 256},
+        step_time={"base": 0.01, **step_time},
+        speculative={"method": "eagle3", "num_speculative_tokens": k, "acceptance_rates": rates},
+        workload={"input_len": 100, "output_len": 128, "num_requests": 1},
+    )
+
+
+def test_full_acceptance_emits_k_plus_one_tokens_per_step():
+    # Prefill step emits 1 token; then 4 per step; 1 + 4*31 = 125, the 33rd step is trimmed to 3.
+    result = simulate(spec_scenario([1.0, 1.0, 1.0]))
+    rec = result.records[0]
+    assert rec.chunk_tokens == [1] + [4] * 31 + [3]
+    assert rec.finish_time == pytest.approx(0.33)
+    assert result.summary.spec_decode["mean_acceptance_length"] == pytest.approx(4.0)
+
+
+def test_zero_acceptance_emits_one_token_per_step_and_still_pays_for_drafting():
+    result = simulate(spec_scenario([0.0, 0.0, 0.0], draft_per_pass=0.002))
+    rec = result.records[0]
+    assert rec.chunk_tokens == [1] * 128
+    # Every step: 10 ms forward + 3 draft passes x 2 ms.
+    assert rec.finish_time == pytest.approx(128 * 0.016)
+    assert result.summary.spec_decode["mean_acceptance_length"] == pytest.approx(1.0)
+
+
+def test_verify_and_draft_costs_are_separate_terms():
+    plain = simulate(spec_scenario([0.0] * 3)).records[0].finish_time
+    verify = simulate(spec_scenario([0.0] * 3, per_verify_token=0.001)).records[0].finish_time
+    draft = simulate(spec_scenario([0.0] * 3, draft_per_request=0.001)).records[0].finish_time
+    # 127 decode steps verify 3 drafts each; every one of the 128 steps drafts 3 passes.
+    assert verify - plain == pytest.approx(127 * 3 * 0.001)
+    assert draft - plain == pytest.approx(128 * 3 * 0.001)
+
+
+def test_budget_truncates_drafts_and_eagle_reserves_lookahead_slots():
+    sched = Scheduler(make_engine(max_num_batched_tokens=6), num_lookahead_tokens=3)
+    a, b = make_request(0, 4, 10), make_request(1, 2, 10)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == [4, 2]
+    sched.update_from_output(out)
+    a.num_spec_tokens = b.num_spec_tokens = 3
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == [4, 2] and out.num_scheduled_spec_tokens == [3, 1]
+    assert b.num_spec_tokens == 1  # drafts that did not fit are dropped
+    # a: 5 computed + 3 drafts... its blocks cover computed tokens plus 3 lookahead slots.
+    assert sched.kv.num_blocks_held(a) * 16 >= a.num_computed_tokens + 3
+
+
+def test_rates_for_length_matches_the_mean_and_is_geometric():
+    rates = rates_for_length(2.26, 3)
+    assert 1 + sum(rates) == pytest.approx(2.26)
+    assert rates[1] / rates[0] == pytest.approx(rates[0]) and rates[2] / rates[1] == pytest.approx(rates[0])
+    assert rates_for_length(1.0, 3) == (0.0, 0.0, 0.0)
+    assert rates_for_length(4.0, 3) == (1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("rates", [(0.749, 0.547, 0.402), (0.923, 0.839, 0.756)])
+def test_sampled_acceptance_has_the_configured_per_position_rates(rates):
+    model = AcceptanceModel(rates, np.random.default_rng(0))
+    accepted = np.array(model.sample([3] * 40_000))
+    for i, r in enumerate(rates):
+        assert np.mean(accepted >= i + 1) == pytest.approx(r, abs=0.01)
+
+
+def test_simulated_mean_acceptance_length_matches_the_configured_one():
+    scenario = make_scenario(
+        engine={"max_num_batched_tokens": 2048},
+        speculative={"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.26},
+        workload={"arrival": {"process": "closed", "concurrency": 8}, "num_requests": 200,
+                  "input_len": 64, "output_len": 256},
+    )
+    sd = simulate(scenario).summary.spec_decode
+    # ~22,000 drafts, accepted count sd <= 1.2: standard error ~0.008.
+    assert sd["mean_acceptance_length"] == pytest.approx(2.26, abs=0.03)
+
+
+def test_ngram_drafts_only_where_a_match_is_found():
+    scenario = make_scenario(
+        speculative={"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 3.0,
+                     "proposal_rate": 0.5},
+        workload={"arrival": {"process": "closed", "concurrency": 4}, "num_requests": 40,
+                  "input_len": 64, "output_len": 128},
+    )
+    result = simulate(scenario)
+    sd = result.summary.spec_decode
+    steps_with_tokens = sum(len(r.chunk_times) for r in result.records) - 40
+    assert sd["num_drafts"] == pytest.approx(0.5 * steps_with_tokens, rel=0.1)
+
+
+def test_speculation_keeps_scheduler_invariants_and_exact_output_lengths():
+    engine = make_engine(num_gpu_blocks=30, block_size=8, max_num_batched_tokens=20, max_num_seqs=4,
+                         max_model_len=120)
+    config = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, acceptance_length=2.4)
+    sched = Scheduler(engine, num_lookahead_tokens=3)
+    reqs = [make_request(i, 30 + 7 * i, 40 + i) for i in range(6)]
+    rng = np.random.default_rng(1)
+    emitted, order, _ = run_to_completion(
+        sched, reqs, acceptance=AcceptanceModel.from_config(config, rng), proposer=Proposer(config, rng)
+    )
+    assert sched.num_preemptions > 0
+    for req in reqs:
+        assert sum(emitted[req.request_id]) == req.max_tokens
+    assert order == sorted(order)
