@@ -175,7 +175,7 @@ class _World:
                 yield self._wakeup
                 continue
             out = scheduler.schedule()
-            if out.total_num_scheduled_tokens == 0:
+            if out.total_num_scheduled_tokens == 0 and not out.preempted_reqs:
                 raise SimulationError(
                     f"engine stalled at t={env.now:.6f}s: {len(scheduler.waiting)} waiting, "
                     f"{len(scheduler.running)} running, nothing schedulable"

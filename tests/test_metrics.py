@@ -153,7 +153,7 @@ def test_to_dict_layout_and_determinism():
     assert list(d1) == [
         "completed", "failed", "duration_s", "ttft_s", "tpot_s", "itl_s", "itl_per_token_s", "e2e_s",
         "queue_s", "throughput", "preemptions", "prefix_cache_hit_tokens", "goodput", "slo", "slo_pass",
-        "kv_cache_usage", "output_tokens", "input_tokens",
+        "kv_cache_usage", "output_tokens", "input_tokens", "spec_decode",
     ]
     assert list(d1["ttft_s"]) == ["count", "mean", "p50", "p90", "p95", "p99", "max", "samples_adequate"]
 

@@ -104,8 +104,12 @@ class StepTimeModel:
         return t
 
     def step_period(self, out: SchedulerOutput) -> float:
-        """Seconds from one step's start to the next's, host work included."""
-        forward = self.forward_time(out)
+        """Seconds from one step's start to the next's, host work included.
+
+        A step that only preempted (a request could not grow and gave up its own blocks)
+        runs no forward pass.
+        """
+        forward = self.forward_time(out) if out.total_num_scheduled_tokens else 0.0
         if self.async_scheduling:
             return forward if forward > self.host_overhead else self.host_overhead
         return forward + self.host_overhead

@@ -165,8 +165,8 @@ def metrics_delta(before: ServerMetrics | None, after: ServerMetrics | None) -> 
 def _rel(client_value: float, server_value: float | None) -> float | None:
     if server_value is None:
         return None
-    if server_value == 0:
-        return 0.0 if client_value == 0 else float("inf")
+    if server_value == 0:  # no relative scale: the raw counts beside it tell the story
+        return 0.0 if client_value == 0 else None
     return (client_value - server_value) / server_value
 
 

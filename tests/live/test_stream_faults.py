@@ -1,0 +1,119 @@
+"""Faults a real server cannot produce on demand: cut streams, malformed SSE, HTTP errors.
+
+The ONLY place live mode runs against a fake: an in-process ``httpx.MockTransport`` that
+speaks vLLM's streaming protocol, so each fault is injected into one known request and the
+test checks that it is recorded as an error while every other request is kept intact. (It
+needs no server, so it runs in the default test suite.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from simcap.live.client import run_live
+from simcap.records import RequestRecord
+from simcap.scenario import parse_scenario
+
+N = 10
+CUT, MALFORMED, HTTP_500, NO_DONE, USAGE_MORE, ERROR_EVENT = 2, 4, 5, 6, 7, 8
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, parts: list[bytes], fail: bool = False) -> None:
+        self.parts, self.fail = parts, fail
+
+    async def __aiter__(self):
+        for part in self.parts:
+            yield part
+        if self.fail:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+class FakeVllm:
+    """Answers requests in arrival order (closed loop, one client): request i gets fault i."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake", "max_model_len": 4096}]})
+        if path == "/tokenize":
+            return httpx.Response(200, json={"tokens": list(range(10, 100)), "count": 90})
+        if path == "/metrics":
+            return httpx.Response(404)
+        assert path == "/v1/completions"
+        body = json.loads(request.content)
+        i, self.calls = self.calls, self.calls + 1
+        n, prompt = body["max_tokens"], len(body["prompt"])
+        if i == HTTP_500:
+            return httpx.Response(500, json={"error": {"message": "engine dead"}})
+        parts = [_sse({"choices": [{"text": "", "prompt_token_ids": body["prompt"], "finish_reason": None}]})]
+        for k in range(n):
+            choice = {"text": "x", "finish_reason": "length" if k == n - 1 else None}
+            if i != USAGE_MORE:
+                choice["token_ids"] = [7]
+            parts.append(_sse({"choices": [choice]}))
+            if i == MALFORMED and k == 2:
+                parts.append(b"data: {not json\n\n")
+            if i == ERROR_EVENT and k == 1:
+                parts.append(_sse({"error": {"message": "out of memory", "code": 500}}))
+        completion = n + 3 if i == USAGE_MORE else n
+        parts.append(_sse({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion}}))
+        if i != NO_DONE:
+            parts.append(_sse(b"[DONE]"))
+        if i == CUT:
+            return httpx.Response(200, stream=_Body(parts[:4], fail=True))
+        return httpx.Response(200, stream=_Body(parts))
+
+
+def test_faults_recorded_without_losing_other_records(tmp_path):
+    sc = parse_scenario(
+        {
+            "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=4096),
+            "workload": dict(arrival={"process": "closed", "concurrency": 1}, num_requests=N,
+                             input_len={"dist": "uniform", "low": 20, "high": 60}, output_len=6),
+        }
+    )
+    out = tmp_path / "run.jsonl"
+    run = run_live(sc, "http://fake:8000", transport=httpx.MockTransport(FakeVllm()),
+                   out_path=out, progress=False)
+
+    by_id = {r.request_id: r for r in run.records}
+    assert sorted(by_id) == list(range(N))
+    failed = {i for i, r in by_id.items() if not r.succeeded}
+    assert failed == {CUT, MALFORMED, HTTP_500, NO_DONE, ERROR_EVENT}
+    assert "RemoteProtocolError" in by_id[CUT].error and "after 3 chunks" in by_id[CUT].error
+    assert "malformed SSE" in by_id[MALFORMED].error
+    assert by_id[HTTP_500].error.startswith("HTTP 500") and "engine dead" in by_id[HTTP_500].error
+    assert "without [DONE]" in by_id[NO_DONE].error
+    assert "out of memory" in by_id[ERROR_EVENT].error
+    for i in failed:
+        assert by_id[i].finish_reason == "error"
+    for i in set(by_id) - failed:
+        rec = by_id[i]
+        assert rec.num_output_tokens == 6 + (3 if i == USAGE_MORE else 0)
+        assert rec.finish_reason == "length" and rec.finish_time == rec.chunk_times[-1]
+        assert rec.num_prompt_tokens == sum(n for _, n in run.specs[i].segments)
+    # Chunk counts that disagree with usage are fixed from usage, and the fix is reported.
+    assert run.token_fixups == [{"request_id": USAGE_MORE, "chunk_tokens": 6, "usage_tokens": 9}]
+    assert by_id[USAGE_MORE].chunk_tokens[-1] == 4
+    # Every request, failed or not, is in the JSONL file and parses back.
+    lines = out.read_text().splitlines()
+    assert len(lines) == N
+    back = {RequestRecord.from_dict(json.loads(line)).request_id: RequestRecord.from_dict(json.loads(line)) for line in lines}
+    assert back == by_id
+    # The summary counts failures; no metrics server means no cross-check, said so.
+    summary = run.summary()
+    assert summary.completed == N - len(failed) and summary.failed == len(failed)
+    assert run.server_delta() == {"available": False}
+    assert any("/metrics" in note for note in run.notes)
