@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
+from simcap.profile import apply_profile
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
 VllmVersion = Literal["0.11", "0.23", "0.26", "0.32"]
@@ -324,10 +325,23 @@ SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 SLO_STATS = ("mean", "p50", "p90", "p95", "p99")
 
 
+class ProfileRef(_Model):
+    """Which profile a scenario was built on (filled in when the profile is merged)."""
+
+    path: str
+    name: str
+    sha256: str
+    hardware: str | None = None
+    model: str | None = None
+    fit: str | None = None
+    simcap_version: str | None = None
+
+
 class Scenario(_Model):
     """Everything a simulation needs; the same scenario and seed give the same bytes out."""
 
     name: str | None = None
+    profile: ProfileRef | None = None
     engine: EngineConfig
     step_time: StepTimeConfig = StepTimeConfig()
     speculative: SpeculativeConfig | None = None
@@ -347,6 +361,13 @@ class Scenario(_Model):
                     f"{', '.join(SLO_METRICS)} and STAT in {', '.join(SLO_STATS)}"
                 )
         return self
+
+    _profile_file: Path | None = PrivateAttr(None)
+
+    @property
+    def profile_file(self) -> Path | None:
+        """The profile file this scenario was merged with (for its coefficient intervals)."""
+        return self._profile_file
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON form: names this exact scenario in results."""
@@ -485,11 +506,16 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
     if not isinstance(data, dict):
         raise ScenarioError("scenario: expected a mapping of sections (engine, workload, ...)")
     data = json.loads(json.dumps(data))  # deep copy; rejects non-JSON values early
-    _resolve_files(data, base_dir or Path.cwd())
+    base_dir = base_dir or Path.cwd()
+    profile_ref = data.get("profile")
+    data = apply_profile(data, base_dir)
+    _resolve_files(data, base_dir)
     try:
         scenario = Scenario.model_validate(data)
     except ValidationError as exc:
         raise ScenarioError(format_validation_error(exc)) from None
+    if isinstance(profile_ref, str):
+        scenario._profile_file = (base_dir / profile_ref).resolve()
     if check:
         check_feasible(scenario)
     return scenario

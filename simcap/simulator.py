@@ -76,7 +76,12 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
         "scenario_name": scenario.name,
         "scenario_sha256": scenario.digest(),
         "seed": scenario.seed,
-        "step_time_source": "scenario",
+        "profile": scenario.profile.model_dump() if scenario.profile else None,
+        "step_time_source": (
+            f"profile {scenario.profile.name} (scenario keys override it)"
+            if scenario.profile
+            else "scenario"
+        ),
         "kv_pool_blocks": scenario.engine.num_blocks,
         "kv_pool_source": (
             "engine.num_gpu_blocks"
