@@ -18,6 +18,7 @@ from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import StepTimeModel
+from simcap.fast_forward import Clock, decode_stretch_length, plan_stretch, run_stretch
 from simcap.metrics import Summary, summarize
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
@@ -92,9 +93,10 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
 
 
 class _World:
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, fast: bool = True) -> None:
         self.scenario = scenario
-        self.env = simpy.Environment()
+        self.fast = fast
+        self.env = Clock()
         spec = scenario.speculative
         self.scheduler = Scheduler(
             scenario.engine, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0
@@ -179,6 +181,12 @@ class _World:
                 self._wakeup = env.event()
                 yield self._wakeup
                 continue
+            if self.fast and (m := decode_stretch_length(self)):
+                m, starts, periods, events = plan_stretch(self, m, env.now, env.peek())
+                if m:
+                    run_stretch(self, m, starts, periods, events)
+                    yield env.timeout_at(float(starts[-1]))
+                    continue
             out = scheduler.schedule()
             if out.total_num_scheduled_tokens == 0 and not out.preempted_reqs:
                 raise SimulationError(
@@ -255,12 +263,15 @@ def _count():
 
 
 def simulate(
-    scenario: Scenario, trace: list[tuple[float, RequestSpec]] | None = None
+    scenario: Scenario, trace: list[tuple[float, RequestSpec]] | None = None, *, fast: bool = True
 ) -> Result:
     """Run one scenario to completion (every request finishes) and summarise it.
 
     ``trace``: replay these (send time, request) pairs instead of the scenario's workload,
     e.g. the arrivals and lengths a live run actually produced. Request ids must be
     0..N-1 in send order.
+
+    ``fast=False`` steps the engine one step at a time: the reference path that the fast
+    path (:mod:`simcap.fast_forward`, identical results) is tested against.
     """
-    return _World(scenario).run(trace)
+    return _World(scenario, fast).run(trace)

@@ -1,0 +1,83 @@
+"""The fast path (bulk pure-decode stretches) must equal the reference step-by-step path."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simcap.report import to_json
+from simcap.simulator import simulate
+from tests.conftest import make_scenario
+
+
+@st.composite
+def scenarios(draw):
+    block_size = draw(st.sampled_from([4, 16, 32]))
+    max_in = draw(st.integers(1, 400))
+    max_out = draw(st.integers(1, 300))
+    need = max_in + max_out
+    arrival = draw(st.sampled_from([
+        {"process": "poisson", "rate": draw(st.sampled_from([0.5, 5.0, 50.0]))},
+        {"process": "gamma", "rate": 20.0, "burstiness": 0.3},
+        {"process": "closed", "concurrency": draw(st.integers(1, 12))},
+        {"process": "closed", "concurrency": 4, "think_time_s": 0.05},
+    ]))
+    workload = dict(
+        arrival=arrival,
+        num_requests=draw(st.integers(1, 40)),
+        input_len={"dist": "uniform", "low": 1, "high": max_in},
+        output_len={"dist": "uniform", "low": 1, "high": max_out},
+    )
+    if max_in > 40 and draw(st.booleans()):
+        workload["prefix"] = {"shared_tokens": 20, "num_prefixes": 2}
+        workload["input_len"] = {"dist": "uniform", "low": 21, "high": max_in}
+    return make_scenario(
+        engine=dict(
+            vllm_version=draw(st.sampled_from(["0.11", "0.23", "0.32"])),
+            block_size=block_size,
+            max_model_len=need + draw(st.integers(0, 64)),
+            num_gpu_blocks=-(-need // block_size) + 1 + draw(st.integers(0, 60)),
+            max_num_seqs=draw(st.integers(1, 16)),
+            max_num_batched_tokens=draw(st.integers(4, 512)),
+            enable_prefix_caching=draw(st.booleans()),
+        ),
+        step_time=dict(
+            base=0.004, per_prefill_token=1e-5, per_decode_token=draw(st.sampled_from([1e-4, 3e-3])),
+            per_context_token=draw(st.sampled_from([0.0, 1e-7])),
+            host_overhead=draw(st.sampled_from([0.0, 0.0013])),
+        ),
+        workload=workload,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_fast_path_equals_reference_path(scenario):
+    reference = simulate(scenario, fast=False)
+    fast = simulate(scenario, fast=True)
+    assert fast.records == reference.records
+    assert fast.steps == reference.steps
+    assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+
+
+def test_fast_path_is_taken_on_long_decodes():
+    scenario = make_scenario(
+        workload={"arrival": {"process": "closed", "concurrency": 4}, "num_requests": 8,
+                  "input_len": 100, "output_len": 500},
+    )
+    import simcap.simulator as sim
+
+    calls = []
+    original = sim.run_stretch
+
+    def spy(world, m, *args):
+        calls.append(m)
+        return original(world, m, *args)
+
+    sim.run_stretch = spy
+    try:
+        simulate(scenario)
+    finally:
+        sim.run_stretch = original
+    assert sum(calls) > 0.9 * len(simulate(scenario, fast=False).steps)
