@@ -69,16 +69,15 @@ def step_periods(world, num_reqs: int, context0: int, m: int) -> np.ndarray:
 def plan_stretch(world, m: int, now: float, horizon: float):
     """Trim ``m`` to the steps that start before ``horizon`` and fit the KV pool.
 
-    Returns (m, starts[0..m], periods[0..m-1], allocation events (step, batch index)),
-    where ``starts[j]`` is step j's start (``starts[m]`` the end of the stretch).
+    Returns (m, starts[0..m], periods[0..m-1], new-block events as sorted (step, batch
+    index) pairs), where ``starts[j]`` is step j's start (``starts[m]`` the end).
     """
     scheduler = world.scheduler
     running = scheduler.running
     kv = scheduler.kv
     bs = kv.block_size
     num_reqs = len(running)
-    computed = np.fromiter((r.num_computed_tokens for r in running), np.int64, num_reqs)
-    context0 = int(computed.sum())
+    context0 = sum(r.num_computed_tokens for r in running)
     periods = step_periods(world, num_reqs, context0, m)
     starts = np.add.accumulate(np.concatenate(([now], periods)))
     # Step j (0-based) is unaffected by an event at `horizon` only if it starts before it.
@@ -86,57 +85,24 @@ def plan_stretch(world, m: int, now: float, horizon: float):
     m = min(m, fits)
     if m < MIN_STRETCH:
         return 0, None, None, None
-    # KV: request b needs a new block at step j when computed + j + 1 > held * bs,
-    # i.e. from step first[b] = held*bs - computed on, then every bs steps.
-    held = np.fromiter((kv.num_blocks_held(r) for r in running), np.int64, num_reqs)
-    first_new = held * bs - computed
-    new_steps: list[np.ndarray] = []
-    new_batch: list[np.ndarray] = []
-    commit_steps: list[np.ndarray] = []
-    commit_batch: list[np.ndarray] = []
-    caching = kv.enable_caching
-    for b in range(num_reqs):
-        js = np.arange(max(int(first_new[b]), 0), m, bs, dtype=np.int64)
-        if js.size:
-            new_steps.append(js)
-            new_batch.append(np.full(js.size, b, np.int64))
-        if caching:
-            # A block becomes full (and is committed) when computed + j + 1 hits a multiple.
-            c0 = int(computed[b])
-            j0 = (-(c0 + 1)) % bs
-            cs = np.arange(j0, m, bs, dtype=np.int64)
-            if cs.size:
-                commit_steps.append(cs)
-                commit_batch.append(np.full(cs.size, b, np.int64))
-    if new_steps:
-        nsteps = np.concatenate(new_steps)
-        nbatch = np.concatenate(new_batch)
-        order = np.lexsort((nbatch, nsteps))
-        nsteps, nbatch = nsteps[order], nbatch[order]
-        free = kv.num_free_blocks
-        if nsteps.size > free:
-            # The (free+1)-th new block fails: stop before the step that asks for it.
-            m = min(m, int(nsteps[free]))
-            keep = nsteps < m
-            nsteps, nbatch = nsteps[keep], nbatch[keep]
-            if m < MIN_STRETCH:
-                return 0, None, None, None
-    else:
-        nsteps = nbatch = np.zeros(0, np.int64)
-    if commit_steps:
-        csteps = np.concatenate(commit_steps)
-        cbatch = np.concatenate(commit_batch)
-        keep = csteps < m
-        csteps, cbatch = csteps[keep], cbatch[keep]
-    else:
-        csteps = cbatch = np.zeros(0, np.int64)
-    ev_steps = np.concatenate([nsteps, csteps])
-    ev_batch = np.concatenate([nbatch, cbatch])
-    pairs = np.unique(ev_steps * num_reqs + ev_batch)  # sorted by (step, batch index)
-    return m, starts[: m + 1], periods[:m], (pairs // num_reqs, pairs % num_reqs, nsteps)
+    # KV: request b needs a new block at step j when computed + j + 1 > held * bs, i.e. at
+    # j = held*bs - computed and every bs steps after. Few events: plain Python.
+    new_events: list[tuple[int, int]] = []
+    for b, req in enumerate(running):
+        first = kv.num_blocks_held(req) * bs - req.num_computed_tokens
+        new_events.extend((j, b) for j in range(first if first > 0 else 0, m, bs))
+    new_events.sort()
+    free = kv.num_free_blocks
+    if len(new_events) > free:
+        # The (free+1)-th new block fails: stop before the step that asks for it.
+        m = min(m, new_events[free][0])
+        if m < MIN_STRETCH:
+            return 0, None, None, None
+        new_events = [e for e in new_events if e[0] < m]
+    return m, starts[: m + 1], periods[:m], new_events
 
 
-def run_stretch(world, m: int, starts: np.ndarray, periods: np.ndarray, events) -> None:
+def run_stretch(world, m: int, starts: np.ndarray, periods: np.ndarray, new_blocks) -> None:
     """Apply ``m`` pure-decode steps to the scheduler, KV pool, records and step log."""
     scheduler = world.scheduler
     running = list(scheduler.running)
@@ -144,16 +110,15 @@ def run_stretch(world, m: int, starts: np.ndarray, periods: np.ndarray, events) 
     num_reqs = len(running)
     computed0 = [r.num_computed_tokens for r in running]
     outputs0 = [r.num_output_tokens for r in running]
-    ev_steps, ev_batch, new_block_steps = events
-    for j, b in zip(ev_steps.tolist(), ev_batch.tolist()):
-        req = running[b]
-        req.num_computed_tokens = computed0[b] + j
-        req.num_output_tokens = outputs0[b] + j
-        if not kv.allocate_slots(req, 1):  # pragma: no cover - excluded by plan_stretch
-            raise AssertionError("fast path: KV allocation failed inside a planned stretch")
+    # New blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
+    # that fill up are committed at the end: their hashes include this request's own output
+    # tokens, so no other request's allocation or hit in the stretch can depend on them.
+    for _, b in new_blocks:
+        kv.append_block(running[b])
     for b, req in enumerate(running):
         req.num_computed_tokens = computed0[b] + m
         req.num_output_tokens = outputs0[b] + m
+        kv.commit_full_blocks(req)
     ends = starts[1:].tolist()
     ones = [1] * m
     records = world.records
@@ -173,7 +138,9 @@ def run_stretch(world, m: int, starts: np.ndarray, periods: np.ndarray, events) 
     steps.num_preempted.extend(zeros)
     # Usage after each step's allocations: the free count falls at every new-block event.
     free_end = kv.num_free_blocks
-    allocated = np.bincount(new_block_steps, minlength=m)[:m]
+    allocated = np.bincount(
+        np.fromiter((j for j, _ in new_blocks), np.int64, len(new_blocks)), minlength=m
+    )[:m]
     free_after = free_end + int(allocated.sum()) - np.cumsum(allocated)
     steps.kv_cache_usage.extend((1.0 - free_after / (kv.num_blocks - 1)).tolist())
 

@@ -148,6 +148,28 @@ class KVCacheManager:
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return True
 
+    def append_block(self, request: Request) -> None:
+        """Give a running request one more block (the caller checked one is free).
+
+        The fast path's form of the allocation a decode step makes every ``block_size``
+        tokens: the same LRU pop and eviction as :meth:`allocate_slots`.
+        """
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached_block_hash_to_block.get(h) == block:
+                del self.cached_block_hash_to_block[h]
+            self.block_hash[block] = None
+        self.ref_cnt[block] = 1
+        self.req_to_blocks[request.request_id].append(block)
+
+    def commit_full_blocks(self, request: Request) -> None:
+        """Commit every full block of the request's computed tokens to the prefix cache."""
+        if self.enable_caching:
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens
+            computed = request.num_computed_tokens
+            self._cache_full_blocks(request, computed if computed < num_tokens else num_tokens)
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Commit the request's newly full blocks (never drafts) to the prefix cache."""
         bs = self.block_size

@@ -82,7 +82,8 @@ class Request:
         """Extend ``block_hashes`` over every full block of ``num_tokens``; return the list.
 
         Block ``i``'s hash chains its parent's hash with the (key, start, end) pieces of the
-        segments it covers, as vLLM chains ``hash(parent, block_tokens)``.
+        segments it covers, as vLLM chains ``hash(parent, block_tokens)``; a block inside one
+        segment hashes as ``(parent, key, start)``.
         """
         hashes = self.block_hashes
         num_full = self.num_tokens // block_size
@@ -92,6 +93,19 @@ class Request:
         segments = self.segments
         num_segments = len(segments)
         while len(hashes) < num_full:
+            # Fast case: the block lies inside one segment.
+            if seg_index < num_segments:
+                key, length = segments[seg_index]
+            else:
+                key, length = self.output_key, self.num_output_tokens
+            if length - offset >= block_size:
+                parent = hash((parent, key, offset))
+                hashes.append(parent)
+                offset += block_size
+                if offset == length and seg_index < num_segments:
+                    seg_index += 1
+                    offset = 0
+                continue
             pieces = []
             need = block_size
             while need:
