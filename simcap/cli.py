@@ -35,20 +35,43 @@ def simulate_cmd(
         None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Write teaching figures (step timeline, ITL histogram, KV and queue) as PNGs into DIR."
+    ),
+    ci: bool = typer.Option(
+        False, "--ci", help="Re-run with the profile's bootstrap coefficient sets; print 90% intervals."
+    ),
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
+    intervals = None
     try:
-        result = simulate(load_scenario(scenario, set_ or []))
+        if ci:
+            from simcap.calibrate import simulate_with_ci
+
+            result, intervals = simulate_with_ci(load_scenario(scenario, set_ or []))
+        else:
+            result = simulate(load_scenario(scenario, set_ or []))
     except SimcapError as exc:
         _fail(str(exc))
     except SimulationError as exc:  # a state vLLM could not reach: report, don't hide
         typer.echo(f"simulation error: {exc}", err=True)
         raise typer.Exit(1)
     data = result.to_dict()
+    if intervals is not None:
+        data["ci"] = {"level": 0.9, **{k: list(v) for k, v in intervals.items()}}
     if json_out:
         typer.echo(report.to_json(data))
     else:
         report.render_summary(data, Console(width=max(100, Console().width)))
+        if intervals is not None:
+            from simcap.calibrate import render_intervals
+
+            render_intervals(data, intervals, Console(width=max(100, Console().width)))
+    if plot is not None:
+        from simcap.plots import write_simulation_plots
+
+        for path in write_simulation_plots(result, plot):
+            typer.echo(f"figure: {path}", err=json_out)  # stdout stays pure JSON with --json
 
 
 @app.command("kv")
@@ -71,6 +94,224 @@ def kv_cmd(
         typer.echo(report.to_json(plan.to_dict()))
     else:
         report.render_kv_plan(plan.to_dict(), Console(width=max(100, Console().width)))
+
+
+@app.command("crossover")
+def crossover_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file with a speculative section."),
+    concurrency: Optional[str] = typer.Option(
+        None, "--concurrency", help="Closed-loop clients, comma-separated (default 1,2,4,...,128)."
+    ),
+    rate: Optional[str] = typer.Option(
+        None, "--rate", help="Open-loop arrival rates in req/s, comma-separated (instead of --concurrency)."
+    ),
+    per_stream_tps: Optional[float] = typer.Option(
+        None, "--per-stream-tps", help="Per-stream target, output tok/s per request: highest load keeping it."
+    ),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a throughput/latency figure (PNG, SVG, PDF)."),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+) -> None:
+    """Run a scenario with and without speculative decoding across load; find the crossover."""
+    from simcap import crossover as xo
+
+    try:
+        if concurrency is not None and rate is not None:
+            _fail("--rate: give either --concurrency (closed loop) or --rate (open loop), not both")
+        loaded = load_scenario(scenario, set_ or [])
+        result = xo.find_crossover(
+            loaded,
+            concurrencies=None if concurrency is None else xo.parse_load_list(concurrency, "--concurrency", integer=True),
+            rates=None if rate is None else xo.parse_load_list(rate, "--rate", integer=False),
+            per_stream_tps=per_stream_tps,
+        )
+    except SimcapError as exc:
+        _fail(str(exc))
+    except SimulationError as exc:
+        typer.echo(f"simulation error: {exc}", err=True)
+        raise typer.Exit(1)
+    if plot is not None:
+        xo.plot_crossover(result, plot)
+    if json_out:
+        typer.echo(report.to_json(result.to_dict()))
+    else:
+        xo.render_crossover(result, Console(width=max(130, Console().width)))
+        if plot is not None:
+            typer.echo(f"figure: {plot}")
+
+
+@app.command("capacity")
+def capacity_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file."),
+    slo: Optional[List[str]] = typer.Option(
+        None, "--slo", help="SLO target METRIC_STAT=SECONDS, e.g. ttft_p95=2.0 (repeatable; default the scenario's slo)."
+    ),
+    rates: Optional[str] = typer.Option(
+        None, "--rates", help="Requested arrival rates in req/s: R1,R2,... or START:STOP:N."
+    ),
+    auto: bool = typer.Option(False, "--auto", help="Bracket and bisect the safe rate (default without --rates)."),
+    duration: float = typer.Option(300.0, "--duration", help="Seconds of arrivals per run."),
+    replicates: int = typer.Option(2, "--replicates", help="Runs per rate; replicate r uses seed + r."),
+    workers: int = typer.Option(1, "--workers", help="Worker processes."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write the SLO-vs-rate figure to FILE (PNG)."),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+) -> None:
+    """Highest arrival rate that keeps the SLO (safe rate) and where the queue diverges."""
+    from simcap import capacity as cap
+
+    try:
+        loaded = load_scenario(scenario, set_ or [])
+        result = cap.find_capacity(
+            loaded,
+            cap.parse_slo(slo) if slo else None,
+            rates=cap.parse_rates(rates) if rates is not None else None,
+            auto=auto,
+            duration_s=duration,
+            replicates=replicates,
+            workers=workers,
+        )
+    except SimcapError as exc:
+        _fail(str(exc))
+    except SimulationError as exc:
+        typer.echo(f"simulation error: {exc}", err=True)
+        raise typer.Exit(1)
+    if plot is not None:
+        from simcap.plots import plot_capacity
+
+        plot_capacity(result, plot)
+    if json_out:
+        typer.echo(report.to_json(result.to_dict()))
+    else:
+        cap.render_capacity(result, Console(width=max(120, Console().width)))
+    if plot is not None:
+        typer.echo(f"figure: {plot}", err=json_out)
+
+
+@app.command("sweep")
+def sweep_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file."),
+    grid: List[str] = typer.Option(
+        ..., "--grid", help="dotted.key=V1,V2,... (repeatable): the cartesian product is simulated."
+    ),
+    metric: Optional[List[str]] = typer.Option(
+        None, "--metric", help="Result field to report, a dotted path into simulate --json, e.g. ttft_s.p95 (repeatable)."
+    ),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes (default: CPU count)."),
+    backend: str = typer.Option("local", "--backend", help="local (processes) or ray (needs simcap[ray])."),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Override a scenario key for every point: dotted.key=value (repeatable)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    csv_out: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
+) -> None:
+    """Simulate every combination of the --grid overrides; one row per point, in grid order."""
+    from rich.progress import Progress
+
+    from simcap import sweep as sw
+
+    if json_out and csv_out:
+        _fail("--csv: give either --json or --csv, not both")
+    bar = Progress(console=Console(stderr=True), transient=True)
+    task = None
+
+    def progress(done: int, total: int) -> None:  # first called once every point validated
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task("simulating", total=total)
+        bar.update(task, completed=done, total=total)
+
+    try:
+        result = sw.run_sweep(
+            sw.ScenarioSource.from_file(scenario),
+            sw.parse_grid(grid),
+            metric or None,
+            overrides=set_ or [],
+            workers=workers,
+            backend=backend,
+            progress=progress,
+        )
+    except SimcapError as exc:
+        if task is not None:
+            bar.stop()
+        _fail(str(exc))
+    except SimulationError as exc:
+        if task is not None:
+            bar.stop()
+        typer.echo(f"simulation error: {exc}", err=True)
+        raise typer.Exit(1)
+    if task is not None:
+        bar.stop()
+    if json_out:
+        typer.echo(result.to_json())
+    elif csv_out:
+        typer.echo(result.to_csv(), nl=False)
+    else:
+        sw.render_sweep(result, Console(width=max(120, Console().width)))
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    inputs: List[str] = typer.Argument(
+        ..., help="Measurement files (FILE or FILE#key.path), or one recipe YAML with datasets."
+    ),
+    out: Path = typer.Option(..., "--out", help="Profile YAML to write."),
+    base: Optional[Path] = typer.Option(
+        None, "--base", help="Profile or recipe giving the deployment (engine, speculative) and start values."
+    ),
+    name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: the base's, or --out's stem)."),
+    form: Optional[str] = typer.Option(
+        None, "--form", help="Free terms, comma-separated; a=b ties a to free term b (default: by data)."
+    ),
+    fix: Optional[List[str]] = typer.Option(None, "--fix", help="Fixed term value TERM=SECONDS (repeatable)."),
+    host_overhead: Optional[float] = typer.Option(
+        None, "--host-overhead", help="Host seconds per step between forwards (not in iteration logs)."
+    ),
+    input_len: Optional[int] = typer.Option(None, "--input-len", help="Prompt tokens, where the data lacks them."),
+    output_len: Optional[int] = typer.Option(None, "--output-len", help="Output tokens, where the data lacks them."),
+    num_speculative_tokens: int = typer.Option(
+        0, "--num-speculative-tokens", help="k of the logged run (iteration logs: generation tokens include drafts)."
+    ),
+    bootstrap: Optional[int] = typer.Option(None, "--bootstrap", help="Bootstrap resamples (0: no intervals)."),
+    warn_above: Optional[float] = typer.Option(
+        None, "--warn-above", help="Warn where |relative error| exceeds this fraction (default 0.1)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the fit report as one JSON object."),
+    residual_plot: Optional[Path] = typer.Option(None, "--residual-plot", help="Write fitted vs measured (PNG/SVG/PDF)."),
+) -> None:
+    """Fit a profile (step-time coefficients) to step samples or benchmark results."""
+    import shlex
+
+    from simcap import calibrate as cal
+
+    try:
+        fixed = cal.parse_fix(fix or [])
+        recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem)
+        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v}
+        fit = cal.calibrate(
+            inputs, recipe, form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
+            num_speculative_tokens=num_speculative_tokens, bootstrap=bootstrap, warn_above=warn_above,
+        )
+        command = "simcap calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        cal.write_profile(cal.profile_dict(fit, recipe, command=command), out)
+        if residual_plot is not None:
+            cal.residual_plot(fit, residual_plot)
+    except SimcapError as exc:
+        _fail(str(exc))
+    if json_out:
+        typer.echo(report.to_json({**fit.to_dict(), "profile": str(out)}))
+    else:
+        cal.render_fit(fit, Console(width=max(110, Console().width)))
+        typer.echo(f"profile: {out}")
+        if residual_plot is not None:
+            typer.echo(f"figure: {residual_plot}")
+    for line in fit.warnings:
+        typer.echo(line, err=True)
 
 
 @app.command()

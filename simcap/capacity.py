@@ -1,0 +1,731 @@
+"""Capacity: the highest arrival rate one replica takes while its SLO holds.
+
+The field's method, run in seconds instead of hours: open-loop arrivals (Poisson, or the
+scenario's own gamma process) at a series of rates, each held for ``duration_s`` and run in
+``replicates`` replicates (replicate ``r`` uses seed ``scenario.seed + r``), every request
+completed, the SLO metrics (e.g. TTFT p95) computed per run exactly as ``simcap simulate``
+computes them. The x axis is the MEASURED arrival rate of each run (arrivals / duration), as
+in the field, where the load generator fell short of the requested rate.
+
+Rules (also carried in every result's ``rules``):
+
+- **pass**: a run passes when every SLO target holds (value <= target). A percentile whose
+  run had too few samples for the claim (MLPerf early stopping, see :mod:`simcap.metrics`)
+  still passes or fails on its value, and is flagged ``samples_adequate: false``.
+- **safe rate** (the "prefix rule"): walk the tested rates upward; the safe rate is the last
+  rate before the first rate at which any replicate fails. So every replicate at the safe
+  rate passed AND every lower tested rate passed in every replicate; a pass above a failure
+  (noise) is not trusted. ``safe_rate`` is the lowest measured arrival rate among that
+  rate's replicates (the rate demonstrably taken in every replicate); ``safe_offered_rate``
+  is the requested one.
+- **saturated** (one run): in the second half of the arrival window ``[T/2, T)``, requests
+  completed fall below 0.95 x requests arrived, i.e. completed throughput has stopped
+  following the arrival rate and the backlog grows. The second half skips the fill-up at
+  the start; the window ends with the arrivals, so the drain afterwards is not counted.
+  A stable queue's fluctuations are a few percent of the window's arrivals at most; a
+  diverging one loses ``1 - mu/lambda`` of them.
+- **saturation rate**: the server's maximum throughput ``mu``, the rate at which the queue
+  starts to diverge. Past it the engine runs full batches back to back, so the completion
+  rate inside a saturated run's window IS ``mu``: the estimate is the median of that rate
+  over the saturated runs. When no tested rate saturates, rates above the highest tested
+  one are probed (role ``probe``, one replicate each, never used for the safe rate).
+
+``find_capacity(..., auto=True)`` brackets the safe rate by doubling or halving from a start
+rate (jumping to 0.9 x the completion rate of a saturated run), then bisects until the
+bracket is within ``rel_tol`` or ``max_points`` rates were tried. With a profile that carries
+``bootstrap`` coefficient sets, the same search is rerun per coefficient set (coarser
+tolerance, started from that set's own saturation rate) and ``safe_rate_interval`` is the
+central range of those safe rates at the profile's CI level (default 90%: 5th-95th percentile).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from simcap._version import __version__
+from simcap.errors import ScenarioError
+from simcap.metrics import SLO_METRICS, SLO_STATS
+from simcap.scenario import ClosedArrival, GammaArrival, PoissonArrival, Scenario, StepTimeConfig
+from simcap.simulator import Result, provenance, simulate
+
+DEFAULT_DURATION_S = 300.0
+DEFAULT_REPLICATES = 2
+SATURATION_RATIO = 0.95
+REPORTED = ("ttft_p95", "tpot_p95")  # always reported per point, SLO or not
+
+RULES = {
+    "pass": "every SLO target holds in the run (value <= target); percentiles with too few "
+    "samples (MLPerf early stopping, 99% confidence) are flagged, not failed",
+    "safe_rate": "prefix rule: the highest tested rate below the first rate at which any "
+    "replicate fails (so it and every lower tested rate passed in every replicate); reported "
+    "as the lowest measured arrival rate among its replicates",
+    "saturated": f"completed < {SATURATION_RATIO} x arrived in the second half of the arrival "
+    "window [T/2, T)",
+    "saturation_rate": "median completion rate (requests/s) inside that window over the "
+    "saturated runs: the server's maximum throughput, where the queue starts to diverge",
+}
+
+
+# --------------------------------------------------------------------------- SLO input
+
+
+def parse_slo(items: Iterable[str] | Mapping[str, float] | None) -> dict[str, float]:
+    """``["ttft_p95=2.0", "tpot_p95=50ms"]`` (or a mapping) -> ``{"ttft_p95": 2.0, ...}`` seconds.
+
+    Values are seconds, or milliseconds with an ``ms`` suffix. Raises :class:`ScenarioError`
+    naming the offending key.
+    """
+    if items is None:
+        return {}
+    pairs: list[tuple[str, Any, str]] = []
+    if isinstance(items, Mapping):
+        pairs = [(str(k), v, f"{k}={v}") for k, v in items.items()]
+    else:
+        for item in items:
+            key, sep, raw = str(item).partition("=")
+            key = key.strip()
+            if not sep or not key or not raw.strip():
+                raise ScenarioError(
+                    f"--slo {item!r}: expected METRIC_STAT=SECONDS, e.g. ttft_p95=2.0 or tpot_p95=50ms"
+                )
+            pairs.append((key, raw.strip(), item))
+    allowed = [f"{m}_{s}" for m in SLO_METRICS for s in SLO_STATS]
+    out: dict[str, float] = {}
+    for key, raw, item in pairs:
+        if key not in allowed:
+            raise ScenarioError(
+                f"slo.{key}: unknown SLO in --slo {item!r}; allowed: METRIC_STAT with METRIC in "
+                f"{', '.join(SLO_METRICS)} and STAT in {', '.join(SLO_STATS)}"
+            )
+        scale = 1.0
+        text = str(raw).strip().lower()
+        if text.endswith("ms"):
+            text, scale = text[:-2], 1e-3
+        elif text.endswith("s"):
+            text = text[:-1]
+        try:
+            value = float(text) * scale
+        except ValueError:
+            raise ScenarioError(
+                f"slo.{key}: target must be a number of seconds (or NNms), got {raw!r}"
+            ) from None
+        if not math.isfinite(value) or value <= 0:
+            raise ScenarioError(f"slo.{key}: target must be > 0 seconds (got {raw!r})")
+        out[key] = value
+    return out
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"1,2,3.5"`` or ``"START:STOP:N"`` (N evenly spaced, both ends included) -> rates."""
+    text = text.strip()
+    try:
+        if ":" in text:
+            parts = text.split(":")
+            if len(parts) != 3:
+                raise ValueError
+            start, stop, n = float(parts[0]), float(parts[1]), int(parts[2])
+            if n < 1 or stop < start:
+                raise ValueError
+            rates = [float(r) for r in np.linspace(start, stop, n)]
+        else:
+            rates = [float(tok) for tok in text.split(",") if tok.strip()]
+    except ValueError:
+        raise ScenarioError(
+            f"--rates {text!r}: expected rates in requests/s as R1,R2,... or START:STOP:N"
+        ) from None
+    if not rates or any(not math.isfinite(r) or r <= 0 for r in rates):
+        raise ScenarioError(f"--rates {text!r}: every rate must be > 0 requests/s")
+    return sorted(set(rates))
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def at_rate(
+    scenario: Scenario,
+    rate: float,
+    *,
+    duration_s: float,
+    seed: int,
+    slo: Mapping[str, float] | None = None,
+    step_time: Mapping[str, float] | None = None,
+) -> Scenario:
+    """The scenario with open-loop arrivals at ``rate`` for ``duration_s``, a seed and an SLO.
+
+    Gamma arrivals keep their burstiness; closed-loop workloads become Poisson (the capacity
+    method is open loop). ``step_time``: coefficient values to substitute (bootstrap sets).
+    """
+    wl = scenario.workload
+    arrival = wl.arrival
+    if isinstance(arrival, GammaArrival):
+        new_arrival: PoissonArrival | GammaArrival = arrival.model_copy(update={"rate": float(rate)})
+    else:
+        new_arrival = PoissonArrival(process="poisson", rate=float(rate))
+    workload = wl.model_copy(
+        update={"arrival": new_arrival, "duration_s": float(duration_s), "num_requests": None}
+    )
+    update: dict[str, Any] = {"workload": workload, "seed": int(seed)}
+    if slo is not None:
+        update["slo"] = dict(slo)
+    if step_time:
+        values = scenario.step_time.model_dump()
+        values.update({k: float(v) for k, v in step_time.items()})
+        update["step_time"] = StepTimeConfig(**values)
+    return scenario.model_copy(update=update)
+
+
+@dataclass(frozen=True)
+class CapacityPoint:
+    """One run: a requested rate, one replicate, what it measured and whether it passed."""
+
+    rate: float
+    replicate: int
+    seed: int
+    measured_rate: float
+    values: dict[str, float | None]  # SLO keys (and REPORTED) -> seconds
+    slo_pass: dict[str, bool]
+    samples_adequate: dict[str, bool]
+    passed: bool
+    completed: int
+    arrived_in_window: int
+    completed_in_window: int
+    completion_rate: float  # completed per second inside [T/2, T)
+    saturated: bool
+    role: str = "search"  # "grid", "search", "probe" or "bootstrap"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rate": self.rate,
+            "measured_rate": self.measured_rate,
+            "replicate": self.replicate,
+            "seed": self.seed,
+            **self.values,
+            "pass": self.passed,
+            "slo_pass": dict(self.slo_pass),
+            "samples_adequate": dict(self.samples_adequate),
+            "completed": self.completed,
+            "completion_rate": self.completion_rate,
+            "saturated": self.saturated,
+            "role": self.role,
+        }
+
+
+def point_from_result(
+    result: Result, rate: float, replicate: int, duration_s: float, role: str = "search"
+) -> CapacityPoint:
+    """Measure one finished run: measured rate, SLO values and flags, saturation."""
+    summary = result.summary
+    slo = summary.slo or {}
+    records = result.records
+    arrival = np.fromiter((r.arrival_time for r in records), float, len(records))
+    finish = np.fromiter(
+        (np.inf if r.finish_time is None else r.finish_time for r in records), float, len(records)
+    )
+    half = duration_s / 2.0
+    arrived_w = int(np.count_nonzero((arrival >= half) & (arrival < duration_s)))
+    done_w = int(np.count_nonzero((finish >= half) & (finish < duration_s)))
+    saturated = arrived_w > 0 and done_w < SATURATION_RATIO * arrived_w
+    values: dict[str, float | None] = {}
+    adequate: dict[str, bool] = {}
+    for key in list(slo) + [k for k in REPORTED if k not in slo]:
+        metric, _, stat = key.partition("_")
+        dist = getattr(summary, SLO_METRICS[metric])
+        values[key] = dist.stat(stat)
+        adequate[key] = dist.stat_adequate(stat)
+    return CapacityPoint(
+        rate=float(rate),
+        replicate=int(replicate),
+        seed=int(result.scenario.seed),
+        measured_rate=len(records) / duration_s,
+        values=values,
+        slo_pass={k: bool(v["pass"]) for k, v in slo.items()},
+        samples_adequate=adequate,
+        passed=bool(summary.slo_pass),
+        completed=summary.completed,
+        arrived_in_window=arrived_w,
+        completed_in_window=done_w,
+        completion_rate=done_w / half if half > 0 else 0.0,
+        saturated=bool(saturated),
+        role=role,
+    )
+
+
+def _run_one(task: tuple) -> CapacityPoint:
+    scenario, rate, replicate, duration_s, slo, step_time, role = task
+    s = at_rate(
+        scenario, rate, duration_s=duration_s, seed=scenario.seed + replicate, slo=slo,
+        step_time=step_time,
+    )
+    return point_from_result(simulate(s), rate, replicate, duration_s, role)
+
+
+class _Runner:
+    """Runs batches of (rate, replicate) tasks, in worker processes when ``workers > 1``."""
+
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = max(1, int(workers))
+        self._pool: ProcessPoolExecutor | None = None
+
+    def map(self, tasks: list[tuple]) -> list[CapacityPoint]:
+        if self.workers == 1 or len(tasks) == 1:
+            return [_run_one(t) for t in tasks]
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers)
+        return list(self._pool.map(_run_one, tasks))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def safe_rate_of(points: Sequence[CapacityPoint], key: str | None = None) -> tuple[float | None, float | None]:
+    """Prefix rule over non-probe points: ``(safe offered rate, its lowest measured rate)``.
+
+    ``key``: judge by that SLO key alone instead of the whole SLO.
+    """
+    by_rate: dict[float, list[CapacityPoint]] = {}
+    for p in points:
+        if p.role != "probe":
+            by_rate.setdefault(p.rate, []).append(p)
+    safe: float | None = None
+    for rate in sorted(by_rate):
+        runs = by_rate[rate]
+        ok = all(p.passed if key is None else p.slo_pass.get(key, False) for p in runs)
+        if not ok:
+            break
+        safe = rate
+    if safe is None:
+        return None, None
+    return safe, min(p.measured_rate for p in by_rate[safe])
+
+
+def saturation_rate_of(points: Sequence[CapacityPoint]) -> float | None:
+    """Median completion rate over saturated runs (the server's maximum throughput)."""
+    sat = [p.completion_rate for p in points if p.saturated]
+    return float(np.median(sat)) if sat else None
+
+
+def saturation_bracket(points: Sequence[CapacityPoint]) -> tuple[float | None, float | None]:
+    """(highest measured rate of a run that kept up, lowest measured rate of one that did not)."""
+    ok = [p.measured_rate for p in points if not p.saturated]
+    bad = [p.measured_rate for p in points if p.saturated]
+    return (max(ok) if ok else None, min(bad) if bad else None)
+
+
+# --------------------------------------------------------------------------- result
+
+
+@dataclass
+class CapacityResult:
+    slo: dict[str, float]
+    points: list[CapacityPoint]
+    safe_rate: float | None
+    safe_offered_rate: float | None
+    saturation_rate: float | None
+    safe_rate_by_slo: dict[str, float | None]
+    duration_s: float
+    replicates: int
+    mode: str  # "grid" or "auto"
+    safe_rate_interval: tuple[float, float] | None = None
+    interval_info: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all_adequate(self) -> bool:
+        return all(all(p.samples_adequate.values()) for p in self.points)
+
+    def to_dict(self) -> dict[str, Any]:
+        lo, hi = saturation_bracket(self.points)
+        return {
+            "safe_rate": self.safe_rate,
+            "safe_offered_rate": self.safe_offered_rate,
+            "saturation_rate": self.saturation_rate,
+            "saturation_bracket": [lo, hi],
+            "safe_rate_interval": (
+                list(self.safe_rate_interval) if self.safe_rate_interval is not None else None
+            ),
+            "safe_rate_interval_info": self.interval_info,
+            "safe_rate_by_slo": dict(self.safe_rate_by_slo),
+            "slo": dict(self.slo),
+            "mode": self.mode,
+            "duration_s": self.duration_s,
+            "replicates": self.replicates,
+            "points": [p.to_dict() for p in self.points],
+            "notes": list(self.notes),
+            "rules": dict(RULES),
+            "provenance": self.provenance,
+        }
+
+
+# --------------------------------------------------------------------------- search
+
+
+def _evaluate_rate(
+    runner: _Runner, scenario: Scenario, rate: float, replicates: int, duration_s: float,
+    slo: dict[str, float], step_time: Mapping[str, float] | None, role: str,
+) -> list[CapacityPoint]:
+    tasks = [(scenario, rate, r, duration_s, slo, step_time, role) for r in range(replicates)]
+    return runner.map(tasks)
+
+
+def _search_steps(
+    start: float, *, rel_tol: float, max_points: int, step: float = 2.0, min_rate: float = 1e-3
+) -> Generator[float, list[CapacityPoint], None]:
+    """The search as a coroutine: yields the next rate, is sent that rate's runs.
+
+    Bracketing multiplies or divides the rate by ``step``; after a failing run that
+    saturated, it jumps down to 0.9 x that run's completion rate (the server's throughput)
+    when that is closer than one step. Then it bisects until the bracket is within
+    ``rel_tol`` (relative to its top) or ``max_points`` rates were tried.
+    """
+    lo: float | None = None  # highest rate at which every replicate passed
+    hi: float | None = None  # lowest rate at which some replicate failed
+    tried = 0
+    rate = start
+    while (lo is None or hi is None) and tried < max_points and rate >= min_rate:
+        runs = yield rate
+        tried += 1
+        if all(p.passed for p in runs):
+            lo = rate
+            rate = rate * step
+        else:
+            hi = rate
+            sat = [p.completion_rate for p in runs if p.saturated]
+            jump = 0.9 * min(sat) if sat else 0.0
+            rate = jump if rate / step < jump < rate else rate / step
+    while lo is not None and hi is not None and hi - lo > rel_tol * hi and tried < max_points:
+        mid = (lo + hi) / 2.0
+        runs = yield mid
+        tried += 1
+        if all(p.passed for p in runs):
+            lo = mid
+        else:
+            hi = mid
+
+
+def _search(
+    evaluate: Callable[[float], list[CapacityPoint]], start: float, **kwargs: Any
+) -> list[CapacityPoint]:
+    """Run :func:`_search_steps` to the end with ``evaluate``; returns every run made."""
+    points: list[CapacityPoint] = []
+    steps = _search_steps(start, **kwargs)
+    try:
+        rate = next(steps)
+        while True:
+            runs = evaluate(rate)
+            points.extend(runs)
+            rate = steps.send(runs)
+    except StopIteration:
+        pass
+    return points
+
+
+def _search_many(
+    runner: "_Runner", scenario: Scenario, starts: list[float], sets: list[dict[str, float]],
+    replicates: int, duration_s: float, slo: dict[str, float], **kwargs: Any,
+) -> list[list[CapacityPoint]]:
+    """One search per coefficient set, in lockstep: each round runs every active search's
+    next rate (all replicates) as one batch, so worker processes stay busy."""
+    gens = [_search_steps(start, **kwargs) for start in starts]
+    points: list[list[CapacityPoint]] = [[] for _ in gens]
+    pending: dict[int, float] = {}
+    for i, gen in enumerate(gens):
+        try:
+            pending[i] = next(gen)
+        except StopIteration:
+            pass
+    while pending:
+        order = list(pending)
+        tasks = [
+            (scenario, pending[i], r, duration_s, slo, sets[i], "bootstrap")
+            for i in order for r in range(replicates)
+        ]
+        runs = runner.map(tasks)
+        nxt: dict[int, float] = {}
+        for k, i in enumerate(order):
+            mine = runs[k * replicates : (k + 1) * replicates]
+            points[i].extend(mine)
+            try:
+                nxt[i] = gens[i].send(mine)
+            except StopIteration:
+                pass
+        pending = nxt
+    return points
+
+
+def _start_rate(scenario: Scenario) -> float:
+    arrival = scenario.workload.arrival
+    return float(arrival.rate) if not isinstance(arrival, ClosedArrival) else 1.0
+
+
+def bootstrap_sets(scenario: Scenario, with_level: bool = False):
+    """The profile's bootstrap coefficient sets, limited to keys the scenario took from it.
+
+    A step-time key the scenario overrides keeps the scenario's value in every set. Returns
+    (sets, notes), and with ``with_level`` also the profile's CI level (default 0.9).
+    """
+    path = scenario.profile_file
+    if path is None:
+        return ([], [], 0.9) if with_level else ([], [])
+    from simcap.profile import load_profile
+
+    profile, digest = load_profile(path)
+    if scenario.profile is not None and scenario.profile.sha256 != digest:
+        notes = [f"profile {path} changed since the scenario was loaded: no bootstrap interval"]
+        return ([], notes, 0.9) if with_level else ([], notes)
+    ci = profile.provenance.get("ci") if isinstance(profile.provenance, dict) else None
+    level = float(ci.get("level", 0.9)) if isinstance(ci, dict) else 0.9
+    if not (0.0 < level < 1.0):
+        level = 0.9
+    if not profile.bootstrap:
+        return ([], [], level) if with_level else ([], [])
+    fields = set(StepTimeConfig.model_fields)
+    current = scenario.step_time.model_dump()
+    notes: list[str] = []
+    sets: list[dict[str, float]] = []
+    skipped: set[str] = set()
+    for entry in profile.bootstrap:
+        one: dict[str, float] = {}
+        for key, value in entry.items():
+            if key not in fields:
+                skipped.add(key)
+                continue
+            from_profile = profile.step_time.get(key)
+            if from_profile is not None and current.get(key) != float(from_profile):
+                skipped.add(key)  # the scenario overrides it
+                continue
+            one[key] = float(value)
+        sets.append(one)
+    if skipped:
+        notes.append(
+            "bootstrap keys held at the scenario's values (not step-time coefficients, or "
+            f"overridden by the scenario): {', '.join(sorted(skipped))}"
+        )
+    return (sets, notes, level) if with_level else (sets, notes)
+
+
+def find_capacity(
+    scenario: Scenario,
+    slo: Mapping[str, float] | Iterable[str] | None = None,
+    rates: Sequence[float] | None = None,
+    auto: bool = False,
+    duration_s: float = DEFAULT_DURATION_S,
+    replicates: int = DEFAULT_REPLICATES,
+    *,
+    workers: int = 1,
+    start_rate: float | None = None,
+    rel_tol: float = 0.02,
+    max_points: int = 14,
+    probe_saturation: bool = True,
+    max_probes: int = 5,
+    interval: bool = True,
+    interval_max_sets: int = 20,
+    interval_rel_tol: float = 0.04,
+) -> CapacityResult:
+    """The safe rate and saturation rate of ``scenario`` under ``slo`` (see the module doc).
+
+    ``slo``: ``{"ttft_p95": 2.0}`` or ``["ttft_p95=2.0"]``; default the scenario's own SLO.
+    ``rates``: requested rates (requests/s) to test; or ``auto=True`` to search. Neither:
+    search. Every rate is run ``replicates`` times for ``duration_s`` seconds of arrivals.
+    """
+    targets = parse_slo(slo) if slo else dict(scenario.slo)
+    if not targets:
+        raise ScenarioError(
+            "slo: capacity needs an SLO: give --slo ttft_p95=2.0 or an slo section in the scenario"
+        )
+    if not (duration_s > 0 and math.isfinite(duration_s)):
+        raise ScenarioError(f"--duration: must be > 0 seconds (got {duration_s})")
+    if replicates < 1:
+        raise ScenarioError(f"--replicates: must be >= 1 (got {replicates})")
+    if rates is not None:
+        rates = sorted({float(r) for r in rates})
+        if not rates or any(r <= 0 or not math.isfinite(r) for r in rates):
+            raise ScenarioError("--rates: every rate must be > 0 requests/s")
+    mode = "grid" if rates is not None and not auto else "auto"
+    runner = _Runner(workers)
+    notes: list[str] = []
+    try:
+        if mode == "grid":
+            tasks = [
+                (scenario, r, k, duration_s, targets, None, "grid")
+                for r in rates for k in range(replicates)
+            ]
+            points = runner.map(tasks)
+        else:
+            start = start_rate or (rates[0] if rates else _start_rate(scenario))
+            points = _search(
+                lambda r: _evaluate_rate(runner, scenario, r, replicates, duration_s, targets,
+                                         None, "search"),
+                start, rel_tol=rel_tol, max_points=max_points,
+            )
+        if probe_saturation and not any(p.saturated for p in points):
+            top = max(p.rate for p in points)
+            for _ in range(max_probes):
+                top *= 1.5
+                probe = _evaluate_rate(runner, scenario, top, 1, duration_s, targets, None, "probe")
+                points.extend(probe)
+                if probe[0].saturated:
+                    break
+        points.sort(key=lambda p: (p.rate, p.replicate))
+        safe_offered, safe = safe_rate_of(points)
+        by_slo = {key: safe_rate_of(points, key)[1] for key in targets}
+        saturation = saturation_rate_of(points)
+        tested = sorted({p.rate for p in points if p.role != "probe"})
+        if safe_offered is None:
+            notes.append(f"no tested rate passed: the safe rate is below {tested[0]:g} req/s")
+        elif safe_offered == tested[-1]:
+            notes.append("every tested rate passed: the safe rate may be higher")
+        if saturation is None:
+            notes.append("no run saturated: the saturation rate is above every rate tried")
+        if not all(all(p.samples_adequate[k] for k in targets) for p in points):
+            notes.append(
+                "some percentiles rest on too few samples for the claim (samples_adequate false)"
+            )
+        result = CapacityResult(
+            slo=targets, points=points, safe_rate=safe, safe_offered_rate=safe_offered,
+            saturation_rate=saturation, safe_rate_by_slo=by_slo, duration_s=float(duration_s),
+            replicates=int(replicates), mode=mode, notes=notes,
+        )
+        if interval and safe_offered is not None:
+            sets, set_notes, level = bootstrap_sets(scenario, with_level=True)
+            if not sets:
+                result.notes.extend(set_notes)
+            if sets:
+                _interval(result, runner, scenario, sets, set_notes, targets, duration_s,
+                          replicates, interval_max_sets, interval_rel_tol, level)
+    finally:
+        runner.close()
+    prov = provenance(scenario)
+    prov.update(
+        simcap_version=__version__,
+        method="open-loop arrivals per rate, every request completed, replicate r uses seed + r",
+        arrival_process=(
+            "gamma" if isinstance(scenario.workload.arrival, GammaArrival) else "poisson"
+        ),
+        seeds=[scenario.seed + r for r in range(replicates)],
+    )
+    result.provenance = prov
+    return result
+
+
+def _interval(
+    result: CapacityResult, runner: _Runner, scenario: Scenario, sets: list[dict[str, float]],
+    notes: list[str], targets: dict[str, float], duration_s: float, replicates: int,
+    max_sets: int, rel_tol: float, level: float,
+) -> None:
+    """Rerun the search per bootstrap coefficient set; fill ``safe_rate_interval``.
+
+    Per set: one overloaded run (1.5x the main saturation rate, doubled until it
+    saturates) measures that set's saturation rate mu_b; the search then starts at
+    mu_b x (main safe rate / main saturation rate) with 15% steps, so a set whose capacity
+    differs a lot costs little more than one that differs little. All sets advance in
+    lockstep, one batch of runs per round.
+    """
+    if len(sets) > max_sets:
+        idx = np.linspace(0, len(sets) - 1, max_sets).round().astype(int)
+        sets = [sets[i] for i in sorted(set(idx.tolist()))]
+    center = float(result.safe_offered_rate)
+    mu = result.saturation_rate
+    ratio = min(max(center / mu, 0.2), 0.98) if mu else None
+    mu_b: list[float | None] = [None] * len(sets)
+    if mu:
+        probe = 1.5 * mu
+        todo = list(range(len(sets)))
+        for _ in range(3):
+            runs = runner.map([(scenario, probe, 0, duration_s, targets, sets[i], "bootstrap")
+                               for i in todo])
+            for i, run in zip(todo, runs):
+                if run.saturated:
+                    mu_b[i] = run.completion_rate
+            todo = [i for i in todo if mu_b[i] is None]
+            if not todo:
+                break
+            probe *= 2.0
+    starts = [ratio * m if (ratio and m) else center for m in mu_b]
+    found_points = _search_many(runner, scenario, starts, sets, replicates, duration_s, targets,
+                                rel_tol=rel_tol, max_points=12, step=1.15)
+    safe_rates = [safe_rate_of(pts)[1] for pts in found_points]
+    found = [r for r in safe_rates if r is not None]
+    q = (1.0 - level) / 2.0 * 100.0
+    if found:
+        lo, hi = np.percentile(found, [q, 100.0 - q])
+        result.safe_rate_interval = (float(lo), float(hi))
+    missing = len(safe_rates) - len(found)
+    if missing:
+        notes = notes + [f"{missing} bootstrap set(s) passed at no rate tried; left out"]
+    result.interval_info = {
+        "method": "safe-rate search rerun per profile bootstrap coefficient set, "
+        f"{replicates} replicate(s) each, relative tolerance {rel_tol:g}; interval = "
+        f"{q:g}-{100 - q:g} percentiles ({level:g}, the profile's CI level)",
+        "num_sets": len(sets),
+        "safe_rates": safe_rates,
+        "saturation_rates": mu_b,
+        "num_runs": sum(len(p) for p in found_points) + len(sets),
+        "notes": notes,
+    }
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render_capacity(result: CapacityResult, console: Any) -> None:
+    """Print a capacity result: one row per run, then the safe and saturation rates."""
+    from rich.table import Table
+
+    table = Table(title=f"capacity: {result.duration_s:g} s of arrivals per run, "
+                  f"{result.replicates} replicate(s), mode {result.mode}", title_justify="left")
+    for col in ("rate", "measured", "rep"):
+        table.add_column(col, justify="right")
+    keys = list(result.slo) + [k for k in REPORTED if k not in result.slo]
+    for key in keys:
+        label = f"{key} (ms)" + (f" <= {result.slo[key] * 1e3:,.0f}" if key in result.slo else "")
+        table.add_column(label, justify="right")
+    for col in ("pass", "kept up", "role"):
+        table.add_column(col)
+    for p in result.points:
+        if p.role == "bootstrap":
+            continue
+        cells = [f"{p.rate:.3f}", f"{p.measured_rate:.3f}", str(p.replicate)]
+        for key in keys:
+            value = p.values.get(key)
+            mark = "" if p.samples_adequate.get(key, True) else "*"
+            cells.append("-" if value is None else f"{value * 1e3:,.1f}{mark}")
+        cells += ["yes" if p.passed else "NO", "no" if p.saturated else "yes", p.role]
+        table.add_row(*cells)
+    console.print(table)
+    if any(not all(p.samples_adequate.values()) for p in result.points):
+        console.print("* too few samples for this percentile (MLPerf early stopping, 99% "
+                      "confidence, one sample over the bound)", style="dim")
+    if result.safe_rate is not None:
+        line = (f"safe rate {result.safe_rate:.3f} req/s measured "
+                f"(requested {result.safe_offered_rate:.3f})")
+        if result.safe_rate_interval is not None:
+            lo, hi = result.safe_rate_interval
+            n = (result.interval_info or {}).get("num_sets")
+            line += f", interval {lo:.3f}-{hi:.3f} over {n} profile bootstrap sets"
+    else:
+        line = "safe rate: none of the tested rates passed"
+    console.print(line)
+    if len(result.slo) > 1:
+        console.print("by SLO alone: " + ", ".join(
+            f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in result.safe_rate_by_slo.items()
+        ))
+    sat = result.saturation_rate
+    console.print(
+        f"saturation rate {sat:.3f} req/s (server's maximum completion rate)" if sat is not None
+        else "saturation rate: not reached"
+    )
+    for note in result.notes:
+        console.print(f"note: {note}", style="dim")
+    console.print(f"rules: safe rate = {RULES['safe_rate']}; saturated = {RULES['saturated']}",
+                  style="dim")
