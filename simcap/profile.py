@@ -13,10 +13,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from simcap.errors import ScenarioError
+from simcap.yaml_files import read_yaml_mapping
 
 
 class Profile(BaseModel):
@@ -43,17 +43,7 @@ SECTIONS = ("engine", "step_time", "speculative")
 
 def load_profile(path: str | Path) -> tuple[Profile, str]:
     """Read and validate a profile file; returns it with the SHA-256 of its bytes."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ScenarioError(f"profile: cannot read {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"profile: {path} is malformed YAML: {exc}".splitlines()[0]) from None
-    if not isinstance(data, dict):
-        raise ScenarioError(f"profile: {path} must be a mapping with name, engine, step_time, ...")
+    data, raw = read_yaml_mapping(path, "profile", "name, engine, step_time, ...")
     try:
         profile = Profile.model_validate(data)
     except ValidationError as exc:

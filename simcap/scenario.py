@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
 from simcap.profile import apply_profile
+from simcap.yaml_files import read_yaml_mapping
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
 VllmVersion = Literal["0.11", "0.23", "0.26", "0.32"]
@@ -526,21 +527,7 @@ def load_scenario(
 ) -> Scenario:
     """Read a YAML scenario, apply ``--set`` style overrides, validate it."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ScenarioError(f"{path}: cannot read scenario file: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ScenarioError(f"{path}: malformed YAML{where}: {problem}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{path}: expected a mapping of sections (engine, workload, ...)")
+    data, _ = read_yaml_mapping(path, "scenario", "sections (engine, workload, ...)")
     apply_overrides(data, list(overrides or []))
     return parse_scenario(data, base_dir=path.parent, check=check)
 
