@@ -155,6 +155,9 @@ def capacity_cmd(
     duration: float = typer.Option(300.0, "--duration", help="Seconds of arrivals per run."),
     replicates: int = typer.Option(2, "--replicates", help="Runs per rate; replicate r uses seed + r."),
     workers: int = typer.Option(1, "--workers", help="Worker processes."),
+    interval_sets: int = typer.Option(
+        8, "--interval-sets", help="Profile bootstrap sets to rerun for safe_rate_interval (0: none)."
+    ),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write the SLO-vs-rate figure to FILE (PNG)."),
     set_: Optional[List[str]] = typer.Option(
         None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
@@ -174,6 +177,8 @@ def capacity_cmd(
             duration_s=duration,
             replicates=replicates,
             workers=workers,
+            interval=interval_sets > 0,
+            interval_max_sets=max(interval_sets, 1),
         )
     except SimcapError as exc:
         _fail(str(exc))
@@ -312,6 +317,11 @@ def calibrate_cmd(
             typer.echo(f"figure: {residual_plot}")
     for line in fit.warnings:
         typer.echo(line, err=True)
+
+
+from simcap.live.cli import live_app  # noqa: E402  (the `simcap live` sub-commands)
+
+app.add_typer(live_app, name="live")
 
 
 @app.command()

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-from scipy.stats import binom
 
 from simcap.records import RequestRecord
 
@@ -51,6 +50,8 @@ def early_stopping_min_queries(percentile: float, overlatency: int, confidence: 
     MLPerf loadgen early stopping: the smallest N with
     ``binom.cdf(overlatency, N, 1 - percentile) <= 1 - confidence``.
     """
+    from scipy.special import bdtr  # binomial CDF; scipy takes a while to import
+
     if not 0.0 < percentile < 1.0:
         raise ValueError(f"percentile must be in (0, 1), got {percentile}")
     if not 0.0 < confidence < 1.0:
@@ -60,7 +61,7 @@ def early_stopping_min_queries(percentile: float, overlatency: int, confidence: 
     q, alpha = 1.0 - percentile, 1.0 - confidence
 
     def ok(n: int) -> bool:
-        return binom.cdf(overlatency, n, q) <= alpha
+        return bdtr(overlatency, n, q) <= alpha
 
     lo, hi = overlatency, overlatency + 1  # cdf is 1 for n <= overlatency, so lo never passes
     while not ok(hi):

@@ -31,8 +31,8 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _console() -> Console:
-    return Console(width=max(100, Console().width))
+def _console(width: int = 100) -> Console:
+    return Console(width=max(width, Console().width))
 
 
 @live_app.command("run")
@@ -141,7 +141,7 @@ def validate_cmd(
     if json_out:
         typer.echo(report.to_json(data))
         return
-    console = _console()
+    console = _console(150)
     console.print(validation_table(data))
     console.print(ks_line(data))
     for note in data["notes"]:

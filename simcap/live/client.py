@@ -383,7 +383,7 @@ async def run_live_async(
     fixups: list[dict[str, int]] = []
     records: dict[int, RequestRecord] = {}
     specs: dict[int, RequestSpec] = {}
-    sink = _Sink(out_path)
+    sink = _Sink(None)  # opened (truncating out_path) once the server is known to serve
     prog = None
     try:
         async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout) as client:
@@ -407,6 +407,7 @@ async def run_live_async(
                 prompt = await chat_text.text(spec) if chat_text else builder.prompt_ids(spec)
                 return json.dumps(request_body(endpoint, model, spec, prompt, return_token_ids)).encode()
 
+            sink = _Sink(out_path)
             before = await scrape(client, base_url)
             if before is None:
                 notes.append("server has no readable /metrics: no server-side cross-check")
@@ -418,10 +419,15 @@ async def run_live_async(
                 n_total = len(times)
             prog = _progress(n_total, progress)
 
+            tasks: list[asyncio.Task] = []
+            stopping = False
+
             async def one(spec: RequestSpec, body: bytes, t0: float) -> None:
                 rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens)
                 records[spec.request_id] = rec
                 await stream_request(client, url, body, rec, t0, chat, fixups)
+                if stopping:
+                    return  # cut short by the interruption, not finished: not written
                 sink.write(rec)
                 if on_record is not None:
                     on_record(rec)
@@ -429,39 +435,48 @@ async def run_live_async(
                     prog.advance(prog.task_ids[0])
 
             sched_lag: list[float] = []
-            if closed:
-                assert isinstance(arrival, ClosedArrival)
-                counter = iter(range(n_total) if n_total is not None else _count())
-                duration = workload.duration_s
-                t0 = time.perf_counter()
+            try:
+                if closed:
+                    assert isinstance(arrival, ClosedArrival)
+                    counter = iter(range(n_total) if n_total is not None else _count())
+                    duration = workload.duration_s
+                    t0 = time.perf_counter()
 
-                async def worker() -> None:
-                    for i in counter:
-                        if duration is not None and time.perf_counter() - t0 >= duration:
-                            return
+                    async def worker() -> None:
+                        for i in counter:
+                            if duration is not None and time.perf_counter() - t0 >= duration:
+                                return
+                            spec = workload.spec(i)
+                            specs[i] = spec
+                            await one(spec, await body_for(spec), t0)
+                            if arrival.think_time_s:
+                                await asyncio.sleep(arrival.think_time_s)
+
+                    tasks.extend(asyncio.create_task(worker()) for _ in range(arrival.concurrency))
+                    await asyncio.gather(*tasks)
+                else:
+                    assert times is not None
+                    bodies = []
+                    for i in range(n_total):
                         spec = workload.spec(i)
                         specs[i] = spec
-                        await one(spec, await body_for(spec), t0)
-                        if arrival.think_time_s:
-                            await asyncio.sleep(arrival.think_time_s)
-
-                await asyncio.gather(*(worker() for _ in range(arrival.concurrency)))
-            else:
-                assert times is not None
-                bodies = []
-                for i in range(n_total):
-                    spec = workload.spec(i)
-                    specs[i] = spec
-                    bodies.append(await body_for(spec))
-                tasks = []
-                t0 = time.perf_counter()
-                for i, t in enumerate(times.tolist()):
-                    delay = t0 + t - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    sched_lag.append(time.perf_counter() - t0 - t)
-                    tasks.append(asyncio.create_task(one(specs[i], bodies[i], t0)))
-                await asyncio.gather(*tasks)
+                        bodies.append(await body_for(spec))
+                    t0 = time.perf_counter()
+                    for i, t in enumerate(times.tolist()):
+                        delay = t0 + t - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        sched_lag.append(time.perf_counter() - t0 - t)
+                        tasks.append(asyncio.create_task(one(specs[i], bodies[i], t0)))
+                    await asyncio.gather(*tasks)
+            except BaseException:
+                # Interrupted (Ctrl-C cancels this task): stop every request in flight before
+                # the client and the records file close, so only finished requests are kept.
+                stopping = True
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
             wall = time.perf_counter() - t0
             after = await _scrape_settled(client, base_url, before, records.values())
     finally:

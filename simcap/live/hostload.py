@@ -4,11 +4,14 @@ On a small shared machine a live run competes with whatever else runs there; suc
 measures the disturbance, not the server. :class:`CpuWatch` reads ``/proc/stat`` and every
 ``/proc/[pid]/stat`` at the start and end of a run (no psutil) and splits the CPU time into:
 
-- ``measured_cpu_s``: the load generator (this process and its descendants) and the server
-  (given PIDs, plus any process whose command line or name mentions vLLM, and descendants);
+- ``measured_cpu_s``: the load generator (this process and its descendants) and the server:
+  the given PIDs, else the vLLM API server listening on the given port, else every process
+  whose command line or name mentions vLLM; each with its descendants;
 - ``foreign_cpu_s``: every other process (those started during the run count in full);
-- ``unattributed_cpu_s``: busy time no live process accounts for (kernel threads, interrupts,
-  processes that exited during the run);
+- ``unattributed_cpu_s``: busy time no live process accounts for (interrupts, processes that
+  exited during the run without being waited for by a live parent);
+
+Exited children that their parent waited for count towards the parent (``cutime``).
 - ``steal_s``: time the hypervisor gave to other guests (a VM's invisible neighbour).
 
 A run is ``disturbed`` when foreign processes or steal used more than ``threshold_cores`` of a
@@ -69,11 +72,14 @@ def _processes() -> dict[int, _Proc]:
         lpar, rpar = text.find("("), text.rfind(")")
         rest = text[rpar + 2 :].split()
         try:
-            ppid, utime, stime, start = int(rest[1]), int(rest[11]), int(rest[12]), int(rest[19])
+            ppid, start = int(rest[1]), int(rest[19])
+            # utime + stime, plus cutime + cstime: children that exited and were waited for
+            # count towards their parent (a test's short-lived subprocesses, a build's jobs).
+            ticks = sum(int(v) for v in rest[11:15])
         except (IndexError, ValueError):
             continue
         pid = int(entry)
-        procs[pid] = _Proc(pid, ppid, (utime + stime) / _TICK, start, text[lpar + 1 : rpar])
+        procs[pid] = _Proc(pid, ppid, ticks / _TICK, start, text[lpar + 1 : rpar])
     return procs
 
 
@@ -82,12 +88,23 @@ def _cmdline(pid: int) -> str:
     return text.replace("\0", " ") if text else ""
 
 
-def _measured(procs: dict[int, _Proc], roots: Iterable[int]) -> set[int]:
-    """``roots``, vLLM-looking processes, and all their descendants."""
+def _measured(
+    procs: dict[int, _Proc], roots: Iterable[int], find_server: bool, port: int | None
+) -> set[int]:
+    """``roots``, the server's processes when asked to find them, and all their descendants."""
     keep = {p for p in roots if p in procs}
-    for p in procs.values():
-        if any(m in p.name for m in SERVER_MARKERS) or "vllm" in _cmdline(p.pid):
-            keep.add(p.pid)
+    if find_server:
+        for p in procs.values():
+            cmd = _cmdline(p.pid)
+            if port is not None:
+                args = cmd.split()
+                if "vllm" in cmd and any(
+                    a == f"--port={port}" or (a == "--port" and args[i + 1 : i + 2] == [str(port)])
+                    for i, a in enumerate(args)
+                ):
+                    keep.add(p.pid)
+            elif any(m in p.name for m in SERVER_MARKERS) or "vllm" in cmd:
+                keep.add(p.pid)
     children: dict[int, list[int]] = {}
     for p in procs.values():
         children.setdefault(p.ppid, []).append(p.pid)
@@ -103,8 +120,19 @@ def _measured(procs: dict[int, _Proc], roots: Iterable[int]) -> set[int]:
 class CpuWatch:
     """CPU time of foreign processes between :meth:`start` and :meth:`stop`."""
 
-    def __init__(self, server_pids: Iterable[int] = (), threshold_cores: float = DEFAULT_THRESHOLD_CORES):
-        self.roots = {os.getpid(), *server_pids}
+    def __init__(
+        self,
+        server_pids: Iterable[int] = (),
+        threshold_cores: float = DEFAULT_THRESHOLD_CORES,
+        server_port: int | None = None,
+    ) -> None:
+        """``server_pids``: the server's processes (their descendants count too); without
+        them, the vLLM server on ``server_port`` (or, without a port, anything vLLM) is found
+        by command line. This process and its descendants always count as measured."""
+        pids = set(server_pids)
+        self.roots = {os.getpid(), *pids}
+        self.find_server = not pids
+        self.server_port = server_port
         self.threshold_cores = threshold_cores
         self._t0 = 0.0
         self._sys0: dict[str, float] | None = None
@@ -122,7 +150,7 @@ class CpuWatch:
         if self._sys0 is None or sys1 is None:
             return {"available": False, "note": "no /proc/stat: disturbance not measured", "disturbed": False}
         procs1 = _processes()
-        measured = _measured(procs1, self.roots)
+        measured = _measured(procs1, self.roots, self.find_server, self.server_port)
         measured_s = foreign_s = 0.0
         top: list[tuple[float, str]] = []
         for pid, p in procs1.items():

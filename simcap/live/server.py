@@ -35,6 +35,20 @@ class VllmServerError(SimcapError):
     """The server could not be started (its log's last lines are in the message)."""
 
 
+_AMX_HOOK = """\
+import os
+import sys
+
+try:
+    import torch
+
+    _ok = torch.cpu._init_amx()
+except Exception as _exc:  # keep the server starting; the log says why
+    _ok = repr(_exc)
+print(f"simcap amx hook: pid {os.getpid()} AMX permission requested: {_ok}", file=sys.stderr)
+"""
+
+
 def vllm_home() -> Path:
     return Path(os.environ.get("SIMCAP_VLLM_HOME") or DEFAULT_HOME)
 
@@ -79,6 +93,9 @@ class VllmServer:
         startup_timeout: float = 300.0,
         kv_cache_gib: int = 1,
         cache_root: str | Path | None = None,
+        dtype: str = "bfloat16",
+        eager: bool = False,
+        keep_log: bool | None = None,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir else tiny_model_dir()
         self.port = port
@@ -88,6 +105,11 @@ class VllmServer:
         self.python = Path(python) if python else vllm_python()
         self.startup_timeout = startup_timeout
         self.kv_cache_gib = kv_cache_gib
+        self.dtype = dtype
+        self.eager = eager
+        # None: keep a log of our own temp dir only when the server failed (for post-mortems).
+        self.keep_log = keep_log
+        self.failed = False
         self._cache_root = Path(cache_root) if cache_root else None
         self._log_arg = Path(log_path) if log_path else None
         self.log_path: Path | None = None
@@ -129,7 +151,8 @@ class VllmServer:
             "--served-model-name", self.model,
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--dtype", "bfloat16",
+            "--dtype", self.dtype,
+            *(["--enforce-eager"] if self.eager else []),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -168,6 +191,13 @@ class VllmServer:
             VLLM_CACHE_ROOT=str(cache_root),
             TMPDIR=str(tmp),
         )
+        if self.eager:
+            # Eager mode dies with an illegal instruction on AMX machines unless the process
+            # asked the kernel for AMX state first; a sitecustomize does it in every process.
+            hook = self._workdir / "amx_hook"
+            hook.mkdir()
+            (hook / "sitecustomize.py").write_text(_AMX_HOOK)
+            env["PYTHONPATH"] = str(hook)
         env.update(self.extra_env)
         self._sys_tmp_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
         log = open(self.log_path, "ab")
@@ -187,6 +217,7 @@ class VllmServer:
         try:
             self._wait_healthy(t0)
         except BaseException:
+            self.failed = True
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - t0
@@ -238,12 +269,15 @@ class VllmServer:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+            if proc.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL, None):
+                self.failed = True
         after = set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
         for path in after - self._sys_tmp_before:
             _remove(path)
         if self._workdir is not None:
-            keep_log = self.log_path is not None and self._workdir in self.log_path.parents
-            if keep_log:
+            log_inside = self.log_path is not None and self._workdir in self.log_path.parents
+            keep = self.failed if self.keep_log is None else self.keep_log
+            if log_inside and keep:
                 for child in self._workdir.iterdir():
                     if child != self.log_path:  # the log outlives the server, for post-mortems
                         _remove(str(child))

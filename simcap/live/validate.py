@@ -22,7 +22,6 @@ from typing import Any, Iterable, Sequence
 import httpx
 import numpy as np
 from rich.table import Table
-from scipy.stats import ks_2samp
 
 from simcap.live.client import LiveError, LiveRun, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
@@ -152,6 +151,8 @@ def _rel(pred: float | None, ref: float | None) -> float | None:
 
 def compare(repeats: Sequence[Repeat]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Per metric: live values, range, median; prediction, error, in range. And KS tests."""
+    from scipy.stats import ks_2samp  # imported here: scipy.stats takes a second to load
+
     clean = [r for r in repeats if not r.disturbed] or list(repeats)
     metrics: dict[str, dict[str, Any]] = {}
     for key in METRICS:
@@ -190,6 +191,14 @@ def compare(repeats: Sequence[Repeat]) -> tuple[dict[str, dict[str, Any]], dict[
         entry["per_repeat_statistic"] = per
         ks[name] = entry
     return metrics, ks
+
+
+def _local_port(base_url: str) -> int | None:
+    """The port of a server on this machine (None for a remote one, or no port)."""
+    url = httpx.URL(base_url)
+    if url.host in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        return url.port or (443 if url.scheme == "https" else 80)
+    return None
 
 
 def reset_prefix_cache(base_url: str, timeout: float = 30.0) -> str:
@@ -278,7 +287,7 @@ def validate(
         reset = reset_prefix_cache(base_url) if reset_cache else "skipped"
         if reset != "ok" and reset_cache and i == 0:
             notes.append(f"prefix cache not reset between runs: {reset}; reruns may hit the cache")
-        watch = CpuWatch(server_pids, disturbance_threshold_cores).start()
+        watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(base_url)).start()
         out = f"{out_prefix}{i}.jsonl" if out_prefix else None
         run = run_live(scenario, base_url, model, endpoint=endpoint, out_path=out, progress=progress, **live_kwargs)  # type: ignore[arg-type]
         cpu = watch.stop()
@@ -324,12 +333,12 @@ def validation_table(data: dict[str, Any]) -> Table:
     """Predicted vs live per metric (ms; throughput in output tok/s), from ``to_dict()``."""
     used = set(data.get("used_repeats", []))
     table = Table(title="simulated vs live (latencies in ms, throughput in output tok/s)", title_justify="left")
-    table.add_column("metric")
+    table.add_column("metric", no_wrap=True)
     for r in data["repeats"]:
-        mark = "" if r["index"] in used else " (disturbed)"
+        mark = "" if not r["disturbed"] else " disturbed" if r["index"] in used else " disturbed, left out"
         table.add_column(f"live {r['index']}{mark}", justify="right")
     for col in ("live range", "predicted", "error vs median", "in range"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for key, m in data["metrics"].items():
         err = m["rel_error"]
         table.add_row(

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from simcap.live.server import VllmServer, tiny_model_dir, vllm_home, vllm_python
+from simcap.live.server import VllmServer, tiny_model_dir, vllm_python
 from simcap.scenario import parse_scenario
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,8 +35,8 @@ ENGINE = dict(
     enable_prefix_caching=True,
     async_scheduling=False,  # the CPU platform forces it off
 )
-# Rough step-time coefficients of the tiny model on a 2-core AVX2 machine (bf16 emulated).
-STEP_TIME = dict(base=0.006, per_prefill_token=2.5e-4, per_decode_token=3.0e-3)
+# Rough step-time fit (iteration log) of the tiny bf16 model on a 2-core AVX2 machine.
+STEP_TIME = dict(base=0.005, per_prefill_token=2.9e-3, per_decode_token=2.8e-3, host_overhead=0.002)
 
 
 def live_scenario(workload: dict, seed: int = 0, **extra):
@@ -56,9 +56,12 @@ def _ensure_installed() -> None:
 @pytest.fixture(scope="session")
 def vllm_server():
     _ensure_installed()
-    # A persistent compile cache next to the install: a warm start skips ~45 s of compiling.
-    cache_root = os.environ.get("SIMCAP_VLLM_CACHE_ROOT") or str(vllm_home() / "vllm-cache")
-    server = VllmServer(extra_args=SERVER_ARGS, cache_root=cache_root, startup_timeout=420)
+    # Eager mode starts in ~50 s instead of 90-200 s (compiling) on 2 cores; VllmServer requests
+    # AMX permission first, without which eager dies on AMX machines. SIMCAP_LIVE_COMPILED=1
+    # tests vLLM's compiled default instead. (A persistent VLLM_CACHE_ROOT would not help:
+    # 0.32's CPU build fails to load its AOT compile cache and compiles again.)
+    eager = os.environ.get("SIMCAP_LIVE_COMPILED") != "1"
+    server = VllmServer(extra_args=SERVER_ARGS, eager=eager, startup_timeout=420)
     with server:
         print(f"\nvLLM server up in {server.startup_seconds:.1f} s at {server.base_url}; log {server.log_path}",
               file=sys.stderr)
@@ -77,6 +80,12 @@ def _warm_up(base_url: str) -> None:
     )
     run_live(warm, base_url, "tiny", progress=False)
     httpx.post(base_url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+@pytest.fixture
+def scenario_for():
+    """``scenario_for(workload, seed=0)``: a scenario mirroring the live server's engine."""
+    return live_scenario
 
 
 @pytest.fixture

@@ -1,0 +1,39 @@
+"""``simcap live`` input errors (no server needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+
+SCENARIO = {
+    "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=2048),
+    "workload": dict(arrival={"process": "closed", "concurrency": 1}, num_requests=2, input_len=16, output_len=4),
+}
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "simcap.live", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_unreachable_server_is_one_line_naming_the_url(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(SCENARIO))
+    url = "http://127.0.0.1:9"  # discard port: nothing listens
+    for cmd in (["run"], ["validate", "--repeats", "1"]):
+        proc = _run(*cmd, "--base-url", url, "--model", "tiny", str(path), "--no-progress" if cmd == ["run"] else "--no-warmup")
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and url in lines[0], proc.stderr
+
+
+def test_bad_scenario_and_endpoint(tmp_path):
+    proc = _run("run", "--base-url", "http://127.0.0.1:9", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(SCENARIO))
+    proc = _run("run", "--base-url", "http://127.0.0.1:9", "--endpoint", "grpc", str(path))
+    assert proc.returncode == 2 and "--endpoint" in proc.stderr
+    proc = _run("run", "--base-url", "http://127.0.0.1:9", str(path), "--set", "workload.num_requests=-1")
+    assert proc.returncode == 2 and "workload.num_requests" in proc.stderr
