@@ -340,6 +340,12 @@ class CapacityResult:
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
 
+    def lower_bounds(self) -> dict[str, bool]:
+        """Per SLO key: whether its safe rate is only a lower bound (every tested rate passed)."""
+        tested = [p.rate for p in self.points if p.role != "probe"]
+        top = max(tested) if tested else None
+        return {key: safe_rate_of(self.points, key)[0] == top for key in self.slo}
+
     @property
     def all_adequate(self) -> bool:
         return all(all(p.samples_adequate.values()) for p in self.points)
@@ -356,6 +362,7 @@ class CapacityResult:
             ),
             "safe_rate_interval_info": self.interval_info,
             "safe_rate_by_slo": dict(self.safe_rate_by_slo),
+            "safe_rate_by_slo_is_lower_bound": self.lower_bounds(),
             "slo": dict(self.slo),
             "mode": self.mode,
             "duration_s": self.duration_s,
@@ -529,7 +536,7 @@ def find_capacity(
     probe_saturation: bool = True,
     max_probes: int = 5,
     interval: bool = True,
-    interval_max_sets: int = 20,
+    interval_max_sets: int = 8,
     interval_rel_tol: float = 0.04,
 ) -> CapacityResult:
     """The safe rate and saturation rate of ``scenario`` under ``slo`` (see the module doc).
@@ -717,8 +724,10 @@ def render_capacity(result: CapacityResult, console: Any) -> None:
         line = "safe rate: none of the tested rates passed"
     console.print(line)
     if len(result.slo) > 1:
+        bound = result.lower_bounds()
         console.print("by SLO alone: " + ", ".join(
-            f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in result.safe_rate_by_slo.items()
+            f"{k} {'-' if v is None else ('>= ' if bound[k] else '') + f'{v:.3f}'}"
+            for k, v in result.safe_rate_by_slo.items()
         ))
     sat = result.saturation_rate
     console.print(

@@ -97,6 +97,11 @@ def results_markdown(res: dict) -> str:
             f"{'yes' if all(p['pass'] for p in runs) else 'NO'} | "
             f"{'yes' if not any(p['saturated'] for p in runs) else 'no'} |"
         )
+    per_set = [r for r in search.get("safe_rate_interval_safe_rates") or [] if r is not None]
+    if per_set:
+        lines += ["", "Safe rate per bootstrap coefficient set (req/s, sorted): "
+                  + ", ".join(f"{r:.2f}" for r in sorted(per_set))
+                  + f"; median {float(np.median(per_set)):.2f}."]
     near = res.get("near_boundary_search") or {}
     tpots = [p["tpot_p95"] for runs in near.values() for p in runs if p["tpot_p95"] is not None]
     if tpots:
