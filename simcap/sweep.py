@@ -31,6 +31,7 @@ from simcap.errors import ScenarioError, SimcapError
 from simcap.metrics import summarize
 from simcap.scenario import Scenario, apply_overrides, parse_scenario
 from simcap.simulator import simulate
+from simcap.yaml_files import read_yaml_mapping
 
 DEFAULT_METRICS = (
     "ttft_s.p50",
@@ -63,16 +64,7 @@ class ScenarioSource:
     @classmethod
     def from_file(cls, path: str | Path) -> "ScenarioSource":
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ScenarioError(f"{path}: cannot read scenario file: {exc.strerror}") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ScenarioError(f"{path}: malformed YAML: {exc}".splitlines()[0]) from None
-        if not isinstance(data, dict):
-            raise ScenarioError(f"{path}: expected a mapping of sections (engine, workload, ...)")
+        data, _ = read_yaml_mapping(path, "scenario", "sections (engine, workload, ...)")
         return cls(data, str(path.parent.resolve()), str(path))
 
     def load(self, overrides: Sequence[str] = ()) -> Scenario:
