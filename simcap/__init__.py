@@ -11,6 +11,17 @@ Reading guide, in the order data flows:
    for simulated and live runs) and the one path from records to a :class:`Summary`.
 6. :mod:`simcap.report` and :mod:`simcap.cli` -- tables, JSON and the ``simcap`` command.
 
+Around that core:
+
+- :mod:`simcap.memory` -- the KV pool from card memory, model shape and flags.
+- :mod:`simcap.profile` and :mod:`simcap.calibrate` -- fitted profiles, and fitting them from
+  step samples, per-step logs or benchmark tables (with bootstrap intervals).
+- :mod:`simcap.crossover`, :mod:`simcap.capacity`, :mod:`simcap.sweep` -- studies over many
+  runs: speculative-decoding crossover, safe request rate, what-if grids.
+- :mod:`simcap.plots` -- step timelines, ITL histograms, KV and queue over time, study figures.
+- :mod:`simcap.live` -- the same workload against a real server, and sim-vs-live validation.
+- :mod:`simcap.fast_forward` -- bulk pure-decode steps, equal to stepping one by one.
+
 Usage::
 
     import simcap
