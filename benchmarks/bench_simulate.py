@@ -40,15 +40,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=10000)
+    parser.add_argument(
+        "--reference", action="store_true",
+        help="also time the step-by-step reference path, interleaved, and print the ratio",
+    )
     args = parser.parse_args()
     data = dict(REFERENCE)
     data["workload"] = {**REFERENCE["workload"], "num_requests": args.num_requests}
     scenario = parse_scenario(data)
-    walls = []
+    walls, ref_walls = [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         result = simulate(scenario)
         walls.append(time.perf_counter() - t0)
+        if args.reference:
+            t0 = time.perf_counter()
+            simulate(scenario, fast=False)
+            ref_walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
     sim_s = result.summary.duration_s
     steps = len(result.steps)
@@ -59,6 +67,9 @@ def main() -> None:
     print(f"sim s / wall s    {sim_s / wall:,.0f}")
     print(f"engine steps      {steps:,}   steps/s {steps / wall:,.0f}")
     print(f"peak RSS MiB      {peak_mib:,.0f}")
+    if ref_walls:
+        ref = statistics.median(ref_walls)
+        print(f"reference path    {ref:.3f} s (median); fast path is {ref / wall:.1f}x faster")
 
 
 if __name__ == "__main__":

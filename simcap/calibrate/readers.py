@@ -1,0 +1,349 @@
+"""Reading measurements: step samples (CSV, JSON, vLLM iteration logs) and benchmark results
+(``vllm bench serve`` JSON, closed-loop concurrency tables), with the file errors they raise."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from simcap.calibrate.core import TERMS, CalibrationError
+from simcap.calibrate.metrics import metric_of_key
+
+
+_COLUMNS = {
+    "num_prefill_tokens": ("num_prefill_tokens", "prefill_tokens"),
+    "num_decode_tokens": ("num_decode_tokens", "decode_tokens"),
+    "num_verify_tokens": ("num_verify_tokens", "verify_tokens"),
+    "num_context_tokens": ("num_context_tokens", "attended_tokens"),
+    "num_prefill_reqs": ("num_prefill_reqs", "prefill_reqs"),
+    "num_decode_reqs": ("num_decode_reqs", "decode_reqs"),
+    "num_reqs": ("num_reqs", "reqs"),
+    "mixed": ("mixed", "mixed_step"),
+    "num_speculative_tokens": ("num_speculative_tokens", "k"),
+    "start_s": ("start_s",),
+}
+_TARGETS = {"step_time_s": 1.0, "elapsed_s": 1.0, "forward_s": 1.0,
+            "step_time_ms": 1e-3, "elapsed_ms": 1e-3, "forward_ms": 1e-3}
+# Columns each term needs (any one of each tuple).
+_NEEDS = {
+    "base": (),
+    "per_prefill_token": (("num_prefill_tokens",),),
+    "per_decode_token": (("num_decode_tokens", "num_decode_reqs"),),
+    "per_verify_token": (("num_verify_tokens",),),
+    "per_context_token": (("num_context_tokens",),),
+    "mixed_step": (("mixed", "num_prefill_tokens"), ("mixed", "num_decode_reqs", "num_decode_tokens")),
+    "draft_per_pass": (("num_speculative_tokens",),),
+    "draft_per_request": (("num_speculative_tokens",), ("num_reqs", "num_prefill_reqs")),
+}
+
+ITERATION_RE = re.compile(
+    r"Iteration\((\d+)\):\s*(\d+) context requests,\s*(\d+) context tokens,\s*(\d+) generation "
+    r"requests,\s*(\d+) generation tokens,\s*iteration elapsed time:\s*([0-9.]+)\s*ms"
+)
+
+
+def parse_iteration_log(lines: Iterable[str], num_speculative_tokens: int = 0) -> list[dict[str, float]]:
+    """Step samples from vLLM's ``--enable-logging-iteration-details`` lines; other lines skipped.
+
+    ``a context requests, b context tokens`` are prefill (vLLM calls prompt tokens "context");
+    ``c generation requests, d generation tokens`` decode. With ``k`` drafts per request the
+    generation tokens include the drafts: decode tokens ``c``, verified drafts ``d - c``.
+    """
+    rows = []
+    for line in lines:
+        m = ITERATION_RE.search(line)
+        if not m:
+            continue
+        _, a, b, c, d, ms = m.groups()
+        a, b, c, d = int(a), int(b), int(c), int(d)
+        k = num_speculative_tokens
+        rows.append({
+            "num_prefill_reqs": a, "num_prefill_tokens": b, "num_decode_reqs": c,
+            "num_decode_tokens": c if k else d, "num_verify_tokens": d - c if k else 0,
+            "num_reqs": a + c, "num_speculative_tokens": k, "step_time_s": float(ms) * 1e-3,
+        })
+    return rows
+
+
+@dataclass
+class StepSamples:
+    """Step rows as a feature matrix (columns in ``FEATURES`` order) and measured seconds."""
+
+    X: np.ndarray
+    y: np.ndarray
+    available: set[str]
+    source: dict[str, Any]
+    start_s: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def _rows_to_samples(rows: list[dict[str, Any]], where: str, source: dict[str, Any]) -> StepSamples:
+    if not rows:
+        raise CalibrationError(f"{where}: no step samples")
+    keys = set(rows[0])
+    target = next((t for t in _TARGETS if t in keys), None)
+    if target is None:
+        raise CalibrationError(
+            f"{where}: missing column step_time_s (or step_time_ms, elapsed_s, elapsed_ms) with "
+            "the measured seconds of each step"
+        )
+    present = {canon: next(a for a in aliases if a in keys)
+               for canon, aliases in _COLUMNS.items() if any(a in keys for a in aliases)}
+    cols: dict[str, np.ndarray] = {}
+    try:
+        for canon, key in [*present.items(), ("_y", target)]:
+            cols[canon] = np.array([float(r[key]) for r in rows], dtype=float)
+    except (KeyError, TypeError, ValueError):
+        raise CalibrationError(
+            f"{where}: column {key!r} has an empty or non-numeric value"
+        ) from None
+    for name, values in cols.items():
+        if not np.all(np.isfinite(values)) or np.any(values < 0):
+            raise CalibrationError(f"{where}: column {name if name != '_y' else target!r} "
+                                   "has a negative or non-finite value")
+    n = len(rows)
+    zero = np.zeros(n)
+    y = cols.pop("_y") * _TARGETS[target]
+    prefill = cols.get("num_prefill_tokens", zero)
+    decode = cols.get("num_decode_tokens", cols.get("num_decode_reqs", zero))
+    decode_reqs = cols.get("num_decode_reqs", decode)
+    mixed = cols.get("mixed", ((prefill > 0) & (decode_reqs > 0)).astype(float))
+    k = cols.get("num_speculative_tokens", zero)
+    reqs = cols.get("num_reqs", cols.get("num_prefill_reqs", zero) + decode_reqs)
+    feats = {
+        "base": np.ones(n), "per_prefill_token": prefill, "per_decode_token": decode,
+        "per_verify_token": cols.get("num_verify_tokens", zero),
+        "per_context_token": cols.get("num_context_tokens", zero), "mixed_step": mixed,
+        "draft_per_pass": k, "draft_per_request": k * reqs,
+    }
+    available = {t for t, needs in _NEEDS.items() if all(any(c in cols for c in alt) for alt in needs)}
+    X = np.column_stack([feats[t] for t in TERMS])
+    return StepSamples(X, y, available, {**source, "rows": n}, cols.get("start_s"))
+
+
+def read_step_samples(path: str | Path, num_speculative_tokens: int = 0) -> StepSamples:
+    """Read step samples from CSV, JSON (a list of rows, or ``{"samples": [...]}``) or a log."""
+    path = Path(path)
+    text = _read_text(path)
+    source = {"file": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    if path.suffix.lower() == ".csv":
+        reader = csv.DictReader(io.StringIO(text))
+        rows = [{k.strip(): v for k, v in row.items() if k} for row in reader]
+        return _rows_to_samples(rows, str(path), {**source, "format": "csv"})
+    if path.suffix.lower() == ".json":
+        data = _parse_json(path, text)
+        rows = data.get("samples", data.get("steps")) if isinstance(data, dict) else data
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise CalibrationError(f"{path}: expected a list of step rows or {{\"samples\": [...]}}")
+        return _rows_to_samples(rows, str(path), {**source, "format": "json"})
+    rows = parse_iteration_log(text.splitlines(), num_speculative_tokens)
+    if not rows:
+        raise CalibrationError(
+            f"{path}: no 'Iteration(i): a context requests, b context tokens, ...' lines "
+            "(vLLM --enable-logging-iteration-details)"
+        )
+    return _rows_to_samples(rows, str(path), {**source, "format": "vllm iteration log"})
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CalibrationError(f"{path}: not a text file") from None
+
+
+def _parse_json(path: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{path}: malformed JSON at line {exc.lineno}: {exc.msg}") from None
+
+
+@dataclass
+class BenchmarkPoint:
+    """One measured benchmark run: the scenario that reproduces it and what was measured."""
+
+    label: str
+    scenario: dict[str, Any]  # engine, speculative, workload, seed (step_time filled by the fit)
+    measured: dict[str, float]  # metric -> value (seconds, tokens/s, fractions)
+    source: dict[str, Any]
+    # A closed loop held at its concurrency (a hold time, not a request count): throughputs are
+    # the steady state's, concurrency / mean latency (Little's law), free of ramp-up and drain.
+    steady_state: bool = False
+
+
+def _select(data: Any, selector: str, where: str) -> tuple[Any, list[Any]]:
+    """Walk a dotted path (``a.runs.0``); returns the node and its ancestors (outermost first)."""
+    node, parents = data, []
+    for part in [p for p in selector.split(".") if p]:
+        parents.append(node)
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise CalibrationError(f"{where}: no key {part!r} at {selector!r}")
+    return node, parents
+
+
+def _is_bench_result(d: Any) -> bool:
+    return isinstance(d, dict) and ("max_concurrency" in d or "request_rate" in d) and (
+        "output_throughput" in d or "completed" in d
+    )
+
+
+def _length(values: Any, mean: float | None, what: str, where: str) -> Any:
+    if isinstance(values, list) and values and all(isinstance(v, (int, float)) and v > 0 for v in values):
+        return {"dist": "empirical", "values": [int(v) for v in values]}
+    if mean is None or not mean > 0:
+        raise CalibrationError(f"{where}: no {what} length")
+    return max(1, int(round(mean)))
+
+
+def read_benchmarks(
+    path: str | Path,
+    selector: str | None = None,
+    *,
+    engine: dict[str, Any],
+    speculative: dict[str, Any] | None,
+    workload: dict[str, Any] | None = None,
+    seed: int = 0,
+    label: str | None = None,
+) -> list[BenchmarkPoint]:
+    """Benchmark points from a ``vllm bench serve`` result JSON or a closed-loop table.
+
+    A table is a list of rows (or one row) with ``concurrency`` and measured aggregates
+    (:func:`metric_of_key`); ``selector`` picks it inside a larger JSON (``a800_minimax_m3.runs.
+    no_spec``). Prompt/output lengths and request counts come from the row (``input_len``,
+    ``actual_prompt_len``, ``output_len``, ``num_prompts``), the enclosing ``load`` section
+    (``max_tokens``, ``hold_seconds``: requests = hold x measured QPS) or ``workload``
+    (which overrides both; e.g. an assumed ``input_len``).
+    """
+    path = Path(path)
+    text = _read_text(path)
+    where = f"{path}#{selector}" if selector else str(path)
+    data = _parse_json(path, text)
+    node, parents = _select(data, selector or "", where)
+    workload = dict(workload or {})
+    source = {"file": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
+              "select": selector}
+    base = {"engine": engine, "speculative": speculative, "seed": seed}
+    if _is_bench_result(node):
+        return [_bench_point(node, where, base, workload, source, label or path.stem)]
+    rows = node if isinstance(node, list) else [node]
+    if not rows or not all(isinstance(r, dict) and "concurrency" in r for r in rows):
+        raise CalibrationError(
+            f"{where}: not a recognised benchmark (a vllm bench result JSON, or rows with "
+            "'concurrency'); pick a table inside a larger file with FILE#key.path"
+        )
+    load: dict[str, Any] = {}
+    for p in parents:
+        if isinstance(p, dict) and isinstance(p.get("load"), dict):
+            load = p["load"]
+    points = []
+    for i, row in enumerate(rows):
+        rw = f"{where} row {i}"
+        measured = {}
+        for key, value in row.items():
+            hit = metric_of_key(key)
+            if hit and isinstance(value, (int, float)) and not isinstance(value, bool):
+                measured[hit[0]] = float(value) * hit[1]
+        if not measured:
+            raise CalibrationError(f"{rw}: no measured aggregate (throughput, latency_*, *_ms, ...)")
+        c = row["concurrency"]
+        if not isinstance(c, int) or c <= 0:
+            raise CalibrationError(f"{rw}: concurrency must be a positive integer (got {c!r})")
+        in_len = workload.get("input_len", row.get("actual_prompt_len", row.get("input_len")))
+        out_len = workload.get("output_len", row.get("output_len", load.get("max_tokens")))
+        if in_len is None:
+            raise CalibrationError(
+                f"{rw}: the prompt length is not in the data; give --input-len (an assumption)"
+            )
+        if out_len is None:
+            raise CalibrationError(f"{rw}: the output length is not in the data; give --output-len")
+        n = workload.get("num_requests", row.get("num_prompts"))
+        if n is None:
+            hold = load.get("hold_seconds", workload.get("hold_s"))
+            hold = float(np.mean(hold)) if isinstance(hold, list) else hold
+            qps = measured.get("request_throughput")
+            n = round(hold * qps) if hold and qps else 60
+            n = int(min(max(n, 4 * c, 20), 120))
+            n = c * math.ceil(n / c)  # whole rounds of the closed loop
+        scen = {**base, "workload": {
+            "arrival": {"process": "closed", "concurrency": c}, "num_requests": int(n),
+            "input_len": in_len, "output_len": out_len,
+            **{k: v for k, v in workload.items() if k in ("prefix",)},
+        }}
+        if row.get("failures"):
+            measured_note = f" ({row['failures']} failures measured)"
+        else:
+            measured_note = ""
+        name = row.get("scenario") or f"c={c}"
+        name = (label or name) if len(rows) == 1 else f"{label + ' ' if label else ''}{name}"
+        steady = workload.get("num_requests", row.get("num_prompts")) is None
+        points.append(BenchmarkPoint(
+            f"{name}{measured_note}", scen, measured,
+            {**source, "row": i}, steady_state=steady,
+        ))
+    return points
+
+
+def _bench_point(d, where, base, workload, source, label) -> BenchmarkPoint:
+    completed = d.get("completed") or d.get("num_prompts")
+    if not completed:
+        raise CalibrationError(f"{where}: vllm bench result without 'completed' requests")
+    rate = d.get("request_rate", "inf")
+    rate = math.inf if rate in ("inf", None) else float(rate)
+    conc = d.get("max_concurrency")
+    if rate < math.inf and conc:
+        raise CalibrationError(
+            f"{where}: a finite request_rate with max_concurrency is not modelled; "
+            "use a run with one of the two"
+        )
+    if rate < math.inf:
+        arrival = {"process": "gamma", "rate": rate, "burstiness": float(d.get("burstiness") or 1.0)}
+    else:
+        arrival = {"process": "closed", "concurrency": int(conc or completed)}
+    in_len = workload.get("input_len") or _length(
+        d.get("input_lens"), (d.get("total_input_tokens") or 0) / completed, "input", where)
+    out_len = workload.get("output_len") or _length(
+        d.get("output_lens"), (d.get("total_output_tokens") or 0) / completed, "output", where)
+    measured = {}
+    for key, value in d.items():
+        hit = metric_of_key(key)
+        if hit and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            measured[hit[0]] = float(value) * hit[1]
+    scen = {**base, "workload": {"arrival": arrival, "num_requests": int(completed),
+                                 "input_len": in_len, "output_len": out_len}}
+    name = f"c={conc}" if conc else (f"rate={rate:g}" if rate < math.inf else "all at once")
+    return BenchmarkPoint(f"{label} {name}", scen, measured, {**source, "row": None})
+
+
+def split_input(text: str) -> tuple[str, str | None]:
+    """``FILE#key.path`` -> (FILE, key.path)."""
+    file, sep, selector = text.partition("#")
+    return file, (selector or None) if sep else None
+
+
+def _is_step_input(path: Path) -> bool:
+    if path.suffix.lower() == ".csv":
+        return True
+    if path.suffix.lower() != ".json":
+        return True  # a log
+    data = _parse_json(path, _read_text(path))
+    if isinstance(data, dict):
+        return "samples" in data or "steps" in data
+    return bool(data) and isinstance(data[0], dict) and any(t in data[0] for t in _TARGETS)

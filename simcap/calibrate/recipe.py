@@ -1,0 +1,115 @@
+"""What to fit: :class:`Recipe` (deployment, form, assumptions, datasets) from a recipe YAML,
+a base profile (``--base``) or the command line (``--fix``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from simcap.calibrate.core import TERMS, CalibrationError
+from simcap.calibrate.readers import _read_text, split_input
+from simcap.profile import load_profile
+
+
+@dataclass
+class Recipe:
+    """What to fit and how: deployment sections, form, assumptions and datasets (YAML)."""
+
+    name: str
+    path: Path | None = None
+    hardware: str | None = None
+    model: str | None = None
+    description: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    speculative: dict[str, Any] | None = None
+    step_time: dict[str, Any] = field(default_factory=dict)
+    form: str | None = None
+    fit_metrics: list[str] | None = None
+    weights: dict[str, float] = field(default_factory=dict)
+    bootstrap: int | None = None
+    bootstrap_iterations: int | None = None
+    seed: int = 0
+    warn_above: float = 0.1
+    assumptions: list[str] = field(default_factory=list)
+    datasets: list[dict[str, Any]] = field(default_factory=list)
+
+    KEYS = ("name", "hardware", "model", "description", "engine", "speculative", "step_time", "form",
+            "fit_metrics", "weights", "bootstrap", "bootstrap_iterations", "seed", "warn_above",
+            "assumptions", "datasets")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Recipe":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(_read_text(path))
+        except yaml.YAMLError as exc:
+            raise CalibrationError(f"{path}: malformed YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict) or "name" not in data:
+            raise CalibrationError(f"{path}: a recipe is a mapping with name, engine, datasets, ...")
+        extra = set(data) - set(cls.KEYS)
+        if extra:
+            raise CalibrationError(
+                f"{path}: unknown key {sorted(extra)[0]!r}; allowed: {', '.join(cls.KEYS)}"
+            )
+        if isinstance(data.get("form"), list):
+            data["form"] = ",".join(data["form"])
+        return cls(path=path, **data)
+
+
+def base_from_profile(path: str | Path) -> Recipe:
+    """A recipe without datasets from a profile file (``--base``): deployment and start values."""
+    profile, _ = load_profile(path)
+    return Recipe(name=profile.name, path=Path(path), hardware=profile.hardware, model=profile.model,
+                  description=profile.description, engine=dict(profile.engine),
+                  speculative=dict(profile.speculative) if profile.speculative else None,
+                  step_time=dict(profile.step_time))
+
+
+def parse_fix(items: Sequence[str]) -> dict[str, float]:
+    """``["mixed_step=0.03", ...]`` (``--fix``) -> {term: seconds}."""
+    fixed = {}
+    for item in items:
+        term, sep, value = (t.strip() for t in item.partition("="))
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not sep or term not in TERMS or not number >= 0:
+            raise CalibrationError(
+                f"--fix {item!r}: expected TERM=SECONDS (>= 0) with TERM in {', '.join(TERMS)}"
+            )
+        fixed[term] = number
+    return fixed
+
+
+def recipe_for(
+    inputs: Sequence[str], base: str | Path | None = None, *, name: str | None = None,
+    default_name: str = "profile",
+) -> tuple[Recipe, list[str]]:
+    """The recipe of a ``simcap calibrate`` call and the measurement files left to read.
+
+    One ``.yaml`` input is a recipe (its datasets are the data); ``base`` is a profile or a
+    recipe whose deployment and start values are used for the given files.
+    """
+    inputs = list(inputs)
+    recipe = None
+    if len(inputs) == 1 and split_input(inputs[0])[0].endswith((".yaml", ".yml")):
+        recipe, inputs = Recipe.load(inputs[0]), []
+    if base is not None:
+        if recipe is not None:
+            raise CalibrationError("--base: the recipe already names its deployment")
+        try:
+            data = yaml.safe_load(_read_text(Path(base)))
+        except yaml.YAMLError as exc:
+            raise CalibrationError(f"{base}: malformed YAML: {str(exc).splitlines()[0]}") from None
+        is_recipe = isinstance(data, dict) and "datasets" in data
+        recipe = Recipe.load(base) if is_recipe else base_from_profile(base)
+        recipe.datasets = []
+    recipe = recipe or Recipe(name=default_name)
+    if name:
+        recipe.name = name
+    return recipe, inputs
