@@ -147,3 +147,17 @@ def test_kv_command_answers_whether_a_context_fits():
 def test_kv_command_needs_a_memory_section():
     proc = run("kv", "examples/chat.yaml")
     assert proc.returncode == 2 and "engine.memory:" in proc.stderr
+
+
+def test_a_sweep_over_memory_flags_moves_the_simulated_pool():
+    proc = run("sweep", "examples/memory-whatif.yaml", "--json",
+               "--grid", "engine.max_num_batched_tokens=8192,32768",
+               "--grid", "engine.memory.gpu_memory_utilization=0.8,0.85",
+               "--metric", "provenance.kv_pool_blocks", "--set", "workload.num_requests=4")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    blocks = {(r["engine.max_num_batched_tokens"], r["engine.memory.gpu_memory_utilization"]):
+              r["provenance.kv_pool_blocks"] for r in rows}
+    # The two measured 910B4 pools come back from the estimate; less memory, fewer blocks.
+    assert blocks[(32768, 0.85)] == 695_936 // 128 and blocks[(8192, 0.85)] == 767_872 // 128
+    assert blocks[(32768, 0.8)] < blocks[(32768, 0.85)]
