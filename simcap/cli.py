@@ -22,6 +22,11 @@ app = typer.Typer(
 )
 
 
+# Options shared by the commands that take a scenario.
+SET_OPTION = typer.Option(None, "--set", help="Override a scenario key: dotted.key=value (repeatable).")
+JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
+
+
 def _fail(message: str) -> None:
     """One line on stderr, exit code 2: the user's input was wrong."""
     typer.echo(f"error: {message}", err=True)
@@ -31,10 +36,8 @@ def _fail(message: str) -> None:
 @app.command("simulate")
 def simulate_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file."),
-    set_: Optional[List[str]] = typer.Option(
-        None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Write teaching figures (step timeline, ITL histogram, KV and queue) as PNGs into DIR."
     ),
@@ -77,10 +80,8 @@ def simulate_cmd(
 @app.command("kv")
 def kv_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file with an engine.memory section."),
-    set_: Optional[List[str]] = typer.Option(
-        None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
 ) -> None:
     """Size the KV pool from card memory, model shape and flags, as vLLM does at start-up."""
     try:
@@ -109,10 +110,8 @@ def crossover_cmd(
         None, "--per-stream-tps", help="Per-stream target, output tok/s per request: highest load keeping it."
     ),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a throughput/latency figure (PNG, SVG, PDF)."),
-    set_: Optional[List[str]] = typer.Option(
-        None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
 ) -> None:
     """Run a scenario with and without speculative decoding across load; find the crossover."""
     from simcap import crossover as xo
@@ -159,10 +158,8 @@ def capacity_cmd(
         8, "--interval-sets", help="Profile bootstrap sets to rerun for safe_rate_interval (0: none)."
     ),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write the SLO-vs-rate figure to FILE (PNG)."),
-    set_: Optional[List[str]] = typer.Option(
-        None, "--set", help="Override a scenario key: dotted.key=value (repeatable)."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
 ) -> None:
     """Highest arrival rate that keeps the SLO (safe rate) and where the queue diverges."""
     from simcap import capacity as cap
@@ -211,7 +208,7 @@ def sweep_cmd(
     set_: Optional[List[str]] = typer.Option(
         None, "--set", help="Override a scenario key for every point: dotted.key=value (repeatable)."
     ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    json_out: bool = JSON_OPTION,
     csv_out: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
 ) -> None:
     """Simulate every combination of the --grid overrides; one row per point, in grid order."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -22,6 +23,25 @@ _PERCENTILES = ("p90", "p95", "p99")
 def to_json(data: dict[str, Any]) -> str:
     """The JSON form of a result: stable key order, so equal results are equal bytes."""
     return json.dumps(data, indent=2, allow_nan=False)
+
+
+GENERATED_BEGIN = "<!-- results:begin (written by run.py) -->"
+GENERATED_END = "<!-- results:end -->"
+
+
+def write_generated_block(readme: Path, markdown: str) -> None:
+    """Replace the generated block of a README (between the markers) with ``markdown``.
+
+    Experiments regenerate their numbers this way, so that a README never quotes a figure
+    its script did not produce. A README without the markers is left alone.
+    """
+    if not readme.exists():
+        return
+    text = readme.read_text()
+    if GENERATED_BEGIN in text and GENERATED_END in text:
+        head, rest = text.split(GENERATED_BEGIN, 1)
+        tail = rest.split(GENERATED_END, 1)[1]
+        readme.write_text(f"{head}{GENERATED_BEGIN}\n{markdown}{GENERATED_END}{tail}")
 
 
 def _ms(value: float | None) -> str:

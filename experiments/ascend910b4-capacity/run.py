@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 import simcap
+from simcap.report import write_generated_block
 from simcap.capacity import find_capacity
 from simcap.plots import plot_capacity
 
@@ -36,19 +37,8 @@ DURATION_S = 300.0
 REPLICATES = 2
 
 
-MARK_BEGIN, MARK_END = "<!-- results:begin (written by run.py) -->", "<!-- results:end -->"
-
-
 def update_readme(markdown: str) -> None:
-    """Replace the generated block of README.md (between the markers) with ``markdown``."""
-    path = HERE / "README.md"
-    if not path.exists():
-        return
-    text = path.read_text()
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        tail = rest.split(MARK_END, 1)[1]
-        path.write_text(f"{head}{MARK_BEGIN}\n{markdown}{MARK_END}{tail}")
+    write_generated_block(HERE / "README.md", markdown)
 
 
 def _r(x: float | None, digits: int = 2) -> str:

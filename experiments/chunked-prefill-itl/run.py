@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 import simcap
+from simcap.report import write_generated_block
 from simcap.capacity import bootstrap_sets
 from simcap.memory import (
     GB,
@@ -134,19 +135,8 @@ PUBLISHED = {
 BOOT_KEYS = ("median_s", "p95_s", "mean_s", "frac_between", "frac_above",
              "input_tokens_per_s", "duration_s")
 
-MARK_BEGIN, MARK_END = "<!-- results:begin (written by run.py) -->", "<!-- results:end -->"
-
-
 def update_readme(markdown: str) -> None:
-    """Replace the generated block of README.md (between the markers) with ``markdown``."""
-    path = HERE / "README.md"
-    if not path.exists():
-        return
-    text = path.read_text()
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        tail = rest.split(MARK_END, 1)[1]
-        path.write_text(f"{head}{MARK_BEGIN}\n{markdown}{MARK_END}{tail}")
+    write_generated_block(HERE / "README.md", markdown)
 
 
 def results_markdown(res: dict) -> str:
