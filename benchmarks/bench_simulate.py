@@ -36,10 +36,32 @@ REFERENCE = {
 }
 
 
+def _peer(num_requests: int):
+    """The same workload on Dynamo's Rust mocker (vLLM engine type), or None if absent."""
+    try:
+        from dynamo._core import run_mocker_synthetic_trace_replay
+    except ImportError:
+        print("compiled peer     not installed; skipped")
+        return None
+    engine = REFERENCE["engine"]
+    config = {"engine": {"backend": "vllm", **{k: engine[k] for k in (
+        "block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks")}}}
+    wl = REFERENCE["workload"]
+    return lambda: run_mocker_synthetic_trace_replay(
+        wl["input_len"], wl["output_len"], num_requests, extra_engine_args=config,
+        request_rate=wl["arrival"]["rate"],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=10000)
+    parser.add_argument(
+        "--peer", action="store_true",
+        help="also time the compiled peer (NVIDIA Dynamo's mocker, when importable: "
+        "pip install --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1), interleaved",
+    )
     parser.add_argument(
         "--reference", action="store_true",
         help="also time the step-by-step reference path, interleaved, and print the ratio",
@@ -48,8 +70,13 @@ def main() -> None:
     data = dict(REFERENCE)
     data["workload"] = {**REFERENCE["workload"], "num_requests": args.num_requests}
     scenario = parse_scenario(data)
-    walls, ref_walls = [], []
+    peer = _peer(args.num_requests) if args.peer else None
+    walls, ref_walls, peer_walls = [], [], []
     for _ in range(args.repeats):
+        if peer is not None:
+            t0 = time.perf_counter()
+            peer()
+            peer_walls.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         result = simulate(scenario)
         walls.append(time.perf_counter() - t0)
@@ -67,6 +94,9 @@ def main() -> None:
     print(f"sim s / wall s    {sim_s / wall:,.0f}")
     print(f"engine steps      {steps:,}   steps/s {steps / wall:,.0f}")
     print(f"peak RSS MiB      {peak_mib:,.0f}")
+    if peer_walls:
+        pw = statistics.median(peer_walls)
+        print(f"compiled peer     {pw:.3f} s (median, same workload); simcap / peer = {wall / pw:.2f}")
     if ref_walls:
         ref = statistics.median(ref_walls)
         print(f"reference path    {ref:.3f} s (median); fast path is {ref / wall:.1f}x faster")
