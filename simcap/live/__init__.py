@@ -5,23 +5,29 @@
 - :mod:`simcap.live.prompts` -- exact-length token-id prompts from a request's content segments.
 - :mod:`simcap.live.prom` -- the server's ``/metrics``: snapshots, counter deltas, cross-checks.
 - :mod:`simcap.live.validate` -- :func:`validate`: live repeats vs simulations of the same traces.
+- :mod:`simcap.live.calibration` -- :func:`calibrate_live`: a calibration workload against a live
+  server, fitted (from the server's per-step log, else black-box probes) into a profile.
+- :mod:`simcap.live.plot` -- ECDFs of live vs simulated TTFT and ITL (``validate --plot``).
 - :mod:`simcap.live.hostload` -- CPU use of foreign processes, to flag disturbed runs.
 - :mod:`simcap.live.server` -- :class:`VllmServer`: start/stop a local vLLM CPU server.
 - :mod:`simcap.live.cli` -- the ``simcap live`` commands.
 """
 
+from simcap.live.calibration import LiveCalibration, calibrate_live
 from simcap.live.client import LiveError, LiveRun, run_live
 from simcap.live.prompts import PromptBuilder
 from simcap.live.server import VllmServer, VllmServerError
 from simcap.live.validate import Validation, validate
 
 __all__ = [
+    "LiveCalibration",
     "LiveError",
     "LiveRun",
     "PromptBuilder",
     "Validation",
     "VllmServer",
     "VllmServerError",
+    "calibrate_live",
     "run_live",
     "validate",
 ]

@@ -1,7 +1,11 @@
-"""``simcap live``: run a scenario's workload against a real vLLM server, or validate against it.
+"""``simcap live``: run a scenario's workload against a real vLLM server, validate against it,
+or calibrate a profile from it.
 
-Thin: parse, call :mod:`simcap.live.client` / :mod:`simcap.live.validate`, render. Mounted by
-``simcap.cli`` as ``app.add_typer(live_app, name="live")``.
+Thin: parse, call :mod:`simcap.live.client` / :mod:`simcap.live.validate` /
+:mod:`simcap.live.calibration`, render. Mounted by ``simcap.cli`` as
+``app.add_typer(live_app, name="live")``. An API key comes from ``--api-key``, else the
+variable ``--api-key-env`` names, else ``$SIMCAP_API_KEY``; it is sent as a Bearer header
+and never printed or written (a profile's ``fitted_with`` masks it).
 """
 
 from __future__ import annotations
@@ -20,15 +24,51 @@ from simcap.simulator import SimulationError
 live_app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Drive a real vLLM server with a scenario's workload; compare it with the simulation.",
+    help="Drive a real vLLM server with a scenario's workload; compare it with the simulation; calibrate from it.",
 )
 
 _SET_HELP = "Override a scenario key: dotted.key=value (repeatable)."
+_KEY_HELP = "API key (sent as a Bearer header; visible in the process list: prefer --api-key-env)."
+_KEY_ENV_HELP = "Read the API key from this environment variable (default: SIMCAP_API_KEY when set)."
+_TIMEOUT_HELP = "Seconds a request may take (send to done) before it is cut and recorded as failed."
+
+
+def _api_key(api_key: Optional[str], api_key_env: Optional[str]) -> Optional[str]:
+    """The key from --api-key, else the variable --api-key-env names, else $SIMCAP_API_KEY."""
+    import os
+
+    from simcap.live.client import API_KEY_ENV
+
+    if api_key:
+        return api_key
+    if api_key_env:
+        value = os.environ.get(api_key_env)
+        if not value:
+            _fail(f"--api-key-env: environment variable {api_key_env} is not set")
+        return value
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def _command_line(ctx: typer.Context, prefix: str, secret: frozenset[str] = frozenset()) -> str:
+    """The running command as given (options that differ from their defaults; secrets masked)."""
+    import shlex
+
+    parts = [prefix]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or value == param.default or getattr(param, "param_type_name", "") != "option":
+            continue
+        flag = param.opts[0]
+        if getattr(param, "is_flag", False):
+            parts.append(flag if value else (param.secondary_opts or [flag])[0])
+            continue
+        parts += [flag, "***" if param.name in secret else shlex.quote(str(value))]
+    return " ".join(parts)
 
 
 def _console(width: int = 100) -> Console:
@@ -45,15 +85,20 @@ def run_cmd(
     set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
 ) -> None:
     """Send the scenario's workload to a live server and summarise what it measured."""
     from simcap.live.client import ENDPOINTS, run_live
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
+    key = _api_key(api_key, api_key_env)
     try:
         sc = load_scenario(scenario, set_ or [])
-        run = run_live(sc, base_url, model, endpoint=endpoint, out_path=out, progress=progress and not json_out)  # type: ignore[arg-type]
+        run = run_live(sc, base_url, model, endpoint=endpoint, out_path=out, progress=progress and not json_out,
+                       api_key=key, request_timeout_s=request_timeout)  # type: ignore[arg-type]
     except SimcapError as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -79,6 +124,9 @@ def run_cmd(
     elif live["achieved_rate"] is not None:
         console.print(f"closed loop: achieved arrival rate {live['achieved_rate']:.3f} req/s")
     console.print(_cross_check_line(check))
+    spec = _spec_line(data["server"])
+    if spec:
+        console.print(spec)
     for note in live["notes"]:
         console.print(f"note: {note}", style="dim")
     for err in live["errors"]:
@@ -101,6 +149,22 @@ def _cross_check_line(check: dict) -> str:
     )
 
 
+def _spec_line(server: dict) -> str | None:
+    """Speculative decoding as the server counted it, or None when it drafted nothing."""
+    drafts = server.get("spec_decode_num_drafts")
+    if not drafts:
+        return None
+    acc = server.get("spec_decode_mean_acceptance_length")
+    rates = server.get("spec_decode_acceptance_rates") or []
+    per_pos = ", ".join(f"{r:.2f}" for r in rates)
+    return (
+        f"speculative decoding (server counters): mean acceptance length {acc:.3f} over {int(drafts):,} "
+        f"drafts, {int(server.get('spec_decode_num_draft_tokens') or 0):,} draft tokens, "
+        f"{int(server.get('spec_decode_num_accepted_tokens') or 0):,} accepted"
+        + (f"; per-position acceptance {per_pos}" if per_pos else "")
+    )
+
+
 def _num(v) -> str:
     return "n/a" if v is None else f"{int(v):,}"
 
@@ -116,19 +180,31 @@ def validate_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     out_prefix: Optional[str] = typer.Option(None, "--out-prefix", help="Write live run i's records to PREFIXi.jsonl."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Send a few unmeasured requests first."),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Write ECDFs of live vs simulated TTFT and ITL (PNG/SVG/PDF)."
+    ),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
 ) -> None:
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
+    from simcap.live.plot import FORMATS, plot_validation_ecdfs
     from simcap.live.validate import ks_line, validate, validation_table
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
+    if plot is not None and plot.suffix.lower() not in FORMATS:
+        _fail(f"--plot {plot}: the file must end in {', '.join(FORMATS)}")
+    key = _api_key(api_key, api_key_env)
     try:
         sc = load_scenario(scenario, set_ or [])
         result = validate(
             sc, base_url, model, repeats, endpoint=endpoint, progress=not json_out,
-            warmup=warmup, out_prefix=out_prefix,
+            warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
         )  # fmt: skip
+        if plot is not None:
+            plot_validation_ecdfs(result, plot)
     except SimcapError as exc:
         _fail(str(exc))
     except SimulationError as exc:
@@ -138,6 +214,8 @@ def validate_cmd(
         typer.echo("interrupted", err=True)
         raise typer.Exit(130)
     data = result.to_dict()
+    if plot is not None:
+        data["plot"] = str(plot)
     if json_out:
         typer.echo(report.to_json(data))
         return
@@ -146,3 +224,80 @@ def validate_cmd(
     console.print(ks_line(data))
     for note in data["notes"]:
         console.print(f"note: {note}", style="dim")
+    if plot is not None:
+        console.print(f"figure: {plot}")
+
+
+@live_app.command("calibrate")
+def calibrate_cmd(
+    ctx: typer.Context,
+    base_url: str = typer.Option(..., "--base-url", help="vLLM server, e.g. http://127.0.0.1:8000"),
+    out: Path = typer.Option(..., "--out", help="Profile YAML to write (its data file is written beside it)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
+    log: Optional[Path] = typer.Option(
+        None, "--log",
+        help="The server's log file (run with --enable-logging-iteration-details): fit its per-step "
+             "lines. Without it: black-box probes, which overstate prefill cost.",
+    ),
+    max_num_seqs: int = typer.Option(..., "--max-num-seqs", min=1, help="The server's --max-num-seqs."),
+    max_num_batched_tokens: int = typer.Option(
+        ..., "--max-num-batched-tokens", min=1, help="The server's --max-num-batched-tokens."
+    ),
+    max_model_len: Optional[int] = typer.Option(
+        None, "--max-model-len", min=2, help="The server's --max-model-len (default: from /v1/models)."
+    ),
+    requests: int = typer.Option(40, "--requests", min=8, help="Requests in the calibration mix (log source)."),
+    speculative_method: Optional[str] = typer.Option(
+        None, "--speculative-method", help="ngram, eagle or eagle3, when the server drafts and does not say."
+    ),
+    name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: --out's stem)."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="Hardware description for the profile."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the calibration prompts and the bootstrap."),
+    bootstrap: int = typer.Option(200, "--bootstrap", min=0, help="Bootstrap resamples for the intervals."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
+) -> None:
+    """Drive a calibration workload against a live server and fit a profile from it."""
+    from simcap.calibrate import render_fit
+    from simcap.live.calibration import calibrate_live
+
+    key = _api_key(api_key, api_key_env)
+    command = _command_line(ctx, "simcap live calibrate", secret=frozenset({"api_key"}))
+    say = None if json_out else (lambda msg: typer.echo(f"calibrate: {msg}", err=True))
+    try:
+        result = calibrate_live(
+            base_url, model, out, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, log_path=log, num_requests=requests,
+            speculative_method=speculative_method, api_key=key, request_timeout_s=request_timeout,
+            name=name, hardware=hardware, seed=seed, bootstrap=bootstrap, command=command, progress=say,
+        )  # fmt: skip
+    except SimcapError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        typer.echo("interrupted; no profile written", err=True)
+        raise typer.Exit(130)
+    data = result.to_dict()
+    if json_out:
+        typer.echo(report.to_json(data))
+    else:
+        console = _console(110)
+        console.print(f"fitted from: {result.source} ({result.data_path}); {result.wall_s:.0f} s")
+        render_fit(result.fit, console)
+        host = result.host_overhead
+        if host and host.get("step_period_s") is not None:
+            console.print(
+                f"host overhead {host['host_overhead_s'] * 1e3:.2f} ms/step: client decode step period "
+                f"{host['step_period_s'] * 1e3:.2f} ms (mean ITL {host['client_mean_itl_s'] * 1e3:.2f} ms) "
+                f"- logged forward {host['logged_elapsed_s'] * 1e3:.2f} ms"
+            )
+        eng = result.engine
+        console.print("engine: " + ", ".join(f"{k}={v}" for k, v in eng.items()))
+        if result.speculative:
+            console.print("speculative: " + ", ".join(f"{k}={v}" for k, v in result.speculative.items()))
+        for note in result.notes:
+            console.print(f"note: {note}", style="dim")
+        console.print(f"profile: {out}")
+    for line in result.fit.warnings:
+        typer.echo(line, err=True)

@@ -22,6 +22,11 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
 - With ``out_path``, each record is appended to that JSONL file as its request completes
   (one ``RequestRecord.to_dict()`` per line, flushed), so an interrupted run keeps every
   finished request.
+- ``api_key``: sent as ``Authorization: Bearer KEY`` on every request; it is kept out of every
+  record, result and message (any echo of it in a server's error text is masked).
+- ``request_timeout_s``: a request that has not completed within that many seconds of its
+  send is cut and recorded as failed, ``error`` saying ``timeout: ...`` and how many chunks
+  had arrived; the run goes on.
 """
 
 from __future__ import annotations
@@ -46,6 +51,17 @@ from simcap.workload import RequestSpec, Workload
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS = ("completions", "chat")
+API_KEY_ENV = "SIMCAP_API_KEY"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``{"Authorization": "Bearer KEY"}``, or nothing without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def redact(text: str, secret: str | None) -> str:
+    """``text`` with every occurrence of ``secret`` masked (servers may echo headers in errors)."""
+    return text.replace(secret, "***") if secret and text else text
 
 
 class LiveError(SimcapError):
@@ -123,6 +139,11 @@ async def _get_json(client: httpx.AsyncClient, url: str, what: str) -> Any:
         resp = await client.get(url, timeout=10.0)
     except httpx.HTTPError as exc:
         raise LiveError(f"cannot reach vLLM server at {url.rsplit('/', 2)[0]}: {_exc_text(exc)}")
+    if resp.status_code in (401, 403):
+        raise LiveError(
+            f"{url}: HTTP {resp.status_code} asking for {what}: the server wants an API key, or "
+            f"refused the one given (set {API_KEY_ENV} or --api-key-env NAME)"
+        )
     if resp.status_code != 200:
         raise LiveError(f"{url}: HTTP {resp.status_code} asking for {what}")
     try:
@@ -236,57 +257,28 @@ async def stream_request(
     t0: float,
     chat: bool,
     fixups: list[dict[str, int]],
+    timeout_s: float | None = None,
 ) -> None:
-    """Send one request and fill ``record`` from its SSE stream; never raises for its faults."""
-    clock = time.perf_counter
-    usage: dict[str, Any] | None = None
-    done = False
+    """Send one request and fill ``record`` from its SSE stream; never raises for its faults.
+
+    ``timeout_s``: the whole request (send to ``[DONE]``) must complete within that many
+    seconds, else it is cut and recorded as a timeout with the chunks that had arrived.
+    """
+    state: dict[str, Any] = {"usage": None}
     try:
-        async with client.stream(
-            "POST", url, content=body, headers={"content-type": "application/json"}
-        ) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace").strip().replace("\n", " ")
-                raise _StreamError(f"HTTP {resp.status_code}: {text[:300]}")
-            async for line in resp.aiter_lines():
-                if not line or line.startswith(":"):
-                    continue
-                now = clock() - t0
-                if not line.startswith("data:"):
-                    continue  # event:/id:/retry: fields carry nothing we use
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
-                    break
-                try:
-                    msg = json.loads(payload)
-                except ValueError:
-                    raise _StreamError(f"malformed SSE data after {len(record.chunk_times)} chunks: {payload[:80]!r}") from None
-                if not isinstance(msg, dict):
-                    raise _StreamError(f"malformed SSE data: {payload[:80]!r}")
-                if "error" in msg:
-                    err = msg["error"]
-                    text = err.get("message") if isinstance(err, dict) else err
-                    raise _StreamError(f"server error in stream: {str(text)[:300]}")
-                if msg.get("usage"):
-                    usage = msg["usage"]
-                for choice in msg.get("choices") or ():
-                    if chat:
-                        text = (choice.get("delta") or {}).get("content") or ""
-                    else:
-                        text = choice.get("text") or ""
-                    ids = choice.get("token_ids")
-                    n = len(ids) if isinstance(ids, list) else (1 if text else 0)
-                    if n or text:
-                        record.add_chunk(now, n)
-                    if choice.get("finish_reason"):
-                        record.finish_reason = choice["finish_reason"]
-        if not done:
-            raise _StreamError(f"stream ended without [DONE] after {len(record.chunk_times)} chunks")
-        if not record.chunk_times:
-            raise _StreamError("stream carried no tokens")
+        if timeout_s is not None:
+            await asyncio.wait_for(_stream(client, url, body, record, t0, chat, state), timeout_s)
+        else:
+            await _stream(client, url, body, record, t0, chat, state)
+    except asyncio.TimeoutError:
+        record.error = (
+            f"timeout: not complete within {timeout_s:g} s (request timeout) after "
+            f"{len(record.chunk_times)} chunks"
+        )
     except _StreamError as exc:
         record.error = str(exc)
+    except httpx.TimeoutException as exc:
+        record.error = f"timeout: {_exc_text(exc)} (no data within the request timeout) after {len(record.chunk_times)} chunks"
     except httpx.HTTPError as exc:
         record.error = f"{_exc_text(exc)} after {len(record.chunk_times)} chunks"
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -296,6 +288,7 @@ async def stream_request(
     if record.error is not None:
         record.finish_reason = "error"
         return
+    usage = state["usage"]
     if usage is not None:
         prompt_tokens = usage.get("prompt_tokens")
         if isinstance(prompt_tokens, int):
@@ -306,6 +299,61 @@ async def stream_request(
             if counted != completion:
                 fixups.append({"request_id": record.request_id, "chunk_tokens": counted, "usage_tokens": completion})
                 _absorb(record.chunk_tokens, completion - counted)
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    record: RequestRecord,
+    t0: float,
+    chat: bool,
+    state: dict[str, Any],
+) -> None:
+    """The SSE exchange of :func:`stream_request`; raises on every fault."""
+    clock = time.perf_counter
+    done = False
+    async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace").strip().replace("\n", " ")
+            raise _StreamError(f"HTTP {resp.status_code}: {text[:300]}")
+        async for line in resp.aiter_lines():
+            if not line or line.startswith(":"):
+                continue
+            now = clock() - t0
+            if not line.startswith("data:"):
+                continue  # event:/id:/retry: fields carry nothing we use
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            try:
+                msg = json.loads(payload)
+            except ValueError:
+                raise _StreamError(f"malformed SSE data after {len(record.chunk_times)} chunks: {payload[:80]!r}") from None
+            if not isinstance(msg, dict):
+                raise _StreamError(f"malformed SSE data: {payload[:80]!r}")
+            if "error" in msg:
+                err = msg["error"]
+                text = err.get("message") if isinstance(err, dict) else err
+                raise _StreamError(f"server error in stream: {str(text)[:300]}")
+            if msg.get("usage"):
+                state["usage"] = msg["usage"]
+            for choice in msg.get("choices") or ():
+                if chat:
+                    text = (choice.get("delta") or {}).get("content") or ""
+                else:
+                    text = choice.get("text") or ""
+                ids = choice.get("token_ids")
+                n = len(ids) if isinstance(ids, list) else (1 if text else 0)
+                if n or text:
+                    record.add_chunk(now, n)
+                if choice.get("finish_reason"):
+                    record.finish_reason = choice["finish_reason"]
+    if not done:
+        raise _StreamError(f"stream ended without [DONE] after {len(record.chunk_times)} chunks")
+    if not record.chunk_times:
+        raise _StreamError("stream carried no tokens")
 
 
 def _absorb(tokens: list[int], diff: int) -> None:
@@ -354,7 +402,15 @@ def _progress(total: int | None, enabled: bool):
     return prog
 
 
-async def run_live_async(
+async def run_live_async(scenario: Scenario, base_url: str, model: str | None = None, **kwargs: Any) -> LiveRun:
+    """Async form of :func:`run_live` (same arguments; see :func:`_run_live_async`)."""
+    try:
+        return await _run_live_async(scenario, base_url, model, **kwargs)
+    except LiveError as exc:  # a server may echo the Authorization header in an error text
+        raise LiveError(redact(str(exc), kwargs.get("api_key"))) from None
+
+
+async def _run_live_async(
     scenario: Scenario,
     base_url: str,
     model: str | None = None,
@@ -364,11 +420,11 @@ async def run_live_async(
     progress: bool = True,
     token_pool: Sequence[int] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
-    request_timeout_s: float = 600.0,
+    request_timeout_s: float | None = 600.0,
     return_token_ids: bool = True,
     on_record: Callable[[RequestRecord], None] | None = None,
+    api_key: str | None = None,
 ) -> LiveRun:
-    """Async form of :func:`run_live` (same arguments)."""
     if endpoint not in ENDPOINTS:
         raise LiveError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
     base_url = base_url.rstrip("/")
@@ -378,7 +434,9 @@ async def run_live_async(
     chat = endpoint == "chat"
     url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    timeout = httpx.Timeout(request_timeout_s, connect=30.0, pool=None)
+    if request_timeout_s is not None and not request_timeout_s > 0:
+        raise LiveError(f"request timeout: must be > 0 s (got {request_timeout_s})")
+    timeout = httpx.Timeout(request_timeout_s, connect=min(30.0, request_timeout_s or 30.0), pool=None)
     notes: list[str] = []
     fixups: list[dict[str, int]] = []
     records: dict[int, RequestRecord] = {}
@@ -386,7 +444,9 @@ async def run_live_async(
     sink = _Sink(None)  # opened (truncating out_path) once the server is known to serve
     prog = None
     try:
-        async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout) as client:
+        async with httpx.AsyncClient(
+            transport=transport, limits=limits, timeout=timeout, headers=auth_headers(api_key)
+        ) as client:
             model, max_len = await resolve_model(client, base_url, model)
             longest = scenario.workload.input_len.max_value + scenario.workload.output_len.max_value
             if max_len is not None and longest > max_len:
@@ -425,7 +485,9 @@ async def run_live_async(
             async def one(spec: RequestSpec, body: bytes, t0: float) -> None:
                 rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens)
                 records[spec.request_id] = rec
-                await stream_request(client, url, body, rec, t0, chat, fixups)
+                await stream_request(client, url, body, rec, t0, chat, fixups, request_timeout_s)
+                if rec.error and api_key:
+                    rec.error = redact(rec.error, api_key)
                 if stopping:
                     return  # cut short by the interruption, not finished: not written
                 sink.write(rec)
@@ -556,8 +618,11 @@ def run_live(
 
     ``model``: the served model name (None: the server's first). ``out_path``: JSONL file the
     records are appended to as requests complete (truncated first). ``progress``: a rich
-    progress bar on stderr. Raises :class:`LiveError` (a one-line user error) when the server
-    cannot be reached or cannot serve the workload.
+    progress bar on stderr. Keyword options: ``api_key`` (Bearer token, never stored),
+    ``request_timeout_s`` (per request, send to done; None: no limit), ``token_pool``,
+    ``transport`` (tests only), ``return_token_ids``, ``on_record``. Raises
+    :class:`LiveError` (a one-line user error) when the server cannot be reached or cannot
+    serve the workload.
     """
     return asyncio.run(
         run_live_async(

@@ -51,6 +51,14 @@ class ServerMetrics:
     histogram_count: dict[str, float] = field(default_factory=dict)
     cache_config: dict[str, str] = field(default_factory=dict)
     success_by_reason: dict[str, float] = field(default_factory=dict)
+    # vllm:spec_decode_num_accepted_tokens_per_pos, by draft position (0-based): present only
+    # on a server with speculative decoding; its positions give k.
+    spec_accepted_per_pos: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        """k of a drafting server (its per-position acceptance counters), else None."""
+        return max(self.spec_accepted_per_pos) + 1 if self.spec_accepted_per_pos else None
 
     def counter(self, name: str) -> float | None:
         return self.counters.get(name)
@@ -72,6 +80,7 @@ class ServerMetrics:
             "histogram_count": dict(self.histogram_count),
             "cache_config": dict(self.cache_config),
             "success_by_reason": dict(self.success_by_reason),
+            "spec_accepted_per_pos": {str(k): v for k, v in sorted(self.spec_accepted_per_pos.items())},
         }
 
 
@@ -100,6 +109,10 @@ def parse_metrics(text: str, when: float | None = None) -> ServerMetrics:
                 if name == "vllm:request_success":
                     reason = sample.labels.get("finished_reason", "")
                     snap.success_by_reason[reason] = snap.success_by_reason.get(reason, 0.0) + value
+                elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                    pos = _int(sample.labels.get("position"))
+                    if pos is not None:
+                        snap.spec_accepted_per_pos[pos] = snap.spec_accepted_per_pos.get(pos, 0.0) + value
             elif kind == "histogram":
                 if sname == name + "_sum":
                     snap.histogram_sum[name] = snap.histogram_sum.get(name, 0.0) + value
@@ -129,7 +142,9 @@ def metrics_delta(before: ServerMetrics | None, after: ServerMetrics | None) -> 
 
     Keys: one per counter in :data:`COUNTERS` (short names, e.g. ``generation_tokens``; None
     when the server lacks it), ``prefix_cache_hit_rate``, ``spec_decode_mean_acceptance_length``
-    (1 + accepted / drafts: tokens emitted per draft step, None without drafts), the mean of
+    (1 + accepted / drafts: tokens emitted per draft step, None without drafts),
+    ``spec_decode_num_speculative_tokens`` (k, None without speculation),
+    ``spec_decode_acceptance_rates`` (per draft position: accepted / drafts), the mean of
     each histogram over the interval (``mean_<name>``, seconds), and the cache config labels.
     """
     out: dict[str, Any] = {}
@@ -152,6 +167,13 @@ def metrics_delta(before: ServerMetrics | None, after: ServerMetrics | None) -> 
     out["spec_decode_mean_acceptance_length"] = (
         1.0 + accepted / drafts if drafts and accepted is not None else None
     )
+    positions = sorted(after.spec_accepted_per_pos)
+    out["spec_decode_num_speculative_tokens"] = after.num_speculative_tokens
+    # P(draft position i accepted) per draft: vLLM's per-position acceptance rates.
+    out["spec_decode_acceptance_rates"] = [
+        (after.spec_accepted_per_pos[p] - before.spec_accepted_per_pos.get(p, 0.0)) / drafts
+        for p in positions
+    ] if drafts and positions else None
     for name in HISTOGRAMS:
         short = name.split(":", 1)[1]
         dc = after.histogram_count.get(name, 0.0) - before.histogram_count.get(name, 0.0)

@@ -12,6 +12,12 @@ simulated and live samples.
 
 Runs disturbed by foreign processes (see :mod:`simcap.live.hostload`) are flagged and left
 out of the range and median while at least one undisturbed run remains.
+
+With speculative decoding, what the drafts achieved is part of the trace too: by default each
+run is simulated with that run's own acceptance (vLLM's per-position acceptance counters) and,
+for ngram, its proposal rate (drafts per decode request-step, the server's ITL sample count),
+so the comparison judges the step-time model, not a guess of acceptance; the scenario's and
+the run's values are both in the notes. ``adopt_spec_acceptance=False`` keeps the scenario's.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import httpx
 import numpy as np
 from rich.table import Table
 
-from simcap.live.client import LiveError, LiveRun, run_live
+from simcap.live.client import LiveError, LiveRun, auth_headers, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.metrics import Summary
 from simcap.records import RequestRecord
@@ -201,10 +207,11 @@ def _local_port(base_url: str) -> int | None:
     return None
 
 
-def reset_prefix_cache(base_url: str, timeout: float = 30.0) -> str:
+def reset_prefix_cache(base_url: str, timeout: float = 30.0, api_key: str | None = None) -> str:
     """POST /reset_prefix_cache (vLLM with VLLM_SERVER_DEV_MODE=1): "ok" or why not."""
     try:
-        resp = httpx.post(base_url.rstrip("/") + "/reset_prefix_cache", timeout=timeout)
+        resp = httpx.post(base_url.rstrip("/") + "/reset_prefix_cache", timeout=timeout,
+                          headers=auth_headers(api_key))
     except httpx.HTTPError as exc:
         return f"failed ({type(exc).__name__})"
     if resp.status_code == 200:
@@ -236,7 +243,41 @@ def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> 
     return scenario
 
 
-def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str) -> None:
+def _adopt_spec_acceptance(scenario: Scenario, run: LiveRun, index: int, notes: list[str]) -> Scenario:
+    """The scenario with the run's own speculative acceptance (and ngram proposal rate)."""
+    spec = scenario.speculative
+    delta = run.server_delta()
+    drafts = delta.get("spec_decode_num_drafts")
+    if spec is None or not delta.get("available") or not drafts:
+        return scenario
+    k = spec.num_speculative_tokens
+    rates = delta.get("spec_decode_acceptance_rates") or []
+    update: dict[str, Any] = {}
+    if len(rates) == k:
+        clean, low = [], 1.0
+        for r in rates:  # P(accepted >= i) cannot rise with i; clip counter noise
+            low = min(low, max(0.0, float(r)))
+            clean.append(round(low, 6))
+        update.update(acceptance_rates=tuple(clean), acceptance_length=None)
+    else:
+        acc = delta.get("spec_decode_mean_acceptance_length")
+        if acc is None:
+            return scenario
+        update.update(acceptance_length=round(min(float(acc), k + 1.0), 6), acceptance_rates=None)
+    steps = delta.get("count_inter_token_latency_seconds")
+    if spec.method == "ngram" and steps:
+        update["proposal_rate"] = round(min(max(drafts / steps, 1e-3), 1.0), 6)
+    new = type(spec).model_validate({**spec.model_dump(), **update})
+    mine = f"acceptance length {1 + sum(new.per_position_rates):.3f}"
+    theirs = f"scenario {1 + sum(spec.per_position_rates):.3f}"
+    if "proposal_rate" in update:
+        mine += f", proposal rate {new.proposal_rate:.3f}"
+        theirs += f", {spec.proposal_rate:.3f}"
+    notes.append(f"run {index}: simulated with the run's own speculative {mine} ({theirs})")
+    return scenario.model_copy(update={"speculative": new})
+
+
+def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str, **live_kwargs: Any) -> None:
     """A few unmeasured requests: a fresh server compiles/allocates on its first batches."""
     wl = scenario.workload
     n = min(8, wl.num_requests or 8)
@@ -249,7 +290,7 @@ def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str)
             ),
         }
     )
-    run_live(warm, base_url, model, endpoint=endpoint, progress=False)  # type: ignore[arg-type]
+    run_live(warm, base_url, model, endpoint=endpoint, progress=False, **live_kwargs)  # type: ignore[arg-type]
 
 
 def validate(
@@ -263,40 +304,46 @@ def validate(
     warmup: bool = True,
     reset_cache: bool = True,
     adopt_server_cache_config: bool = True,
+    adopt_spec_acceptance: bool = True,
     server_pids: Iterable[int] = (),
     disturbance_threshold_cores: float = DEFAULT_THRESHOLD_CORES,
     out_prefix: str | None = None,
+    api_key: str | None = None,
     **live_kwargs: Any,
 ) -> Validation:
     """Run ``scenario`` live ``repeats`` times and compare each run with its simulated twin.
 
     ``adopt_server_cache_config``: simulate with the server's block size, KV pool size and
     prefix-caching switch (from ``vllm:cache_config_info``) instead of the scenario's, noted in
-    the result. ``server_pids``: PIDs of the server when known (a local :class:`VllmServer`);
+    the result. ``adopt_spec_acceptance``: simulate each run with its own measured speculative
+    acceptance (see the module doc). ``server_pids``: PIDs of the server when known (a local :class:`VllmServer`);
     vLLM-named processes are recognised anyway. ``out_prefix``: write each live run's records
-    to ``{out_prefix}{i}.jsonl``.
+    to ``{out_prefix}{i}.jsonl``. ``api_key``: Bearer token for every request (never stored).
+    Other keyword options go to :func:`~simcap.live.client.run_live`.
     """
     if repeats < 1:
         raise LiveError(f"repeats: must be >= 1 (got {repeats})")
     notes: list[str] = []
     if warmup:
-        _warmup(scenario, base_url, model, endpoint)
+        _warmup(scenario, base_url, model, endpoint, api_key=api_key, **live_kwargs)
     results: list[Repeat] = []
     simulated = scenario
     for i in range(repeats):
-        reset = reset_prefix_cache(base_url) if reset_cache else "skipped"
+        reset = reset_prefix_cache(base_url, api_key=api_key) if reset_cache else "skipped"
         if reset != "ok" and reset_cache and i == 0:
             notes.append(f"prefix cache not reset between runs: {reset}; reruns may hit the cache")
         watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(base_url)).start()
         out = f"{out_prefix}{i}.jsonl" if out_prefix else None
-        run = run_live(scenario, base_url, model, endpoint=endpoint, out_path=out, progress=progress, **live_kwargs)  # type: ignore[arg-type]
+        run = run_live(scenario, base_url, model, endpoint=endpoint, out_path=out, progress=progress,
+                       api_key=api_key, **live_kwargs)  # type: ignore[arg-type]
         cpu = watch.stop()
         if i == 0 and adopt_server_cache_config:
             simulated = _adopt_server_config(scenario, run, notes)
         trace = trace_of(run)
         if not trace:
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
-        sim = simulate(simulated, trace=trace)
+        this = _adopt_spec_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
+        sim = simulate(this, trace=trace)
         if run.num_failed:
             notes.append(f"run {i}: {run.num_failed} failed request(s) left out of the simulated trace")
         if cpu.get("disturbed"):

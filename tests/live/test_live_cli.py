@@ -37,3 +37,29 @@ def test_bad_scenario_and_endpoint(tmp_path):
     assert proc.returncode == 2 and "--endpoint" in proc.stderr
     proc = _run("run", "--base-url", "http://127.0.0.1:9", str(path), "--set", "workload.num_requests=-1")
     assert proc.returncode == 2 and "workload.num_requests" in proc.stderr
+
+
+def test_api_key_env_unset_plot_suffix_and_calibrate_unreachable(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from simcap.live.cli import live_app
+
+    def run(*args):
+        result = CliRunner().invoke(live_app, list(args))
+        return result.exit_code, result.stderr.strip().splitlines()
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(SCENARIO))
+    monkeypatch.delenv("SIMCAP_NO_SUCH_KEY", raising=False)
+    code, err = run("run", "--base-url", "http://127.0.0.1:9", "--api-key-env", "SIMCAP_NO_SUCH_KEY", str(path))
+    assert code == 2 and err == ["error: --api-key-env: environment variable SIMCAP_NO_SUCH_KEY is not set"]
+    code, err = run("validate", "--base-url", "http://127.0.0.1:9", "--plot", str(tmp_path / "f.txt"), str(path))
+    assert code == 2 and len(err) == 1 and "--plot" in err[0]
+    url = "http://127.0.0.1:9"
+    common = ("calibrate", "--base-url", url, "--out", str(tmp_path / "p.yaml"), "--max-num-seqs", "8",
+              "--max-num-batched-tokens", "512")
+    code, err = run(*common)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and url in err[0]
+    code, err = run(*common, "--log", str(tmp_path / "missing.log"))
+    assert code == 2 and len(err) == 1 and "missing.log" in err[0]
+    assert not (tmp_path / "p.yaml").exists()

@@ -117,3 +117,128 @@ def test_faults_recorded_without_losing_other_records(tmp_path):
     assert summary.completed == N - len(failed) and summary.failed == len(failed)
     assert run.server_delta() == {"available": False}
     assert any("/metrics" in note for note in run.notes)
+
+
+# --------------------------------------------------------------------------- timeout, API key
+
+KEY = "sk-simcap-test-7f3a9c"
+STALL = 3
+
+
+class GuardedFakeVllm(FakeVllm):
+    """Wants ``Authorization: Bearer KEY`` on /v1 (as vLLM's --api-key); request STALL hangs."""
+
+    def __init__(self, key: str | None = KEY, stall_s: float = 30.0) -> None:
+        super().__init__()
+        self.key, self.stall_s = key, stall_s
+        self.auth_seen: list[str | None] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.auth_seen.append(request.headers.get("authorization"))
+        if path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {self.key}":
+            # A careless server echoing the header it got: the client must mask it.
+            return httpx.Response(401, json={"error": f"Unauthorized: {request.headers.get('authorization')}"})
+        if path == "/v1/completions" and self.calls == STALL:
+            self.calls += 1
+            body = json.loads(request.content)
+            first = _sse({"choices": [{"text": "x", "token_ids": [7], "finish_reason": None}]})
+            return httpx.Response(200, stream=_Stall([first, first], self.stall_s))
+        if path == "/v1/completions" and self.calls in (CUT, MALFORMED, HTTP_500, NO_DONE, USAGE_MORE, ERROR_EVENT):
+            self.calls += 1  # only the stall is injected here: skip FakeVllm's own faults
+            return self._plain(json.loads(request.content))
+        return super().__call__(request)
+
+    def _plain(self, body) -> httpx.Response:
+        n = body["max_tokens"]
+        parts = [_sse({"choices": [{"text": "x", "token_ids": [7], "finish_reason": "length" if k == n - 1 else None}]})
+                 for k in range(n)]
+        parts.append(_sse({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}))
+        parts.append(_sse(b"[DONE]"))
+        return httpx.Response(200, stream=_Body(parts))
+
+
+class _Stall(httpx.AsyncByteStream):
+    def __init__(self, parts: list[bytes], stall_s: float) -> None:
+        self.parts, self.stall_s = parts, stall_s
+
+    async def __aiter__(self):
+        import asyncio
+
+        for part in self.parts:
+            yield part
+        await asyncio.sleep(self.stall_s)  # the server stops sending mid-stream
+        yield _sse(b"[DONE]")
+
+
+def _scenario():
+    return parse_scenario(
+        {
+            "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=4096),
+            "workload": dict(arrival={"process": "closed", "concurrency": 1}, num_requests=6,
+                             input_len={"dist": "uniform", "low": 20, "high": 60}, output_len=5),
+        }
+    )
+
+
+def test_request_timeout_is_a_failed_request_with_its_reason(tmp_path):
+    import time
+
+    fake = GuardedFakeVllm(stall_s=30.0)
+    out = tmp_path / "run.jsonl"
+    t0 = time.monotonic()
+    run = run_live(_scenario(), "http://fake:8000", transport=httpx.MockTransport(fake), api_key=KEY,
+                   request_timeout_s=0.5, out_path=out, progress=False)
+    assert time.monotonic() - t0 < 10  # the stalled request was cut, not waited for
+    by_id = {r.request_id: r for r in run.records}
+    assert sorted(by_id) == list(range(6))
+    stalled = by_id[STALL]
+    assert not stalled.succeeded and stalled.finish_reason == "error"
+    assert stalled.error.startswith("timeout: ") and "0.5 s" in stalled.error and "after 2 chunks" in stalled.error
+    assert stalled.chunk_times and stalled.finish_time == stalled.chunk_times[-1]  # what arrived is kept
+    for i in set(by_id) - {STALL}:
+        assert by_id[i].succeeded and by_id[i].num_output_tokens == 5
+    assert run.summary().failed == 1
+    assert len(out.read_text().splitlines()) == 6
+
+
+def test_api_key_sent_as_bearer_and_never_written(tmp_path):
+    fake = GuardedFakeVllm(stall_s=0.0)
+    out = tmp_path / "run.jsonl"
+    run = run_live(_scenario(), "http://fake:8000", transport=httpx.MockTransport(fake), api_key=KEY,
+                   out_path=out, progress=False)
+    assert all(r.succeeded for r in run.records)
+    assert set(fake.auth_seen) == {f"Bearer {KEY}"}  # every request, /v1 or not
+    text = json.dumps(run.to_dict()) + out.read_text() + repr(run)
+    assert KEY not in text
+
+
+def test_missing_or_wrong_api_key_fails_fast_with_one_line_and_no_echo():
+    import pytest
+
+    from simcap.live.client import LiveError
+
+    for key in (None, "wrong-key-123"):
+        fake = GuardedFakeVllm()
+        with pytest.raises(LiveError) as info:
+            run_live(_scenario(), "http://fake:8000", transport=httpx.MockTransport(fake), api_key=key,
+                     progress=False)
+        msg = str(info.value)
+        assert "HTTP 401" in msg and "API key" in msg and "SIMCAP_API_KEY" in msg
+        assert len(msg.splitlines()) == 1
+        assert key is None or key not in msg
+        assert fake.calls == 0  # nothing was sent to the completions endpoint
+
+
+def test_server_echo_of_the_key_in_a_request_error_is_masked():
+    class Echo(GuardedFakeVllm):
+        def __call__(self, request):
+            if request.url.path == "/v1/completions":
+                self.calls += 1
+                return httpx.Response(400, json={"error": {"message": f"bad header {request.headers['authorization']}"}})
+            return super().__call__(request)
+
+    run = run_live(_scenario(), "http://fake:8000", transport=httpx.MockTransport(Echo()), api_key=KEY,
+                   progress=False)
+    assert all(r.error and r.error.startswith("HTTP 400") for r in run.records)
+    assert all(KEY not in r.error and "***" in r.error for r in run.records)

@@ -1,0 +1,667 @@
+"""Calibrate a profile live: drive a vLLM server with a calibration workload, fit its step time.
+
+:func:`calibrate_live` is ``simcap live calibrate``. Two sources, best first:
+
+- **The server's own per-step log** (``log_path``; the server runs with
+  ``--enable-logging-iteration-details``): a mix under load is sent -- several phases of
+  closed-loop clients (1, 2, a few, ``max_num_seqs``), prompts of several lengths up to past
+  the token budget (chunked prefill), outputs of several lengths so requests finish at
+  different times and new prefills land in decode steps (mixed steps). The ``Iteration(i)``
+  lines the server wrote during the workload (read from the log file, from its size before
+  the workload on) are saved next to the profile (``<out>.iterations.log``) and fitted with
+  :func:`simcap.calibrate.fit_step_samples` (non-negative least squares, pairs bootstrap).
+- **Black-box probes** (no log): isolated single requests of several prompt lengths (their
+  TTFT is taken as one prefill step) and groups of 1, 2, 4, ... simultaneous streams (their
+  time per output token is one decode step at that batch), saved as ``<out>.probes.json``
+  and fitted the same way. Isolated probes OVERSTATE prefill cost: a lone prefill step pays
+  the frontend's per-request work and runs cold, while under load the same step is much
+  cheaper (seen: 40-43 ms isolated vs 26 ms under load for a 384-token prefill). Probe
+  periods include the host work between steps, so ``host_overhead`` is 0 there.
+
+**Host overhead** (log source). The log's ``iteration elapsed time`` covers the forward pass
+only; the simulator's step period is ``forward + host_overhead`` (no async scheduling on CPU).
+The client sees the real period: between a request's first and last token it waits one step
+period per decode step. So the mean period seen by decoding requests is
+``sum over requests of (last - first token time) / sum over logged steps of decode requests``,
+and ``host_overhead`` is that minus the decode-request-weighted mean elapsed time of the logged
+steps (never below 0).
+
+**Engine settings**: ``block_size``, ``num_gpu_blocks`` and ``enable_prefix_caching`` from the
+server's ``/metrics`` ``vllm:cache_config_info``; ``max_num_seqs`` and
+``max_num_batched_tokens`` as given (the server does not publish them); ``max_model_len`` as
+given or from ``/v1/models``; ``async_scheduling: false`` (the CPU platform forces it off).
+A drafting server (per-position acceptance counters) adds a ``speculative`` section: ``k``
+from those counters, the method as given or from ``/server_info`` (dev mode), and the
+acceptance length (and, for ngram, the proposal rate) measured during the workload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import httpx
+import numpy as np
+
+from simcap.calibrate import (
+    TERMS,
+    CalibrationError,
+    Fit,
+    Form,
+    Recipe,
+    StepSamples,
+    fit_step_samples,
+    parse_iteration_log,
+    profile_dict,
+    read_step_samples,
+    write_profile,
+)
+from simcap.live.client import LiveError, LiveRun, auth_headers, resolve_model, run_live
+from simcap.live.prom import ServerMetrics, metrics_delta, parse_metrics
+from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
+from simcap.live.validate import _local_port, reset_prefix_cache
+from simcap.records import RequestRecord
+from simcap.scenario import EngineConfig, SpeculativeConfig, parse_scenario
+
+SOURCE_LOG = "vllm iteration log"
+SOURCE_PROBES = "black-box probes"
+PROBE_WARNING = (
+    "black-box probes: isolated requests OVERSTATE prefill cost (a lone prefill step pays the "
+    "frontend's per-request work and runs cold; under load the same step is much cheaper), and "
+    "probe periods fold the host work between steps into the coefficients (host_overhead 0). "
+    "For a faithful profile run the server with --enable-logging-iteration-details and pass its "
+    "log with --log"
+)
+SPEC_METHODS = ("ngram", "eagle", "eagle3")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One closed-loop stage of the calibration workload."""
+
+    name: str
+    concurrency: int
+    num_requests: int
+    input_lens: tuple[int, ...]
+    output_lens: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "concurrency": self.concurrency, "num_requests": self.num_requests,
+                "input_lens": list(self.input_lens), "output_lens": list(self.output_lens)}
+
+
+def prompt_lengths(max_num_batched_tokens: int, longest: int) -> tuple[int, ...]:
+    """Prompt lengths spanning the token budget: 1/32 .. 3/4 of it, and 1.25x (chunked prefill)."""
+    budget = max_num_batched_tokens
+    lens = {max(8, int(budget * f)) for f in (1 / 32, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 5 / 4)}
+    return tuple(sorted(n for n in lens if n <= longest)) or (max(1, min(8, longest)),)
+
+
+def default_phases(
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_requests: int = 40
+) -> list[Phase]:
+    """The calibration mix: 1 client, 2, a few, then ``max_num_seqs`` (capped by the requests).
+
+    Prompts of every length of :func:`prompt_lengths` (the longest, past the budget, only from
+    the third phase on), outputs of 4-48 tokens so clients desynchronise and prefills land in
+    decode steps.
+    """
+    if num_requests < 8:
+        raise LiveError(f"calibration requests: need at least 8 (got {num_requests})")
+    out_max = 48
+    lens = prompt_lengths(max_num_batched_tokens, max(8, max_model_len - out_max - 1))
+    short = tuple(n for n in lens if n <= max_num_batched_tokens) or lens[:1]
+    outs = tuple(n for n in (8, 16, 32, out_max) if n < max_model_len - max(lens)) or (4,)
+    n1 = max(len(short), num_requests // 8)
+    n2 = max(4, num_requests // 5)
+    n3 = max(4, num_requests // 4)
+    n4 = max(4, num_requests - n1 - n2 - n3)
+    few = max(1, min(4, max_num_seqs))
+    full = max(1, min(max_num_seqs, max(few + 1, n4 // 2)))
+    return [
+        Phase("one client (isolated prefills, decode at batch 1)", 1, n1, short, (4,)),
+        Phase("two clients", min(2, max_num_seqs), n2, short[: max(1, len(short) - 1)], outs[:2] + outs[-1:]),
+        Phase(f"{few} clients (mixed steps, chunked prefill)", few, n3, lens, outs),
+        Phase(f"{full} clients (large decode batches)", full, n4, short, outs),
+    ]
+
+
+def _phase_scenario(phase: Phase, engine: dict[str, Any], seed: int):
+    def dist(values: Sequence[int]) -> dict[str, Any]:
+        return {"dist": "empirical", "values": list(values)} if len(set(values)) > 1 else {"dist": "fixed", "value": values[0]}
+
+    return parse_scenario({
+        "name": "live-calibration",
+        "engine": engine,
+        "workload": {"arrival": {"process": "closed", "concurrency": phase.concurrency},
+                     "num_requests": phase.num_requests,
+                     "input_len": dist(phase.input_lens), "output_len": dist(phase.output_lens)},
+        "seed": seed,
+    })
+
+
+# --------------------------------------------------------------------------- server facts
+
+
+@dataclass
+class ServerFacts:
+    model: str
+    max_model_len: int | None
+    version: str | None
+    metrics: ServerMetrics | None
+    speculative_method: str | None  # from /server_info (dev mode), when it says
+
+
+def _server_facts(base_url: str, model: str | None, api_key: str | None, timeout: float = 30.0) -> ServerFacts:
+    async def resolve() -> tuple[str, int | None]:
+        async with httpx.AsyncClient(headers=auth_headers(api_key)) as client:
+            return await resolve_model(client, base_url, model)
+
+    name, max_len = asyncio.run(resolve())
+    base = base_url.rstrip("/")
+    version = method = None
+    metrics = None
+    with httpx.Client(headers=auth_headers(api_key), timeout=timeout) as client:
+        try:
+            resp = client.get(base + "/version")
+            if resp.status_code == 200:
+                version = str(resp.json().get("version") or "") or None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        try:
+            resp = client.get(base + "/metrics")
+            if resp.status_code == 200:
+                metrics = parse_metrics(resp.text)
+        except (httpx.HTTPError, ValueError):
+            pass
+        try:
+            resp = client.get(base + "/server_info")
+            if resp.status_code == 200:
+                m = re.search(r"SpeculativeConfig\(method='([\w-]+)'", resp.text)
+                method = m.group(1) if m else None
+        except httpx.HTTPError:
+            pass
+    return ServerFacts(name, max_len, version, metrics, method)
+
+
+def _scrape(base_url: str, api_key: str | None) -> ServerMetrics | None:
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/metrics", headers=auth_headers(api_key), timeout=30.0)
+    except httpx.HTTPError:
+        return None
+    return parse_metrics(resp.text) if resp.status_code == 200 else None
+
+
+def _vllm_version(version: str | None) -> str | None:
+    """simcap's modelled release for a server version ("0.32.0+cpu" -> "0.32"), if modelled."""
+    from typing import get_args
+
+    from simcap.scenario import VllmVersion
+
+    if not version:
+        return None
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if not m:
+        return None
+    minor = f"{int(m.group(1))}.{int(m.group(2))}"
+    return minor if minor in get_args(VllmVersion) else None
+
+
+# --------------------------------------------------------------------------- log window
+
+
+def log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        raise LiveError(f"--log {path}: cannot read: {exc.strerror or exc}") from None
+
+
+def read_log_window(path: Path, offset: int, settle_s: float = 0.4, max_wait_s: float = 5.0) -> str:
+    """The text the server appended to its log since ``offset``, once the log stops growing."""
+    deadline = time.monotonic() + max_wait_s
+    size = log_size(path)
+    while time.monotonic() < deadline:
+        time.sleep(settle_s)
+        now = log_size(path)
+        if now == size:
+            break
+        size = now
+    if size < offset:
+        raise LiveError(f"--log {path}: the file shrank during the calibration (rotated?); rerun")
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        data = fh.read(size - offset)
+    return data.decode(errors="replace")
+
+
+# --------------------------------------------------------------------------- host overhead
+
+
+def host_overhead_from_itl(records: Sequence[RequestRecord], rows: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Host seconds per step: the client-observed decode step period minus the logged elapsed.
+
+    ``rows``: the iteration log's steps of exactly the requests in ``records``. Each request
+    waits one step period per decode step between its first and last token, so the mean
+    period seen by decoding requests is ``sum(last - first) / sum(decode requests per step)``;
+    the logged forward time, weighted the same way (by decode requests per step), is taken
+    off it. Also reports the client's own decode-step count (exact without speculation: one
+    token per step) as a check that the log window holds these requests and no others.
+    """
+    ok = [r for r in records if r.succeeded and r.chunk_times]
+    span = float(sum(r.chunk_times[-1] - r.chunk_times[0] for r in ok))
+    gen = np.array([row["num_decode_reqs"] for row in rows], dtype=float)
+    elapsed = np.array([row["step_time_s"] for row in rows], dtype=float)
+    steps = float(gen.sum())
+    out: dict[str, Any] = {
+        "method": "client decode span / logged decode request-steps, minus the logged elapsed "
+                  "time weighted by decode requests per step",
+        "client_decode_span_s": round(span, 6),
+        "log_decode_request_steps": int(steps),
+        "client_decode_request_steps": int(sum(r.num_output_tokens - 1 for r in ok)),
+        "client_mean_itl_s": None,
+    }
+    gaps = [g for r in ok for g in np.diff(r.chunk_times)]
+    if gaps:
+        out["client_mean_itl_s"] = round(float(np.mean(gaps)), 6)
+    if steps <= 0 or span <= 0:
+        out.update(step_period_s=None, logged_elapsed_s=None, host_overhead_s=0.0,
+                   note="no decode steps in the window: host_overhead 0")
+        return out
+    period = span / steps
+    logged = float((elapsed * gen).sum() / steps)
+    out.update(step_period_s=round(period, 6), logged_elapsed_s=round(logged, 6),
+               host_overhead_s=round(max(period - logged, 0.0), 6))
+    if period < logged:
+        out["note"] = "the client saw shorter periods than the log's elapsed times: host_overhead 0"
+    return out
+
+
+# --------------------------------------------------------------------------- result
+
+
+@dataclass
+class LiveCalibration:
+    """What ``simcap live calibrate`` did and fitted."""
+
+    profile_path: Path
+    profile: dict[str, Any]
+    fit: Fit
+    source: str
+    data_path: Path
+    engine: dict[str, Any]
+    speculative: dict[str, Any] | None
+    host_overhead: dict[str, Any] | None
+    phases: list[dict[str, Any]]
+    server: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": str(self.profile_path),
+            "source": self.source,
+            "data": str(self.data_path),
+            "engine": self.engine,
+            "speculative": self.speculative,
+            "step_time": self.profile["step_time"],
+            "host_overhead": self.host_overhead,
+            "phases": self.phases,
+            "server": self.server,
+            "fit": self.fit.to_dict() | {"residuals": len(self.fit.residuals)},
+            "notes": list(self.notes),
+            "wall_s": round(self.wall_s, 2),
+        }
+
+
+def _sibling(out: Path, suffix: str) -> Path:
+    name = out.name
+    for ext in (".yaml", ".yml"):
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    return out.with_name(name + suffix)
+
+
+def _phase_summary(phase: Phase, run: LiveRun) -> dict[str, Any]:
+    s = run.summary()
+    return {
+        **phase.to_dict(),
+        "completed": s.completed,
+        "failed": s.failed,
+        "ttft_p50_s": s.ttft_s.p50,
+        "itl_p50_s": s.itl_s.p50,
+        "tpot_p50_s": s.tpot_s.p50,
+        "wall_s": round(run.wall_duration_s, 3),
+        "errors": sorted({r.error for r in run.records if r.error})[:3],
+    }
+
+
+def calibrate_live(
+    base_url: str,
+    model: str | None,
+    out: str | Path,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int | None = None,
+    log_path: str | Path | None = None,
+    num_requests: int = 40,
+    speculative_method: str | None = None,
+    api_key: str | None = None,
+    request_timeout_s: float | None = 600.0,
+    async_scheduling: bool = False,
+    name: str | None = None,
+    hardware: str | None = None,
+    seed: int = 0,
+    bootstrap: int = 200,
+    warmup: bool = True,
+    command: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    server_pids: Sequence[int] = (),
+) -> LiveCalibration:
+    """Run the calibration workload (or probes) against ``base_url`` and write a profile to ``out``.
+
+    ``server_pids``: the server's processes when known (a local :class:`VllmServer`), so CPU use
+    of other processes during the workload is measured (:class:`~simcap.live.hostload.CpuWatch`)
+    and a disturbed calibration is flagged in the notes and the provenance.
+    Raises :class:`LiveError` / :class:`CalibrationError` (one-line user errors) when the server
+    cannot be used, the log holds no iteration lines, or the fit is impossible.
+    """
+    t_start = time.monotonic()
+    out = Path(out)
+    say = progress or (lambda _msg: None)
+    notes: list[str] = []
+    log = Path(log_path) if log_path is not None else None
+    if log is not None:
+        log_size(log)  # fails fast on a missing file
+    if max_num_seqs < 1 or max_num_batched_tokens < 1:
+        raise LiveError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+
+    facts = _server_facts(base_url, model, api_key)
+    model = facts.model
+    if max_model_len is None:
+        if facts.max_model_len is None:
+            raise LiveError(f"{base_url}: /v1/models gives no max_model_len for {model!r}: give --max-model-len")
+        max_model_len = facts.max_model_len
+    metrics = facts.metrics
+    if metrics is None or not metrics.cache_config:
+        raise LiveError(
+            f"{base_url}/metrics: no vllm:cache_config_info (block_size, num_gpu_blocks): is this a "
+            "vLLM server with metrics enabled?"
+        )
+    if not metrics.block_size or not metrics.num_gpu_blocks:
+        raise LiveError(f"{base_url}/metrics: vllm:cache_config_info lacks block_size or num_gpu_blocks")
+    engine: dict[str, Any] = {}
+    modelled = _vllm_version(facts.version)
+    if modelled:
+        engine["vllm_version"] = modelled
+    elif facts.version:
+        notes.append(f"server vLLM {facts.version} is not a release simcap models; vllm_version left to the default")
+    engine.update(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=metrics.block_size,
+        num_gpu_blocks=metrics.num_gpu_blocks,
+        max_model_len=max_model_len,
+        enable_prefix_caching=metrics.cache_config.get("enable_prefix_caching", "True") == "True",
+        async_scheduling=async_scheduling,
+    )
+    try:
+        EngineConfig(**engine)
+    except ValueError as exc:
+        raise LiveError(f"engine settings: {str(exc).splitlines()[-1].strip()}") from None
+
+    k = metrics.num_speculative_tokens or 0
+    method = None
+    if k:
+        method = speculative_method or facts.speculative_method
+        if method is None:
+            raise LiveError(
+                f"{base_url}: the server drafts k={k} tokens (speculative decoding) but does not say "
+                f"which method: give --speculative-method ({', '.join(SPEC_METHODS)})"
+            )
+        if method not in SPEC_METHODS:
+            raise LiveError(f"speculative method {method!r}: simcap models {', '.join(SPEC_METHODS)}")
+        if log is None:
+            raise LiveError(
+                f"{base_url}: the server drafts k={k} tokens; black-box probes cannot tell verified "
+                "drafts from decode work: run the server with --enable-logging-iteration-details "
+                "and pass its log with --log"
+            )
+    elif speculative_method:
+        notes.append(f"--speculative-method {speculative_method} ignored: the server does not draft")
+
+    live_kw: dict[str, Any] = dict(api_key=api_key, request_timeout_s=request_timeout_s, progress=False)
+    if warmup:
+        say("warm-up")
+        warm = Phase("warm-up", min(2, max_num_seqs), 4,
+                     prompt_lengths(max_num_batched_tokens, max_model_len - 9)[:3], (8,))
+        run_live(_phase_scenario(warm, engine, seed + 7919), base_url, model, **live_kw)
+    reset = reset_prefix_cache(base_url, api_key=api_key)
+    if reset != "ok":
+        notes.append(f"prefix cache not reset before calibrating: {reset}")
+
+    phases_out: list[dict[str, Any]] = []
+    records: list[RequestRecord] = []
+    watch = CpuWatch(server_pids, DEFAULT_THRESHOLD_CORES, _local_port(base_url)).start()
+    before = _scrape(base_url, api_key)
+    if log is not None:
+        source = SOURCE_LOG
+        offset = log_size(log)
+        for i, phase in enumerate(default_phases(max_num_seqs, max_num_batched_tokens, max_model_len, num_requests)):
+            say(f"phase {i + 1}: {phase.name}, {phase.num_requests} requests")
+            run = run_live(_phase_scenario(phase, engine, seed + i), base_url, model, **live_kw)
+            phases_out.append(_phase_summary(phase, run))
+            records += run.records
+        text = read_log_window(log, offset)
+        after = _scrape(base_url, api_key)
+        lines = [line for line in text.splitlines() if "Iteration(" in line]
+        rows = [r for r in parse_iteration_log(lines, k) if r["num_prefill_tokens"] + r["num_decode_tokens"] > 0]
+        if not rows:
+            raise LiveError(
+                f"--log {log}: no 'Iteration(i): ...' lines appeared during the calibration workload: "
+                "start the server with --enable-logging-iteration-details and give its log file "
+                "(or omit --log for black-box probes)"
+            )
+        data_path = _sibling(out, ".iterations.log")
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        data_path.write_text("\n".join(lines) + "\n")
+        host = host_overhead_from_itl(records, rows)
+        if not k and host["client_decode_request_steps"] != host["log_decode_request_steps"]:
+            notes.append(
+                f"the log window holds {host['log_decode_request_steps']} decode request-steps, the "
+                f"client counted {host['client_decode_request_steps']}: other clients may have used "
+                "the server during the calibration"
+            )
+        samples = read_step_samples(data_path, k)
+        fit = fit_log_samples(samples, k, host["host_overhead_s"], bootstrap=bootstrap, seed=seed)
+        fit.notes.append(
+            f"host_overhead {host['host_overhead_s']:.4g} s per step: client decode step period "
+            f"{_ms(host['step_period_s'])} minus the logged forward time {_ms(host['logged_elapsed_s'])} "
+            "(decode-request weighted)"
+        )
+    else:
+        source = SOURCE_PROBES
+        notes.append(PROBE_WARNING)
+        rows_out, probe_phases = _probe(base_url, model, engine, max_num_seqs, max_num_batched_tokens,
+                                        max_model_len, seed, live_kw, say)
+        phases_out += probe_phases
+        after = _scrape(base_url, api_key)
+        data_path = _sibling(out, ".probes.json")
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        data_path.write_text(json.dumps({"source": SOURCE_PROBES, "note": PROBE_WARNING, "samples": rows_out}, indent=1))
+        samples = read_step_samples(data_path)
+        fit = fit_step_samples([samples], Form.parse("base,per_prefill_token,per_decode_token"),
+                               host_overhead=0.0, bootstrap=bootstrap, seed=seed)
+        fit.notes.append("host_overhead 0: probe periods (TTFT, time per output token) include the host work")
+        host = None
+
+    cpu = watch.stop()
+    if cpu.get("disturbed"):
+        notes.append(
+            f"calibration disturbed: other processes used {cpu['foreign_cores']:.2f} cores (steal "
+            f"{cpu['steal_cores']:.2f}; top: {', '.join(cpu['top_foreign'][:3]) or '-'}); the step "
+            "times are slower than the server's own; rerun on a quiet machine"
+        )
+    delta = metrics_delta(before, after)
+    speculative = None
+    if k:
+        acc = delta.get("spec_decode_mean_acceptance_length")
+        if acc is None:
+            raise LiveError(f"{base_url}: the server drafted nothing during the calibration workload")
+        speculative = {"method": method, "num_speculative_tokens": k, "acceptance_length": round(min(acc, k + 1), 4)}
+        if method == "ngram" and host is not None and host["log_decode_request_steps"]:
+            rate = (delta.get("spec_decode_num_drafts") or 0.0) / host["log_decode_request_steps"]
+            speculative["proposal_rate"] = round(min(max(rate, 1e-3), 1.0), 4)
+        SpeculativeConfig(**speculative)
+    description = (
+        f"Fitted live by simcap live calibrate from {source} of vLLM {facts.version or '?'} serving "
+        f"{model!r} at {base_url}."
+    )
+    assumptions = [
+        "engine.block_size, num_gpu_blocks, enable_prefix_caching: the server's vllm:cache_config_info",
+        "engine.max_num_seqs, max_num_batched_tokens: given on the command line (not published by the server)",
+        f"engine.max_model_len: {'given' if facts.max_model_len != max_model_len else 'the server /v1/models'}",
+        f"engine.async_scheduling: {str(async_scheduling).lower()}"
+        + (" (the CPU platform forces it off)" if not async_scheduling else " (given)"),
+    ]
+    if source == SOURCE_PROBES:
+        assumptions.append(PROBE_WARNING)
+    recipe = Recipe(name=name or _default_name(out), hardware=hardware, model=model, description=description,
+                    engine=engine, speculative=speculative, assumptions=assumptions, seed=seed)
+    profile = profile_dict(fit, recipe, command=command)
+    profile["provenance"]["live"] = {
+        "fitted_from": source,
+        "base_url": base_url,
+        "served_model": model,
+        "server_version": facts.version,
+        "data_file": data_path.name,
+        "workload": phases_out,
+        "host_overhead_estimate": host,
+        "server_counters": {key: v for key, v in delta.items() if key != "cache_config"},
+        "cache_config_info": dict(metrics.cache_config),
+        "cpu": cpu,
+        "notes": list(notes),
+    }
+    write_profile(profile, out)
+    return LiveCalibration(out, profile, fit, source, data_path, engine, speculative, host, phases_out,
+                           {"version": facts.version, "model": model, "base_url": base_url}, notes,
+                           time.monotonic() - t_start)
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1e3:.2f} ms"
+
+
+def _default_name(out: Path) -> str:
+    return _sibling(out, "").name or "live-profile"
+
+
+def _spread(samples: StepSamples, term: str) -> bool:
+    return bool(len(samples) and np.ptp(samples.X[:, TERMS.index(term)]) > 0)
+
+
+def fit_log_samples(
+    samples: StepSamples, k: int, host_overhead: float, *, bootstrap: int = 200, seed: int = 0
+) -> Fit:
+    """Two-stage NNLS of iteration-log steps with :func:`simcap.calibrate.fit_step_samples`.
+
+    Prefill steps are long and noisy (on a shared CPU their time moves by +-10 %, i.e. by more
+    than a whole decode step), so one least-squares fit over all steps lets them set the base
+    cost and leaves the decode terms -- which decide ITL -- to chance. So: (1) the decode-only
+    steps (many, short, precise) fit ``base``, ``per_decode_token`` and, with drafts,
+    ``per_verify_token``; (2) all steps, those fixed, fit ``per_prefill_token`` and, when the log
+    has mixed steps, ``mixed_step``. Intervals: each stage's pairs bootstrap (stage 2 resamples
+    with stage 1's point estimates). Fit quality and residuals: all steps, final coefficients.
+    With fewer than 10 decode-only or 3 prefill steps, one fit of all terms over all steps.
+    """
+    pre = samples.X[:, TERMS.index("per_prefill_token")]
+    decode_only = pre == 0
+    stage1_terms = ["base", "per_decode_token"]
+    if k and _spread(samples, "per_verify_token"):
+        stage1_terms.append("per_verify_token")
+    stage2_terms = ["per_prefill_token"]
+    mixed = samples.X[:, TERMS.index("mixed_step")]
+    if 0 < mixed.sum() < len(samples) - 1:
+        stage2_terms.append("mixed_step")
+    if decode_only.sum() < 10 or (~decode_only).sum() < 3:
+        return fit_step_samples([samples], Form.parse(stage1_terms + stage2_terms),
+                                host_overhead=host_overhead, bootstrap=bootstrap, seed=seed)
+    sub = StepSamples(samples.X[decode_only], samples.y[decode_only], samples.available,
+                      {**samples.source, "rows": int(decode_only.sum()), "subset": "decode-only steps"})
+    form1 = Form.parse(stage1_terms)
+    f1 = fit_step_samples([sub], form1, host_overhead=host_overhead, bootstrap=bootstrap, seed=seed)
+    fixed = {t: f1.coefficients[t] for t in form1.free}
+    form2 = Form.parse(stage2_terms)
+    f2 = fit_step_samples([samples], form2, fixed=fixed, host_overhead=host_overhead,
+                          bootstrap=bootstrap, seed=seed + 1)
+    sets = [{**a, **b} for a, b in zip(f1.bootstrap, f2.bootstrap)]
+    return Fit(
+        kind="step_samples",
+        method=("two-stage nnls (scipy.optimize.nnls) on measured step seconds: decode-only steps "
+                f"-> {', '.join(form1.free)}; then all steps -> {', '.join(form2.free)}"),
+        form=Form(tuple([*form1.free, *form2.free]), dict(form1.tied)),
+        coefficients=dict(f2.coefficients), fixed={},
+        ci={**f1.ci, **f2.ci}, bootstrap=sets,
+        bootstrap_method=(f"pairs bootstrap over step rows per stage ({bootstrap} resamples, seeds "
+                          f"{seed}, {seed + 1}; stage 2 holds stage 1's estimates)"),
+        level=f2.level, residuals=f2.residuals, sources=f2.sources,
+        warnings=list(f2.warnings),
+        notes=[f"stage 1: {int(decode_only.sum())} decode-only steps, R^2 {f1.quality.get('r2')}, "
+               f"median |error| {f1.quality.get('median_abs_rel_error')}",
+               f"stage 2: all {len(samples)} steps, R^2 {f2.quality.get('r2')}, median |error| "
+               f"{f2.quality.get('median_abs_rel_error')}"],
+        quality=dict(f2.quality),
+    )
+
+
+def _probe(base_url, model, engine, max_num_seqs, budget, max_model_len, seed, live_kw, say):
+    """Isolated prefills (TTFT) and simultaneous decode groups (time per output token)."""
+    rows: list[dict[str, Any]] = []
+    phases: list[dict[str, Any]] = []
+    lens = [n for n in prompt_lengths(budget, max_model_len - 3) if n <= budget]
+    for i, n in enumerate(lens):
+        say(f"prefill probe: {n} tokens")
+        phase = Phase(f"isolated prefill {n} tokens", 1, 3, (n,), (2,))
+        run = run_live(_phase_scenario(phase, engine, seed + 100 + i), base_url, model, **live_kw)
+        ttft = [r.chunk_times[0] - r.arrival_time for r in run.records if r.succeeded]
+        if ttft:
+            rows.append({"num_prefill_tokens": n, "num_prefill_reqs": 1, "num_decode_tokens": 0,
+                         "num_decode_reqs": 0, "step_time_s": float(np.median(ttft)), "probe": "ttft"})
+        phases.append(_phase_summary(phase, run))
+    sizes = sorted({c for c in (1, 2, 4, 8, 16, 32, 64) if c <= max_num_seqs} | {min(max_num_seqs, 64)})
+    out_len = 24
+    prompt = max(8, min(16, budget // max(sizes)))
+    for c in sizes:
+        say(f"decode probe: batch {c}")
+        phase = Phase(f"{c} simultaneous streams", c, c, (prompt,), (out_len,))
+        run = run_live(_phase_scenario(phase, engine, seed + 200 + c), base_url, model, **live_kw)
+        tpot = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.num_output_tokens - 1)
+                for r in run.records if r.succeeded and r.num_output_tokens > 1]
+        if tpot:
+            rows.append({"num_prefill_tokens": 0, "num_prefill_reqs": 0, "num_decode_tokens": c,
+                         "num_decode_reqs": c, "step_time_s": float(np.median(tpot)), "probe": "tpot"})
+        phases.append(_phase_summary(phase, run))
+    if len(rows) < 4:
+        raise CalibrationError(f"{base_url}: only {len(rows)} probes succeeded; too few to fit")
+    return rows, phases
+
+
+__all__ = [
+    "LiveCalibration",
+    "Phase",
+    "PROBE_WARNING",
+    "SOURCE_LOG",
+    "SOURCE_PROBES",
+    "calibrate_live",
+    "default_phases",
+    "fit_log_samples",
+    "host_overhead_from_itl",
+    "prompt_lengths",
+    "read_log_window",
+]

@@ -1,0 +1,149 @@
+"""``simcap live calibrate`` and ``validate --plot`` pieces that need no server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simcap.calibrate import read_step_samples
+from simcap.live.calibration import (
+    default_phases,
+    fit_log_samples,
+    host_overhead_from_itl,
+    prompt_lengths,
+    read_log_window,
+)
+from simcap.records import RequestRecord
+
+LINE = ("(APIServer pid=1) INFO 11-30 00:46:38 [loggers.py:199] Engine 000: Iteration({i}): {a} context "
+        "requests, {b} context tokens, {c} generation requests, {d} generation tokens, iteration elapsed "
+        "time: {ms:.2f} ms, CPU KV cache usage: 0.0%")
+
+
+def _record(rid, first, gaps):
+    rec = RequestRecord(rid, 0.0, 16, len(gaps) + 1)
+    t = first
+    rec.add_chunk(t, 1)
+    for g in gaps:
+        t += g
+        rec.add_chunk(t, 1)
+    rec.finish_time = t
+    rec.finish_reason = "length"
+    return rec
+
+
+def test_host_overhead_is_client_period_minus_logged_elapsed():
+    # Two requests decoding together for 4 steps: the client sees 12 ms between tokens, the
+    # log says each step's forward took 10 ms -> 2 ms of host work per step.
+    records = [_record(0, 0.1, [0.012] * 4), _record(1, 0.1, [0.012] * 4)]
+    rows = [{"num_decode_reqs": 2, "step_time_s": 0.010} for _ in range(4)]
+    rows.append({"num_decode_reqs": 0, "step_time_s": 0.5})  # a prefill step: no decode weight
+    host = host_overhead_from_itl(records, rows)
+    assert host["log_decode_request_steps"] == host["client_decode_request_steps"] == 8
+    assert host["step_period_s"] == pytest.approx(0.012)
+    assert host["logged_elapsed_s"] == pytest.approx(0.010)
+    assert host["host_overhead_s"] == pytest.approx(0.002)
+    assert host["client_mean_itl_s"] == pytest.approx(0.012)
+    # Periods shorter than the log's elapsed: never a negative overhead.
+    fast = host_overhead_from_itl([_record(0, 0.1, [0.005] * 4)], rows[:4])
+    assert fast["host_overhead_s"] == 0.0 and "note" in fast
+
+
+def test_two_stage_fit_recovers_the_step_time_of_a_log(tmp_path):
+    rng = np.random.default_rng(0)
+    base, pre, dec = 0.012, 0.0025, 0.0011
+    lines, i = [], 0
+    for _ in range(60):  # decode-only steps, small noise
+        c = int(rng.integers(1, 9))
+        lines.append(LINE.format(i=i, a=0, b=0, c=c, d=c, ms=(base + dec * c) * 1e3 * rng.normal(1, 0.01)))
+        i += 1
+    for _ in range(20):  # prefill and mixed steps, 10 % noise
+        b, c = int(rng.integers(16, 512)), int(rng.integers(0, 4))
+        lines.append(LINE.format(i=i, a=1, b=b, c=c, d=c, ms=(base + pre * b + dec * c) * 1e3 * rng.normal(1, 0.1)))
+        i += 1
+    path = tmp_path / "p.iterations.log"
+    path.write_text("\n".join(["some other line"] + lines) + "\n")
+    fit = fit_log_samples(read_step_samples(path), 0, 0.003, bootstrap=20)
+    c = fit.coefficients
+    assert c["base"] == pytest.approx(base, rel=0.05)
+    assert c["per_decode_token"] == pytest.approx(dec, rel=0.1)
+    assert c["per_prefill_token"] == pytest.approx(pre, rel=0.1)
+    assert c["host_overhead"] == 0.003
+    assert fit.method.startswith("two-stage") and set(fit.ci) >= {"base", "per_decode_token", "per_prefill_token"}
+    assert len(fit.bootstrap) == 20 and fit.quality["n"] == 80
+
+
+def test_log_window_is_what_was_appended(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("before\n")
+    offset = log.stat().st_size
+    with open(log, "a") as fh:
+        fh.write("during 1\nduring 2\n")
+    assert read_log_window(log, offset, settle_s=0.01, max_wait_s=0.1) == "during 1\nduring 2\n"
+
+
+def test_calibration_mix_spans_lengths_batches_and_chunked_prefill():
+    assert prompt_lengths(512, 2000) == (16, 64, 128, 256, 384, 640)
+    assert max(prompt_lengths(512, 300)) <= 300
+    phases = default_phases(8, 512, 2048, 40)
+    assert sum(p.num_requests for p in phases) == 40
+    assert [p.concurrency for p in phases][0] == 1 and max(p.concurrency for p in phases) <= 8
+    assert any(max(p.input_lens) > 512 for p in phases)  # chunked prefill
+    assert len({n for p in phases for n in p.output_lens}) >= 3  # clients desynchronise
+    assert max(p.concurrency for p in default_phases(2, 512, 2048, 16)) == 2
+
+
+def test_validate_plot_writes_ecdf_overlay(tmp_path):
+    from simcap.live.client import LiveRun
+    from simcap.live.plot import plot_validation_ecdfs
+    from simcap.live.validate import Repeat, Validation, compare
+    from simcap.scenario import parse_scenario
+    from simcap.simulator import simulate
+
+    sc = parse_scenario({
+        "name": "plot-check",
+        "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=2048, max_num_seqs=4),
+        "workload": dict(arrival={"process": "closed", "concurrency": 4}, num_requests=12,
+                         input_len={"dist": "uniform", "low": 32, "high": 256}, output_len=16),
+    })
+    reps = []
+    for i in range(2):
+        sim = simulate(sc.model_copy(update={"seed": i}))
+        live = LiveRun(records=sim.records, specs={}, base_url="http://x", model="m", endpoint="completions",
+                       closed_loop=True, requested_rate=None, scheduled_rate=None, achieved_rate=None,
+                       wall_duration_s=1.0, max_send_lag_s=None)
+        reps.append(Repeat(i, live, sim.summary, sim.summary, sim.records, {"disturbed": False}, "ok"))
+    metrics, ks = compare(reps)
+    out = plot_validation_ecdfs(Validation(sc, sc, reps, metrics, ks), tmp_path / "ecdf.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_validate_simulates_each_run_with_its_own_spec_acceptance():
+    from simcap.live.client import LiveRun
+    from simcap.live.prom import ServerMetrics
+    from simcap.live.validate import _adopt_spec_acceptance
+    from simcap.scenario import parse_scenario
+
+    sc = parse_scenario({
+        "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=2048),
+        "speculative": {"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 3.3,
+                        "proposal_rate": 0.3},
+        "workload": dict(arrival={"process": "closed", "concurrency": 1}, num_requests=2, input_len=16,
+                         output_len=8),
+    })  # fmt: skip
+    before = ServerMetrics(0.0, counters={"vllm:spec_decode_num_drafts": 10.0}, histogram_count={
+        "vllm:inter_token_latency_seconds": 100.0}, spec_accepted_per_pos={0: 5.0, 1: 4.0, 2: 3.0})
+    after = ServerMetrics(1.0, counters={"vllm:spec_decode_num_drafts": 110.0,
+                                         "vllm:spec_decode_num_accepted_tokens": 227.0},
+                          histogram_count={"vllm:inter_token_latency_seconds": 300.0},
+                          spec_accepted_per_pos={0: 95.0, 1: 84.0, 2: 71.0})
+    run = LiveRun(records=[], specs={}, base_url="x", model="m", endpoint="completions", closed_loop=True,
+                  requested_rate=None, scheduled_rate=None, achieved_rate=None, wall_duration_s=1.0,
+                  max_send_lag_s=None, metrics_before=before, metrics_after=after)
+    notes: list[str] = []
+    new = _adopt_spec_acceptance(sc, run, 0, notes).speculative
+    assert new.acceptance_rates == (0.9, 0.8, 0.68) and new.acceptance_length is None
+    assert new.proposal_rate == 0.5  # 100 drafts over 200 decode request-steps
+    assert notes == ["run 0: simulated with the run's own speculative acceptance length 3.380, proposal rate "
+                     "0.500 (scenario 3.300, 0.300)"]
+    assert sc.speculative.proposal_rate == 0.3  # the scenario itself is untouched

@@ -1,0 +1,172 @@
+"""``simcap live calibrate`` and ``live validate`` end to end against the REAL vLLM CPU server.
+
+Calibrate from the server's own per-step log, then validate the fitted profile on a workload
+the calibration never sent (open loop, other lengths), printing measured vs predicted; the
+black-box fallback; and the faults a real server gives: a wrong model name, request timeouts.
+Run with ``python -m pytest -m live tests/live -s`` to see the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import pytest
+import yaml
+
+from simcap.live.prom import parse_metrics
+
+pytestmark = pytest.mark.live
+
+CAL_ARGS = ("--model", "tiny", "--max-num-seqs", "8", "--max-num-batched-tokens", "512")
+
+
+def _wait_idle(base_url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
+        if snap.gauges.get("vllm:num_requests_running", 0) == 0 and snap.gauges.get("vllm:num_requests_waiting", 0) == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("server still busy")
+
+
+@pytest.fixture(scope="module")
+def log_profile(vllm_server, tmp_path_factory):
+    """``live calibrate --log`` once for the module: (profile path, the command's JSON)."""
+    from typer.testing import CliRunner
+
+    from simcap.live.cli import live_app
+
+    out = tmp_path_factory.mktemp("calibrate") / "cpu-tiny.yaml"
+    result = CliRunner().invoke(live_app, [
+        "calibrate", "--base-url", vllm_server.base_url, *CAL_ARGS, "--out", str(out),
+        "--log", str(vllm_server.log_path), "--requests", "32", "--bootstrap", "50", "--json",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.stderr or result.output
+    return out, json.loads(result.stdout)
+
+
+def test_calibrate_from_the_server_log(log_profile, vllm_server):
+    out, data = log_profile
+    assert data["source"] == "vllm iteration log" and data["profile"] == str(out)
+    profile = yaml.safe_load(out.read_text())
+    metrics = parse_metrics(httpx.get(vllm_server.base_url + "/metrics", timeout=10).text)
+    assert profile["engine"] == {
+        "vllm_version": "0.32",
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "block_size": 32,  # from vllm:cache_config_info
+        "num_gpu_blocks": metrics.num_gpu_blocks,  # from vllm:cache_config_info
+        "max_model_len": 2048,  # from /v1/models
+        "enable_prefix_caching": True,
+        "async_scheduling": False,
+    }
+    assert "speculative" not in profile
+    st = profile["step_time"]
+    assert st["base"] > 0 and st["per_prefill_token"] > 0 and st["per_decode_token"] > 0
+    assert 0 < st["host_overhead"] < 0.05
+    host = data["host_overhead"]
+    # The log window holds exactly the calibration's steps: its decode request-steps are the
+    # client's (one token per step without speculation).
+    assert host["log_decode_request_steps"] == host["client_decode_request_steps"] > 100
+    assert host["host_overhead_s"] == pytest.approx(host["step_period_s"] - host["logged_elapsed_s"], abs=1e-5)
+    prov = profile["provenance"]
+    live = prov["live"]
+    assert live["fitted_from"] == "vllm iteration log" and live["served_model"] == "tiny"
+    assert prov["fitted_with"].startswith("simcap live calibrate --base-url")
+    assert prov["fit_method"].startswith("two-stage nnls")
+    iterations = out.with_name("cpu-tiny.iterations.log")
+    assert live["data_file"] == iterations.name and prov["data"][0]["file"] == str(iterations)
+    assert prov["data"][0]["rows"] == len(iterations.read_text().splitlines()) > 100
+    assert [p["completed"] for p in live["workload"]] == [p["num_requests"] for p in live["workload"]]
+    assert sum(p["num_requests"] for p in live["workload"]) == 32
+    assert {p["concurrency"] for p in live["workload"]} >= {1, 2, 4}
+    assert live["server_counters"]["request_success"] == 32
+    assert prov["fit_quality"]["r2"] > 0.8
+    print(f"\nlive calibrate (log): step_time {st}; fit {prov['fit_quality']}; "
+          f"host {host}; cpu disturbed {live['cpu'].get('disturbed')}")
+
+
+def test_validate_the_profile_on_a_workload_it_never_saw(log_profile, vllm_server, tmp_path, live_cli,
+                                                         write_yaml, show_validation):
+    profile, _ = log_profile
+    scenario = write_yaml(tmp_path / "unseen.yaml", {
+        "name": "unseen-open-loop",
+        "profile": str(profile),
+        "seed": 21,
+        # Open loop at 1 req/s with lengths the calibration's closed-loop mix never drew.
+        "workload": {"arrival": {"process": "poisson", "rate": 1.0}, "num_requests": 16,
+                     "input_len": {"dist": "uniform", "low": 40, "high": 300},
+                     "output_len": {"dist": "uniform", "low": 12, "high": 40}},
+    })  # fmt: skip
+    fig = tmp_path / "ecdf.png"
+    code, out, err = live_cli("validate", scenario, "--base-url", vllm_server.base_url, "--model", "tiny",
+                              "--repeats", "2", "--plot", fig, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    errors = show_validation("validate (log profile, unseen open-loop workload)", data)
+    assert data["plot"] == str(fig) and fig.read_bytes()[:4] == b"\x89PNG" and fig.stat().st_size > 20_000
+    assert data["simulated_engine"]["async_scheduling"] is False
+    for rep in data["repeats"]:
+        assert rep["completed"] == 16 and rep["failed"] == 0
+    # The prediction is of the right size; how close it is (noisy, shared 2-core machine) is
+    # printed above and recorded, not asserted tightly.
+    for key in ("ttft_p50", "tpot_p50", "itl_p50", "e2e_p50", "output_throughput"):
+        assert errors[key] is not None and abs(math.log1p(errors[key])) < math.log(2.5), (key, errors[key])
+
+
+def test_calibrate_black_box_probes_say_they_overstate_prefill(vllm_server, tmp_path, live_cli):
+    out = tmp_path / "probes.yaml"
+    code, stdout, err = live_cli("calibrate", "--base-url", vllm_server.base_url, *CAL_ARGS, "--out", out,
+                                 "--bootstrap", "20")
+    assert code == 0, err
+    assert "fitted from: black-box probes" in stdout and "OVERSTATE prefill" in stdout
+    profile = yaml.safe_load(out.read_text())
+    prov = profile["provenance"]
+    assert prov["live"]["fitted_from"] == "black-box probes"
+    assert any("OVERSTATE prefill" in a for a in prov["assumptions"])
+    assert profile["step_time"]["host_overhead"] == 0.0
+    assert profile["step_time"]["per_prefill_token"] > 0 and profile["step_time"]["per_decode_token"] > 0
+    samples = json.loads(out.with_name("probes.probes.json").read_text())["samples"]
+    assert {s["probe"] for s in samples} == {"ttft", "tpot"}
+    assert sorted(s["num_decode_reqs"] for s in samples if s["probe"] == "tpot") == [1, 2, 4, 8]
+    print(f"\nlive calibrate (black-box probes): step_time {profile['step_time']}")
+
+
+def test_wrong_model_fails_fast_with_one_line(vllm_server, tmp_path, live_cli, write_yaml):
+    scenario = write_yaml(tmp_path / "s.yaml", {
+        "engine": {"block_size": 32, "num_gpu_blocks": 1000, "max_model_len": 2048},
+        "workload": {"arrival": {"process": "closed", "concurrency": 1}, "num_requests": 2,
+                     "input_len": 16, "output_len": 4},
+    })  # fmt: skip
+    for cmd in (("run", scenario, "--no-progress"), ("validate", scenario, "--no-warmup"),
+                ("calibrate", "--out", tmp_path / "p.yaml", "--max-num-seqs", "8", "--max-num-batched-tokens", "512")):
+        t0 = time.monotonic()
+        code, out, err = live_cli(*cmd, "--base-url", vllm_server.base_url, "--model", "tiny-nope")
+        assert time.monotonic() - t0 < 10
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert lines[0] == (f"error: model 'tiny-nope' is not served at {vllm_server.base_url}; served: tiny")
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_request_timeout_is_recorded_as_a_failed_request(vllm_server, tmp_path, live_cli, write_yaml):
+    scenario = write_yaml(tmp_path / "slow.yaml", {
+        "engine": {"block_size": 32, "num_gpu_blocks": 1000, "max_model_len": 2048},
+        # A 600-token prompt takes ~1.5 s of prefill here: far past a 0.3 s request timeout.
+        "workload": {"arrival": {"process": "closed", "concurrency": 2}, "num_requests": 2,
+                     "input_len": 600, "output_len": 8},
+    })  # fmt: skip
+    records = tmp_path / "slow.jsonl"
+    code, out, err = live_cli("run", scenario, "--base-url", vllm_server.base_url, "--model", "tiny",
+                              "--request-timeout", "0.3", "--out", records, "--json", "--no-progress")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["live"]["failed"] == 2
+    assert data["live"]["errors"] == ["timeout: not complete within 0.3 s (request timeout) after 0 chunks"]
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(lines) == 2 and all(r["finish_reason"] == "error" and r["error"].startswith("timeout") for r in lines)
+    _wait_idle(vllm_server.base_url)  # the server aborted the requests the client gave up on
