@@ -7,6 +7,7 @@ as one stream chunk per request. Clients (closed loop) wait on their request's c
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -153,7 +154,7 @@ class _World:
         env = self.env
         limit = self.workload.num_requests
         duration = self.workload.duration_s
-        counter = iter(range(limit) if limit is not None else _count())
+        counter = iter(range(limit) if limit is not None else itertools.count())
 
         def client():
             for i in counter:
@@ -253,13 +254,6 @@ class _World:
             spec_decode=self.spec_counters.to_dict() if self.spec_counters else None,
         )
         return Result(self.scenario, self.records, self.steps, summary, provenance(self.scenario))
-
-
-def _count():
-    i = 0
-    while True:
-        yield i
-        i += 1
 
 
 def simulate(

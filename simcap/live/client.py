@@ -31,6 +31,7 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
 
 from __future__ import annotations
 
+import itertools
 import asyncio
 import json
 import time
@@ -500,7 +501,7 @@ async def _run_live_async(
             try:
                 if closed:
                     assert isinstance(arrival, ClosedArrival)
-                    counter = iter(range(n_total) if n_total is not None else _count())
+                    counter = iter(range(n_total) if n_total is not None else itertools.count())
                     duration = workload.duration_s
                     t0 = time.perf_counter()
 
@@ -595,13 +596,6 @@ async def _scrape_settled(client, base_url, before, records) -> ServerMetrics | 
         if after.counters.get("vllm:request_success", 0.0) - base >= answered or time.monotonic() > deadline:
             return after
         await asyncio.sleep(0.1)
-
-
-def _count():
-    i = 0
-    while True:
-        yield i
-        i += 1
 
 
 def run_live(
