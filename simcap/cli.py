@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -33,6 +34,18 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Bad input becomes one line and exit code 2; an engine-model error, exit code 1."""
+    try:
+        yield
+    except SimcapError as exc:
+        _fail(str(exc))
+    except SimulationError as exc:  # a state vLLM could not reach: report, don't hide
+        typer.echo(f"simulation error: {exc}", err=True)
+        raise typer.Exit(1)
+
+
 @app.command("simulate")
 def simulate_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file."),
@@ -47,18 +60,13 @@ def simulate_cmd(
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
     intervals = None
-    try:
+    with user_errors():
         if ci:
             from simcap.calibrate import simulate_with_ci
 
             result, intervals = simulate_with_ci(load_scenario(scenario, set_ or []))
         else:
             result = simulate(load_scenario(scenario, set_ or []))
-    except SimcapError as exc:
-        _fail(str(exc))
-    except SimulationError as exc:  # a state vLLM could not reach: report, don't hide
-        typer.echo(f"simulation error: {exc}", err=True)
-        raise typer.Exit(1)
     data = result.to_dict()
     if intervals is not None:
         data["ci"] = {"level": 0.9, **{k: list(v) for k, v in intervals.items()}}
@@ -116,7 +124,7 @@ def crossover_cmd(
     """Run a scenario with and without speculative decoding across load; find the crossover."""
     from simcap import crossover as xo
 
-    try:
+    with user_errors():
         if concurrency is not None and rate is not None:
             _fail("--rate: give either --concurrency (closed loop) or --rate (open loop), not both")
         loaded = load_scenario(scenario, set_ or [])
@@ -126,11 +134,6 @@ def crossover_cmd(
             rates=None if rate is None else xo.parse_load_list(rate, "--rate", integer=False),
             per_stream_tps=per_stream_tps,
         )
-    except SimcapError as exc:
-        _fail(str(exc))
-    except SimulationError as exc:
-        typer.echo(f"simulation error: {exc}", err=True)
-        raise typer.Exit(1)
     if plot is not None:
         xo.plot_crossover(result, plot)
     if json_out:
@@ -164,7 +167,7 @@ def capacity_cmd(
     """Highest arrival rate that keeps the SLO (safe rate) and where the queue diverges."""
     from simcap import capacity as cap
 
-    try:
+    with user_errors():
         loaded = load_scenario(scenario, set_ or [])
         result = cap.find_capacity(
             loaded,
@@ -177,11 +180,6 @@ def capacity_cmd(
             interval=interval_sets > 0,
             interval_max_sets=max(interval_sets, 1),
         )
-    except SimcapError as exc:
-        _fail(str(exc))
-    except SimulationError as exc:
-        typer.echo(f"simulation error: {exc}", err=True)
-        raise typer.Exit(1)
     if plot is not None:
         from simcap.plots import plot_capacity
 
@@ -228,27 +226,20 @@ def sweep_cmd(
             task = bar.add_task("simulating", total=total)
         bar.update(task, completed=done, total=total)
 
-    try:
-        result = sw.run_sweep(
-            sw.ScenarioSource.from_file(scenario),
-            sw.parse_grid(grid),
-            metric or None,
-            overrides=set_ or [],
-            workers=workers,
-            backend=backend,
-            progress=progress,
-        )
-    except SimcapError as exc:
-        if task is not None:
-            bar.stop()
-        _fail(str(exc))
-    except SimulationError as exc:
-        if task is not None:
-            bar.stop()
-        typer.echo(f"simulation error: {exc}", err=True)
-        raise typer.Exit(1)
-    if task is not None:
-        bar.stop()
+    with user_errors():
+        try:
+            result = sw.run_sweep(
+                sw.ScenarioSource.from_file(scenario),
+                sw.parse_grid(grid),
+                metric or None,
+                overrides=set_ or [],
+                workers=workers,
+                backend=backend,
+                progress=progress,
+            )
+        finally:  # the bar must be gone before any message is printed
+            if task is not None:
+                bar.stop()
     if json_out:
         typer.echo(result.to_json())
     elif csv_out:
