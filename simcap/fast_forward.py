@@ -17,6 +17,7 @@ hold this path to the reference (``simulate(..., fast=False)``) on random scenar
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from heapq import heappush
 
 import numpy as np
@@ -25,17 +26,27 @@ from simpy.core import NORMAL
 
 from simcap.engine.request import Request
 
-MIN_STRETCH = 4  # shorter stretches are not worth the set-up; step them one by one
+MIN_STRETCH = 2  # shorter stretches are not worth the set-up; step them one by one
+
+
+@dataclass(slots=True)
+class Stretch:
+    """``m`` pure-decode steps to apply at once (see :func:`plan_stretch`)."""
+
+    m: int
+    starts: np.ndarray  # starts[j] = step j's start; starts[m] = the stretch's end
+    periods: np.ndarray  # the m step periods
+    new_blocks: list[tuple[int, int]]  # (step, batch index) of each new KV block, sorted
+    finishing: list[Request]  # requests whose last token comes in the last step
 
 
 def decode_stretch_length(world) -> int:
-    """How many steps can be fast-forwarded now (0 when the fast path does not apply)."""
+    """Steps until (and including) the first finish, or 0 when the fast path does not apply."""
     scheduler = world.scheduler
     running: list[Request] = scheduler.running
     if world.proposer is not None or scheduler.waiting or not running:
         return 0
-    num_reqs = len(running)
-    if num_reqs > scheduler.max_num_batched_tokens:
+    if len(running) > scheduler.max_num_batched_tokens:
         return 0
     max_model_len = scheduler.max_model_len
     remaining = math.inf
@@ -46,11 +57,8 @@ def decode_stretch_length(world) -> int:
         left = min(req.max_tokens - req.num_output_tokens, max_model_len - num_tokens)
         if left < remaining:
             remaining = left
-    # The step in which a request finishes goes through the reference path.
-    m = int(remaining) - 1
-    if m < MIN_STRETCH:
-        return 0
-    return m
+    m = int(remaining)
+    return m if m >= MIN_STRETCH else 0
 
 
 def step_periods(world, num_reqs: int, context0: int, m: int) -> np.ndarray:
@@ -66,83 +74,84 @@ def step_periods(world, num_reqs: int, context0: int, m: int) -> np.ndarray:
     return t + model.host_overhead
 
 
-def plan_stretch(world, m: int, now: float, horizon: float):
-    """Trim ``m`` to the steps that start before ``horizon`` and fit the KV pool.
-
-    Returns (m, starts[0..m], periods[0..m-1], new-block events as sorted (step, batch
-    index) pairs), where ``starts[j]`` is step j's start (``starts[m]`` the end).
-    """
+def plan_stretch(world, m: int, now: float, horizon: float) -> Stretch | None:
+    """Trim ``m`` to the steps that start before ``horizon`` and fit the KV pool."""
     scheduler = world.scheduler
     running = scheduler.running
     kv = scheduler.kv
     bs = kv.block_size
     num_reqs = len(running)
+    m_finish = m
     context0 = sum(r.num_computed_tokens for r in running)
     periods = step_periods(world, num_reqs, context0, m)
     starts = np.add.accumulate(np.concatenate(([now], periods)))
     # Step j (0-based) is unaffected by an event at `horizon` only if it starts before it.
-    fits = int(np.searchsorted(starts[:m], horizon, side="left"))
-    m = min(m, fits)
-    if m < MIN_STRETCH:
-        return 0, None, None, None
+    if starts[m - 1] >= horizon:
+        m = int(np.searchsorted(starts[:m], horizon, side="left"))
+        if m < MIN_STRETCH:
+            return None
     # KV: request b needs a new block at step j when computed + j + 1 > held * bs, i.e. at
     # j = held*bs - computed and every bs steps after. Few events: plain Python.
-    new_events: list[tuple[int, int]] = []
+    new_blocks: list[tuple[int, int]] = []
     for b, req in enumerate(running):
         first = kv.num_blocks_held(req) * bs - req.num_computed_tokens
-        new_events.extend((j, b) for j in range(first if first > 0 else 0, m, bs))
-    new_events.sort()
+        new_blocks.extend((j, b) for j in range(first if first > 0 else 0, m, bs))
+    if len(new_blocks) > 1:
+        new_blocks.sort()
     free = kv.num_free_blocks
-    if len(new_events) > free:
+    if len(new_blocks) > free:
         # The (free+1)-th new block fails: stop before the step that asks for it.
-        m = min(m, new_events[free][0])
+        m = new_blocks[free][0]
         if m < MIN_STRETCH:
-            return 0, None, None, None
-        new_events = [e for e in new_events if e[0] < m]
-    return m, starts[: m + 1], periods[:m], new_events
+            return None
+        new_blocks = [e for e in new_blocks if e[0] < m]
+    finishing = []
+    if m == m_finish:
+        max_model_len = scheduler.max_model_len
+        for req in running:
+            num_tokens = req.num_prompt_tokens + req.num_output_tokens
+            if min(req.max_tokens - req.num_output_tokens, max_model_len - num_tokens) == m:
+                finishing.append(req)
+    return Stretch(m, starts[: m + 1], periods[:m], new_blocks, finishing)
 
 
-def run_stretch(world, m: int, starts: np.ndarray, periods: np.ndarray, new_blocks) -> None:
-    """Apply ``m`` pure-decode steps to the scheduler, KV pool, records and step log."""
+def run_stretch(world, stretch: Stretch) -> None:
+    """Apply the stretch's steps to the scheduler, KV pool, requests and step log.
+
+    Requests that finish in the last step are released as ``update_from_output`` would;
+    the caller reports them once the clock has reached the stretch's end.
+    """
+    m, starts, periods, new_blocks = stretch.m, stretch.starts, stretch.periods, stretch.new_blocks
     scheduler = world.scheduler
     running = list(scheduler.running)
     kv = scheduler.kv
     num_reqs = len(running)
-    computed0 = [r.num_computed_tokens for r in running]
-    outputs0 = [r.num_output_tokens for r in running]
     # New blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
     # that fill up are committed at the end: their hashes include this request's own output
     # tokens, so no other request's allocation or hit in the stretch can depend on them.
     for _, b in new_blocks:
         kv.append_block(running[b])
-    for b, req in enumerate(running):
-        req.num_computed_tokens = computed0[b] + m
-        req.num_output_tokens = outputs0[b] + m
-        kv.commit_full_blocks(req)
-    ends = starts[1:].tolist()
-    ones = [1] * m
-    records = world.records
     for req in running:
-        rec = records[req.request_id]
-        rec.chunk_times.extend(ends)
-        rec.chunk_tokens.extend(ones)
-    steps = world.steps
-    steps.start.extend(starts[:-1].tolist())
-    steps.duration.extend(periods.tolist())
-    zeros = [0] * m
-    steps.num_prefill_tokens.extend(zeros)
-    steps.num_decode_tokens.extend([num_reqs] * m)
-    steps.num_reqs.extend([num_reqs] * m)
-    steps.num_running.extend([num_reqs] * m)
-    steps.num_waiting.extend(zeros)
-    steps.num_preempted.extend(zeros)
+        req.num_computed_tokens += m
+        req.num_output_tokens += m
+        kv.commit_full_blocks(req)
+    world.emit_stretch(running, starts[1:])
     # Usage after each step's allocations: the free count falls at every new-block event.
     free_end = kv.num_free_blocks
-    allocated = np.bincount(
-        np.fromiter((j for j, _ in new_blocks), np.int64, len(new_blocks)), minlength=m
-    )[:m]
-    free_after = free_end + int(allocated.sum()) - np.cumsum(allocated)
-    steps.kv_cache_usage.extend((1.0 - free_after / (kv.num_blocks - 1)).tolist())
+    if new_blocks:
+        allocated = np.bincount(
+            np.fromiter((j for j, _ in new_blocks), np.int64, len(new_blocks)), minlength=m
+        )
+        free_after = free_end + len(new_blocks) - np.cumsum(allocated)
+        usage = 1.0 - free_after / (kv.num_blocks - 1)
+    else:
+        usage = np.full(m, 1.0 - free_end / (kv.num_blocks - 1))
+    world.steps.extend(
+        starts[:-1], periods, usage,
+        num_decode_tokens=num_reqs, num_reqs=num_reqs, num_running=num_reqs,
+    )
+    if stretch.finishing:
+        scheduler.finish_requests(stretch.finishing)
 
 
 class Clock(simpy.Environment):

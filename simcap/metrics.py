@@ -321,7 +321,9 @@ def summarize(
         goodput=goodput,
         slo=slo_out,
         slo_pass=slo_pass,
-        kv_cache_usage=None if kv_usage is None else _kv_usage(kv_usage),
+        kv_cache_usage=(
+            None if kv_usage is None else kv_usage if isinstance(kv_usage, dict) else _kv_usage(kv_usage)
+        ),
         output_tokens=output_tokens,
         input_tokens=input_tokens,
         spec_decode=spec_decode,

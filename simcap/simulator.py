@@ -8,7 +8,7 @@ as one stream chunk per request. Clients (closed loop) wait on their request's c
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -23,32 +23,12 @@ from simcap.fast_forward import Clock, decode_stretch_length, plan_stretch, run_
 from simcap.metrics import Summary, summarize
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
+from simcap.steplog import StepLog
 from simcap.workload import RequestSpec, Workload
 
 
 class SimulationError(RuntimeError):
     """The engine model reached a state vLLM could not (a bug, or an unservable request)."""
-
-
-@dataclass
-class StepLog:
-    """One row per engine step: when it started, how long it took, what it computed."""
-
-    start: list[float] = field(default_factory=list)
-    duration: list[float] = field(default_factory=list)
-    num_prefill_tokens: list[int] = field(default_factory=list)
-    num_decode_tokens: list[int] = field(default_factory=list)
-    num_reqs: list[int] = field(default_factory=list)
-    num_running: list[int] = field(default_factory=list)
-    num_waiting: list[int] = field(default_factory=list)
-    kv_cache_usage: list[float] = field(default_factory=list)
-    num_preempted: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.start)
-
-    def as_arrays(self) -> dict[str, np.ndarray]:
-        return {name: np.asarray(values) for name, values in vars(self).items()}
 
 
 @dataclass
@@ -136,6 +116,43 @@ class _World:
             self._wakeup.succeed()
             self._wakeup = None
 
+    # ------------------------------------------------------------------ client view
+
+    def emit(self, req: Request, now: float, num_tokens: int) -> None:
+        """One stream chunk of ``num_tokens`` tokens reaches ``req``'s client at ``now``."""
+        if req.first_token_ts is None:
+            req.first_token_ts = now
+        req.last_token_ts = now
+        rec = self.records[req.request_id]
+        rec.chunk_times.append(now)
+        rec.chunk_tokens.append(num_tokens)
+
+    def emit_stretch(self, reqs: list[Request], ends: np.ndarray) -> None:
+        """One token per request at each of ``ends`` (a stretch of decode steps)."""
+        times = ends.tolist()
+        ones = [1] * len(times)
+        last = times[-1]
+        for req in reqs:
+            if req.first_token_ts is None:
+                req.first_token_ts = times[0]
+            req.last_token_ts = last
+            rec = self.records[req.request_id]
+            rec.chunk_times.extend(times)
+            rec.chunk_tokens.extend(ones)
+
+    def finish(self, reqs: list[Request], now: float) -> None:
+        """Requests that got their last token at ``now``: close their records, wake clients."""
+        for req in reqs:
+            rec = self.records[req.request_id]
+            rec.finish_time = now
+            rec.finish_reason = "length"
+            rec.scheduled_time = req.scheduled_ts
+            rec.num_preemptions = req.num_preemptions
+            rec.num_cached_tokens = max(req.num_cached_tokens, 0)
+            notify = self._on_finish.pop(req.request_id, None)
+            if notify is not None:
+                notify()
+
     def open_loop(self, times: np.ndarray):
         env = self.env
         for i, t in enumerate(times.tolist()):
@@ -174,7 +191,6 @@ class _World:
         env = self.env
         scheduler = self.scheduler
         step_model = self.step_model
-        records = self.records
         steps = self.steps
         kv = scheduler.kv
         while True:
@@ -183,10 +199,12 @@ class _World:
                 yield self._wakeup
                 continue
             if self.fast and (m := decode_stretch_length(self)):
-                m, starts, periods, events = plan_stretch(self, m, env.now, env.peek())
-                if m:
-                    run_stretch(self, m, starts, periods, events)
-                    yield env.timeout_at(float(starts[-1]))
+                stretch = plan_stretch(self, m, env.now, env.peek())
+                if stretch is not None:
+                    run_stretch(self, stretch)
+                    yield env.timeout_at(float(stretch.starts[-1]))
+                    if stretch.finishing:
+                        self.finish(stretch.finishing, env.now)
                     continue
             out = scheduler.schedule()
             if out.total_num_scheduled_tokens == 0 and not out.preempted_reqs:
@@ -196,19 +214,13 @@ class _World:
                 )
             start = env.now
             for req in out.new_reqs:
-                rec = records[req.request_id]
-                if rec.scheduled_time is None:
-                    rec.scheduled_time = start
+                if req.scheduled_ts is None:
+                    req.scheduled_ts = start
             dt = step_model.step_period(out)
-            steps.start.append(start)
-            steps.duration.append(dt)
-            steps.num_prefill_tokens.append(out.num_prefill_tokens)
-            steps.num_decode_tokens.append(out.num_decode_tokens)
-            steps.num_reqs.append(len(out.reqs))
-            steps.num_running.append(len(scheduler.running))
-            steps.num_waiting.append(len(scheduler.waiting))
-            steps.kv_cache_usage.append(kv.usage)
-            steps.num_preempted.append(len(out.preempted_reqs))
+            steps.append(
+                start, dt, out.num_prefill_tokens, out.num_decode_tokens, len(out.reqs),
+                len(scheduler.running), len(scheduler.waiting), kv.usage, len(out.preempted_reqs),
+            )
             yield env.timeout(dt)
             accepted = None
             if out.num_verify_tokens:
@@ -219,18 +231,9 @@ class _World:
                 self.proposer.propose(result.reqs)
             now = env.now
             for req, n in zip(result.reqs, result.num_new_tokens):
-                rec = records[req.request_id]
-                rec.chunk_times.append(now)
-                rec.chunk_tokens.append(n)
-            for req in result.finished:
-                rec = records[req.request_id]
-                rec.finish_time = now
-                rec.finish_reason = "length"
-                rec.num_preemptions = req.num_preemptions
-                rec.num_cached_tokens = max(req.num_cached_tokens, 0)
-                notify = self._on_finish.pop(req.request_id, None)
-                if notify is not None:
-                    notify()
+                self.emit(req, now, n)
+            if result.finished:
+                self.finish(result.finished, now)
 
     # ------------------------------------------------------------------ run
 
@@ -250,7 +253,7 @@ class _World:
         summary = summarize(
             self.records,
             slo=dict(self.scenario.slo) or None,
-            kv_usage=(self.steps.start, self.steps.kv_cache_usage),
+            kv_usage=self.steps.kv_usage_summary(),
             spec_decode=self.spec_counters.to_dict() if self.spec_counters else None,
         )
         return Result(self.scenario, self.records, self.steps, summary, provenance(self.scenario))

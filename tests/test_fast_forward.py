@@ -71,9 +71,9 @@ def test_fast_path_is_taken_on_long_decodes():
     calls = []
     original = sim.run_stretch
 
-    def spy(world, m, *args):
-        calls.append(m)
-        return original(world, m, *args)
+    def spy(world, stretch):
+        calls.append(stretch.m)
+        return original(world, stretch)
 
     sim.run_stretch = spy
     try:

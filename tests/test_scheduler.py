@@ -63,8 +63,9 @@ def test_two_requests_share_the_budget():
     assert b.chunk_times == pytest.approx([0.03, 0.04, 0.05, 0.06])
     assert a.scheduled_time == 0.0 and b.scheduled_time == pytest.approx(0.01)
     assert [len(result.steps)] == [6]
-    assert result.steps.num_prefill_tokens[:3] == [256, 44 + 212, 88]
-    assert result.steps.num_decode_tokens[:3] == [0, 0, 1]
+    st = result.steps.as_arrays()
+    assert st["num_prefill_tokens"][:3].tolist() == [256, 44 + 212, 88]
+    assert st["num_decode_tokens"][:3].tolist() == [0, 0, 1]
 
 
 def test_small_pool_forces_preemption_and_everyone_still_finishes_exactly():

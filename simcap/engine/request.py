@@ -37,6 +37,9 @@ class Request:
         "num_cached_tokens",
         "block_hashes",
         "_hash_cursor",
+        "scheduled_ts",
+        "first_token_ts",
+        "last_token_ts",
     )
 
     def __init__(
@@ -65,6 +68,11 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.block_hashes: list[int] = []
         self._hash_cursor = (0, 0, 0)  # (segment index, offset in it, parent hash)
+        # Timestamps as vLLM's RequestStateStats keeps them (first scheduling, first and
+        # latest output token), in simulated seconds.
+        self.scheduled_ts: float | None = None
+        self.first_token_ts: float | None = None
+        self.last_token_ts: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -303,11 +303,15 @@ class Scheduler:
             reqs_out.append(req)
             counts.append(new)
             if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
-                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 finished.append(req)
         if finished:
-            for req in finished:
-                self.kv.free(req)
-            done = set(id(r) for r in finished)
-            self.running = [r for r in self.running if id(r) not in done]
+            self.finish_requests(finished)
         return EngineOutput(reqs_out, counts, finished)
+
+    def finish_requests(self, finished: list[Request]) -> None:
+        """Release finished requests' blocks (in batch order) and drop them from RUNNING."""
+        for req in finished:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            self.kv.free(req)
+        done = set(id(r) for r in finished)
+        self.running = [r for r in self.running if id(r) not in done]
