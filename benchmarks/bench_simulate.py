@@ -1,23 +1,35 @@
-"""Simulator speed on the reference workload (run by hand: ``python benchmarks/bench_simulate.py``).
+"""Simulator speed and memory (run by hand: ``python benchmarks/bench_simulate.py``).
 
-10,000 requests of 1000 input / 200 output tokens, Poisson 5 req/s, max_num_seqs 256,
-max_num_batched_tokens 8192, block 16, 16,384 blocks. Prints wall seconds, simulated seconds
-per wall second, engine steps per second and peak resident memory. Machines are shared and
-noisy: compare medians of repeats measured side by side, not lone figures.
+Workloads (``--workload``, default all three):
+
+- ``reference``: 10,000 requests of 1000 input / 200 output tokens, Poisson 5 req/s,
+  max_num_seqs 256, max_num_batched_tokens 8192, block 16, 16,384 blocks.
+- ``spec``: the same with EAGLE3 speculative decoding (k=3, mean acceptance length 2.4).
+- ``long-prompt``: 2,000 requests of 16,000 input / 200 output tokens at 1 req/s with a
+  2048-token budget, so every prompt is chunked over eight steps.
+
+Each run happens in a fresh child process, so its peak resident memory is its own. Printed
+per workload: wall seconds of the ``simulate`` call, simulated seconds per wall second, engine
+steps per second, peak RSS. ``--peer`` also times NVIDIA Dynamo's compiled mocker on the same
+workload (when importable: ``pip install --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1``)
+interleaved with simcap, and prints the ratio; ``--reference`` does the same for simcap's
+step-by-step reference path. Machines are shared and noisy: compare medians of runs measured
+side by side, never a lone figure. ``--num-requests 1000000`` is the million-request run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import resource
 import statistics
+import subprocess
+import sys
 import time
 
-from simcap.scenario import parse_scenario
-from simcap.simulator import simulate
-
-REFERENCE = {
-    "name": "bench-reference",
+BASE = {
     "engine": {
         "max_num_seqs": 256,
         "max_num_batched_tokens": 8192,
@@ -35,71 +47,131 @@ REFERENCE = {
     "seed": 0,
 }
 
+WORKLOADS = {
+    "reference": {},
+    "spec": {
+        "speculative": {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.4},
+        "step_time": {**BASE["step_time"], "draft_per_pass": 0.0005, "draft_per_request": 1.0e-5},
+    },
+    "long-prompt": {
+        "engine": {**BASE["engine"], "max_num_batched_tokens": 2048, "max_model_len": 32768},
+        "workload": {**BASE["workload"], "arrival": {"process": "poisson", "rate": 1.0},
+                     "num_requests": 2000, "input_len": 16000},
+    },
+}
 
-def _peer(num_requests: int):
-    """The same workload on Dynamo's Rust mocker (vLLM engine type), or None if absent."""
-    try:
-        from dynamo._core import run_mocker_synthetic_trace_replay
-    except ImportError:
-        print("compiled peer     not installed; skipped")
-        return None
-    engine = REFERENCE["engine"]
+
+def scenario_data(name: str, num_requests: int | None) -> dict:
+    data = {**BASE, **WORKLOADS[name], "name": f"bench-{name}"}
+    if num_requests is not None:
+        data["workload"] = {**data["workload"], "num_requests": num_requests}
+    return data
+
+
+def run_simcap(data: dict, fast: bool) -> dict:
+    from simcap.scenario import parse_scenario
+    from simcap.simulator import simulate
+
+    scenario = parse_scenario(data)
+    t0 = time.perf_counter()
+    result = simulate(scenario, fast=fast)
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "sim_s": result.summary.duration_s, "steps": len(result.steps),
+            "completed": result.summary.completed}
+
+
+def run_peer(data: dict) -> dict:
+    from dynamo._core import run_mocker_synthetic_trace_replay
+
+    engine = data["engine"]
     config = {"engine": {"backend": "vllm", **{k: engine[k] for k in (
         "block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks")}}}
-    wl = REFERENCE["workload"]
-    return lambda: run_mocker_synthetic_trace_replay(
-        wl["input_len"], wl["output_len"], num_requests, extra_engine_args=config,
+    wl = data["workload"]
+    t0 = time.perf_counter()
+    run_mocker_synthetic_trace_replay(
+        wl["input_len"], wl["output_len"], wl["num_requests"], extra_engine_args=config,
         request_rate=wl["arrival"]["rate"],
     )
+    return {"wall": time.perf_counter() - t0}
+
+
+def child(which: str, name: str, num_requests: int | None) -> None:
+    data = scenario_data(name, num_requests)
+    out = run_peer(data) if which == "peer" else run_simcap(data, fast=which == "simcap")
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out))
+
+
+def measure(which: str, name: str, num_requests: int | None) -> dict:
+    cmd = [sys.executable, __file__, "--child", which, "--workload", name]
+    if num_requests is not None:
+        cmd += ["--num-requests", str(num_requests)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def peer_available() -> bool:
+    try:
+        import dynamo._core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _walls(runs: list[dict]) -> str:
+    return ", ".join(f"{r['wall']:.3f}" for r in runs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--num-requests", type=int, default=10000)
-    parser.add_argument(
-        "--peer", action="store_true",
-        help="also time the compiled peer (NVIDIA Dynamo's mocker, when importable: "
-        "pip install --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1), interleaved",
-    )
-    parser.add_argument(
-        "--reference", action="store_true",
-        help="also time the step-by-step reference path, interleaved, and print the ratio",
-    )
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--peer", action="store_true", help="also time the compiled peer, interleaved")
+    parser.add_argument("--reference", action="store_true",
+                        help="also time simcap's step-by-step reference path, interleaved")
+    parser.add_argument("--child", choices=["simcap", "reference", "peer"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    data = dict(REFERENCE)
-    data["workload"] = {**REFERENCE["workload"], "num_requests": args.num_requests}
-    scenario = parse_scenario(data)
-    peer = _peer(args.num_requests) if args.peer else None
-    walls, ref_walls, peer_walls = [], [], []
-    for _ in range(args.repeats):
-        if peer is not None:
-            t0 = time.perf_counter()
-            peer()
-            peer_walls.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        result = simulate(scenario)
-        walls.append(time.perf_counter() - t0)
+    names = args.workload or list(WORKLOADS)
+    if args.child:
+        child(args.child, names[0], args.num_requests)
+        return
+
+    import simcap
+
+    print(f"simcap {simcap.__version__}, Python {platform.python_version()}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    for name in names:
+        arms = ["simcap"]
+        if args.peer and name != "spec":
+            if peer_available():
+                arms.append("peer")
+            else:
+                print("compiled peer: not installed; skipped")
         if args.reference:
-            t0 = time.perf_counter()
-            simulate(scenario, fast=False)
-            ref_walls.append(time.perf_counter() - t0)
-    wall = statistics.median(walls)
-    sim_s = result.summary.duration_s
-    steps = len(result.steps)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"requests          {args.num_requests:,}")
-    print(f"wall s (median)   {wall:.3f}   all: {', '.join(f'{w:.3f}' for w in walls)}")
-    print(f"simulated s       {sim_s:,.1f}")
-    print(f"sim s / wall s    {sim_s / wall:,.0f}")
-    print(f"engine steps      {steps:,}   steps/s {steps / wall:,.0f}")
-    print(f"peak RSS MiB      {peak_mib:,.0f}")
-    if peer_walls:
-        pw = statistics.median(peer_walls)
-        print(f"compiled peer     {pw:.3f} s (median, same workload); simcap / peer = {wall / pw:.2f}")
-    if ref_walls:
-        ref = statistics.median(ref_walls)
-        print(f"reference path    {ref:.3f} s (median); fast path is {ref / wall:.1f}x faster")
+            arms.append("reference")
+        runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for _ in range(args.repeats):
+            for arm in arms:  # interleaved, so that machine noise hits every arm alike
+                runs[arm].append(measure(arm, name, args.num_requests))
+        sim = runs["simcap"]
+        wall = statistics.median(r["wall"] for r in sim)
+        sim_s, steps = sim[0]["sim_s"], sim[0]["steps"]
+        num = scenario_data(name, args.num_requests)["workload"]["num_requests"]
+        print(f"\n== {name}: {num:,} requests, {sim[0]['completed']:,} completed")
+        print(f"wall s (median)   {wall:.3f}   all: {_walls(sim)}")
+        print(f"simulated s       {sim_s:,.1f}   sim s / wall s {sim_s / wall:,.0f}")
+        print(f"engine steps      {steps:,}   steps/s {steps / wall:,.0f}")
+        print(f"peak RSS MiB      {max(r['peak_rss_mib'] for r in sim):,.0f}")
+        if "peer" in runs:
+            pw = statistics.median(r["wall"] for r in runs["peer"])
+            peer_rss = max(r["peak_rss_mib"] for r in runs["peer"])
+            print(f"compiled peer     {pw:.3f} s (median; all: {_walls(runs['peer'])}); "
+                  f"peak RSS {peer_rss:,.0f} MiB")
+            print(f"simcap / peer     {wall / pw:.2f}")
+        if "reference" in runs:
+            ref = statistics.median(r["wall"] for r in runs["reference"])
+            print(f"reference path    {ref:.3f} s (median); fast path is {ref / wall:.1f}x faster")
 
 
 if __name__ == "__main__":
