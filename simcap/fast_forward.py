@@ -40,62 +40,50 @@ class Stretch:
     finishing: list[Request]  # requests whose last token comes in the last step
 
 
-def decode_stretch_length(world) -> int:
-    """Steps until (and including) the first finish, or 0 when the fast path does not apply."""
+def plan_stretch(world, now: float, horizon: float) -> Stretch | None:
+    """The pure-decode steps that can run at once from ``now``, or None.
+
+    The stretch runs until the first finish (included), the last step starting before
+    ``horizon`` (the next SimPy event) or the step before the KV pool runs out, whichever
+    comes first.
+    """
     scheduler = world.scheduler
     running: list[Request] = scheduler.running
     if world.proposer is not None or scheduler.waiting or not running:
-        return 0
-    if len(running) > scheduler.max_num_batched_tokens:
-        return 0
+        return None
+    num_reqs = len(running)
+    if num_reqs > scheduler.max_num_batched_tokens:
+        return None
     max_model_len = scheduler.max_model_len
-    remaining = math.inf
+    lefts = []
     for req in running:
         num_tokens = req.num_prompt_tokens + req.num_output_tokens
         if req.num_computed_tokens != num_tokens - 1 or req.num_spec_tokens:
-            return 0
-        left = min(req.max_tokens - req.num_output_tokens, max_model_len - num_tokens)
-        if left < remaining:
-            remaining = left
-    m = int(remaining)
-    return m if m >= MIN_STRETCH else 0
-
-
-def step_periods(world, num_reqs: int, context0: int, m: int) -> np.ndarray:
-    """Durations of ``m`` pure-decode steps, computed as ``StepTimeModel.step_period`` does."""
-    model = world.step_model
-    t = np.full(m, model.base + model.per_prefill_token * 0)
-    t = t + model.per_decode_token * num_reqs
-    if model.per_context_token:
-        context = context0 + num_reqs * np.arange(1, m + 1, dtype=np.int64)
-        t = t + model.per_context_token * context.astype(np.float64)
-    if model.async_scheduling:
-        return np.maximum(t, model.host_overhead)
-    return t + model.host_overhead
-
-
-def plan_stretch(world, m: int, now: float, horizon: float) -> Stretch | None:
-    """Trim ``m`` to the steps that start before ``horizon`` and fit the KV pool."""
-    scheduler = world.scheduler
-    running = scheduler.running
-    kv = scheduler.kv
-    bs = kv.block_size
-    num_reqs = len(running)
-    m_finish = m
-    context0 = sum(r.num_computed_tokens for r in running)
-    periods = step_periods(world, num_reqs, context0, m)
-    starts = np.add.accumulate(np.concatenate(([now], periods)))
+            return None
+        left = req.max_tokens - req.num_output_tokens
+        lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
+    m_finish = m = min(lefts)  # the first finish is in step m (1-based)
+    if m < MIN_STRETCH:
+        return None
+    periods = step_periods(world, num_reqs, m)
+    starts = np.empty(m + 1)
+    starts[0] = now
+    starts[1:] = periods
+    np.add.accumulate(starts, out=starts)
     # Step j (0-based) is unaffected by an event at `horizon` only if it starts before it.
     if starts[m - 1] >= horizon:
         m = int(np.searchsorted(starts[:m], horizon, side="left"))
         if m < MIN_STRETCH:
             return None
     # KV: request b needs a new block at step j when computed + j + 1 > held * bs, i.e. at
-    # j = held*bs - computed and every bs steps after. Few events: plain Python.
+    # j = held*bs - computed and every bs steps after.
+    kv = scheduler.kv
+    bs = kv.block_size
     new_blocks: list[tuple[int, int]] = []
     for b, req in enumerate(running):
         first = kv.num_blocks_held(req) * bs - req.num_computed_tokens
-        new_blocks.extend((j, b) for j in range(first if first > 0 else 0, m, bs))
+        if first < m:
+            new_blocks.extend((j, b) for j in range(first if first > 0 else 0, m, bs))
     if len(new_blocks) > 1:
         new_blocks.sort()
     free = kv.num_free_blocks
@@ -107,12 +95,28 @@ def plan_stretch(world, m: int, now: float, horizon: float) -> Stretch | None:
         new_blocks = [e for e in new_blocks if e[0] < m]
     finishing = []
     if m == m_finish:
-        max_model_len = scheduler.max_model_len
-        for req in running:
-            num_tokens = req.num_prompt_tokens + req.num_output_tokens
-            if min(req.max_tokens - req.num_output_tokens, max_model_len - num_tokens) == m:
-                finishing.append(req)
+        finishing = [req for req, left in zip(running, lefts) if left == m]
     return Stretch(m, starts[: m + 1], periods[:m], new_blocks, finishing)
+
+
+def step_periods(world, num_reqs: int, m: int) -> np.ndarray:
+    """Durations of the next ``m`` pure-decode steps of ``num_reqs`` requests, computed as
+    ``StepTimeModel.step_period`` computes each (same operations, same order)."""
+    model = world.step_model
+    t = model.base + model.per_prefill_token * 0
+    t += model.per_decode_token * num_reqs
+    if model.per_context_token:
+        context0 = sum(r.num_computed_tokens for r in world.scheduler.running)
+        context = context0 + num_reqs * np.arange(1, m + 1, dtype=np.int64)
+        t = t + model.per_context_token * context.astype(np.float64)
+        if model.async_scheduling:
+            return np.maximum(t, model.host_overhead)
+        return t + model.host_overhead
+    if model.async_scheduling:
+        t = t if t > model.host_overhead else model.host_overhead
+    else:
+        t += model.host_overhead
+    return np.full(m, t)
 
 
 def run_stretch(world, stretch: Stretch) -> None:
@@ -139,11 +143,9 @@ def run_stretch(world, stretch: Stretch) -> None:
     # Usage after each step's allocations: the free count falls at every new-block event.
     free_end = kv.num_free_blocks
     if new_blocks:
-        allocated = np.bincount(
-            np.fromiter((j for j, _ in new_blocks), np.int64, len(new_blocks)), minlength=m
-        )
-        free_after = free_end + len(new_blocks) - np.cumsum(allocated)
-        usage = 1.0 - free_after / (kv.num_blocks - 1)
+        event_steps = np.array([j for j, _ in new_blocks])
+        allocated = np.searchsorted(event_steps, np.arange(m), side="right")
+        usage = 1.0 - (free_end + len(new_blocks) - allocated) / (kv.num_blocks - 1)
     else:
         usage = np.full(m, 1.0 - free_end / (kv.num_blocks - 1))
     world.steps.extend(

@@ -19,7 +19,7 @@ from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import StepTimeModel
-from simcap.fast_forward import Clock, decode_stretch_length, plan_stretch, run_stretch
+from simcap.fast_forward import Clock, plan_stretch, run_stretch
 from simcap.metrics import Summary, summarize
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
@@ -210,8 +210,8 @@ class _World:
                 now = env.now
                 continue
             horizon = env.peek()
-            if fast and (m := decode_stretch_length(self)):
-                stretch = plan_stretch(self, m, now, horizon)
+            if fast:
+                stretch = plan_stretch(self, now, horizon)
                 if stretch is not None:
                     run_stretch(self, stretch)
                     now = float(stretch.starts[-1])
