@@ -1,8 +1,12 @@
 """Records -> Summary: the one metrics path for simulated and live runs.
 
-Both the simulator and the live client produce ``RequestRecord``s; this module turns a batch of
-them into a ``Summary`` with the definitions ``vllm bench serve`` uses, so simulated and measured
-numbers are computed identically.
+Both the simulator and the live client produce ``RequestRecord``s; this module turns them into a
+``Summary`` with the definitions ``vllm bench serve`` uses, so simulated and measured numbers are
+computed identically. ``MetricsAccumulator`` is the streaming form: it takes each request's
+scalars as the request finishes (``add_request``) and chunk gaps in bulk as weighted samples
+(``add_itl``: a stretch of identical decode steps gives the same gaps to every request in the
+batch), keeping the ITL samples as a sorted table of (value, count), so memory grows with the
+number of distinct gaps, not of chunks. ``summarize(records)`` feeds the records to one.
 
 Definitions (all times in seconds, per completed request, i.e. ``record.succeeded``):
 
@@ -15,9 +19,13 @@ Definitions (all times in seconds, per completed request, i.e. ``record.succeede
 - ITL per token: a gap ``g`` whose later chunk carried ``k`` tokens contributes ``k`` samples of
   ``g / k``.
 
-Percentiles use ``np.percentile``'s default linear interpolation, like ``vllm bench``. Each
-distribution says whether its sample count is enough for a p90/p95/p99 claim by MLPerf loadgen's
-early-stopping rule (confidence 0.99) allowing one query over the bound.
+Percentiles use ``np.percentile``'s default linear interpolation, like ``vllm bench``, computed
+on the (value, count) table with the same result, bit for bit, as on the expanded samples. Means
+are taken over the sorted table, so that a summary does not depend on the order in which
+requests and gaps were added, nor on how gaps were grouped (it is identical, byte for byte).
+Per-request statistics are over completed requests in request-id order. Each distribution says
+whether its sample count is enough for a p90/p95/p99 claim by MLPerf loadgen's early-stopping
+rule (confidence 0.99) allowing one query over the bound.
 
 Goodput follows ``vllm bench``: a completed request is good when its own TTFT, TPOT and E2E are
 each within the SLO targets named for those metrics (requests with one output token have no
@@ -28,8 +36,10 @@ good requests over all requests (completed + failed), since a failed request is 
 from __future__ import annotations
 
 import functools
-import itertools
+import operator
+from array import array
 from dataclasses import dataclass, field
+from math import nan
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -93,15 +103,26 @@ class Distribution:
     @classmethod
     def of(cls, samples: np.ndarray) -> "Distribution":
         """Build from a 1-D array of samples."""
-        n = int(samples.size)
+        values, counts = np.unique(np.asarray(samples, dtype=float), return_counts=True)
+        return cls.of_weighted(values, counts)
+
+    @classmethod
+    def of_weighted(cls, values: np.ndarray, counts: np.ndarray) -> "Distribution":
+        """Build from samples given as distinct ``values``, each seen ``counts`` times.
+
+        Percentiles equal ``np.percentile`` of the expanded samples exactly; the mean is
+        computed from the sorted table, so it does not depend on the order samples came in.
+        """
+        values, counts = _merge_table(values, counts)
+        n = int(counts.sum())
         if n == 0:
             return cls(count=0)
-        pct = np.percentile(samples, list(PERCENTILES.values()))
+        pct = _table_percentiles(values, counts, n, list(PERCENTILES.values()))
         return cls(
             count=n,
-            mean=float(np.mean(samples)),
+            mean=float((values * counts).sum() / n),
             **{k: float(v) for k, v in zip(PERCENTILES, pct)},
-            max=float(np.max(samples)),
+            max=float(values[-1]),
             samples_adequate={
                 k: n >= early_stopping_min_queries(p, 1) for k, p in ADEQUACY.items()
             },
@@ -166,6 +187,11 @@ class Summary:
         return out
 
 
+# KV-cache usage of a run: a (step start times, usage fractions) series, or its already
+# reduced {"mean", "max"} (time-weighted mean: each value holds until the next time).
+KVUsage = tuple[Sequence[float], Sequence[float]] | dict[str, float | None]
+
+
 def _parse_slo(slo: dict[str, float]) -> list[tuple[str, str, str, float]]:
     parsed = []
     for key, target in slo.items():
@@ -179,7 +205,9 @@ def _parse_slo(slo: dict[str, float]) -> list[tuple[str, str, str, float]]:
     return parsed
 
 
-def _kv_usage(kv_usage: tuple[Sequence[float], Sequence[float]]) -> dict[str, float | None]:
+def _kv_usage(kv_usage: KVUsage) -> dict[str, float | None]:
+    if isinstance(kv_usage, dict):  # already reduced (the simulator's step log does it)
+        return {"mean": kv_usage["mean"], "max": kv_usage["max"]}
     times = np.asarray(kv_usage[0], dtype=float)
     usages = np.asarray(kv_usage[1], dtype=float)
     if times.shape != usages.shape:
@@ -195,136 +223,387 @@ def _kv_usage(kv_usage: tuple[Sequence[float], Sequence[float]]) -> dict[str, fl
     return {"mean": mean, "max": float(usages.max())}
 
 
+def _merge_table(
+    values: np.ndarray, counts: Any, *, sorted_runs: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """A (value, count) table sorted by value, equal values merged, zero counts dropped.
+
+    ``counts``: int64-able, one per value or one for all. ``sorted_runs``: the input is a few
+    sorted runs (tables concatenated), which a stable sort merges in linear time. -0.0 becomes
+    0.0, so that equal values merge to the same one whatever order they came in.
+    """
+    values = np.asarray(values, dtype=np.float64).ravel() + 0.0
+    counts = np.asarray(counts, dtype=np.int64).ravel()
+    if counts.size == 1:
+        counts = np.full(values.shape, counts[0])
+    if counts.shape != values.shape:
+        raise ValueError(f"{counts.size} counts for {values.size} values")
+    if counts.size and counts.min() < 0:
+        raise ValueError("counts must be >= 0")
+    if values.size > 1 and not (values[1:] > values[:-1]).all():
+        if not sorted_runs and (counts == 1).all():  # plain samples: np.unique sorts faster
+            values, counts = np.unique(values, return_counts=True)
+        else:  # equal values merge, so their order does not matter
+            order = np.argsort(values, kind="stable" if sorted_runs else None)
+            values, counts = values[order], counts[order]
+            starts = np.flatnonzero(np.concatenate(([True], values[1:] != values[:-1])))
+            if starts.size < values.size:
+                values, counts = values[starts], np.add.reduceat(counts, starts)
+    keep = counts > 0
+    if not keep.all():
+        values, counts = values[keep], counts[keep]
+    return values, counts
+
+
+def _table_percentiles(
+    values: np.ndarray, counts: np.ndarray, n: int, percentiles: list[float]
+) -> np.ndarray:
+    """``np.percentile(np.repeat(values, counts), percentiles)``, bit for bit, without expanding.
+
+    ``values`` sorted and distinct, ``counts`` > 0 summing to ``n``. Mirrors numpy's 'linear'
+    method: virtual index ``(n - 1) * q``, neighbours at its floor and floor + 1 (both the last
+    sample at or past the end, with the gap taken from index -1 as numpy does), and numpy's
+    ``_lerp``, which computes ``b - (b - a) * (1 - t)`` where ``t >= 0.5``.
+    """
+    q = np.true_divide(percentiles, 100)
+    virtual = (n - 1) * q
+    prev = np.floor(virtual)
+    nxt = prev + 1
+    past_end = virtual >= n - 1
+    prev[past_end] = -1
+    nxt[past_end] = -1
+    prev, nxt = prev.astype(np.intp), nxt.astype(np.intp)
+    t = virtual - prev
+    cum = np.cumsum(counts)  # sample i of the sorted expansion is values[first j with cum[j] > i]
+    a = values[np.searchsorted(cum, np.where(prev < 0, n + prev, prev), side="right")]
+    b = values[np.searchsorted(cum, np.where(nxt < 0, n + nxt, nxt), side="right")]
+    diff = b - a
+    return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+
+
+class _WeightedSamples:
+    """Samples kept as a sorted (value, count) table. Incoming batches are buffered and merged
+    into the table when the buffer reaches ``compact_at`` samples (or the table's size, so that
+    a table of mostly distinct values is not re-merged too often), and on read."""
+
+    def __init__(self, compact_at: int) -> None:
+        self.compact_at = compact_at
+        self.values = np.zeros(0)
+        self.counts = np.zeros(0, dtype=np.int64)
+        self._values: list[np.ndarray] = []
+        self._weights: list[int | np.ndarray] = []  # per batch: one weight, or one per value
+        self._pending = 0
+
+    def add(self, values: np.ndarray, weight: int | np.ndarray) -> None:
+        self._values.append(values)
+        self._weights.append(weight)
+        self._pending += values.size
+        if self._pending >= max(self.compact_at, self.values.size):
+            self.compact()
+
+    def compact(self) -> None:
+        if not self._values:
+            return
+        weights = [
+            np.full(v.size, w, dtype=np.int64) if isinstance(w, int) else w
+            for v, w in zip(self._values, self._weights)
+        ]
+        values, counts = _merge_table(np.concatenate(self._values), np.concatenate(weights))
+        self.values, self.counts = _merge_table(
+            np.concatenate((self.values, values)),
+            np.concatenate((self.counts, counts)),
+            sorted_runs=True,
+        )
+        self._values, self._weights, self._pending = [], [], 0
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        self.compact()
+        return self.values, self.counts
+
+    def distribution(self) -> Distribution:
+        return Distribution.of_weighted(*self.table())
+
+
+class MetricsAccumulator:
+    """Streaming form of summarize(): per-request scalars, ITLs as weighted samples.
+
+    Feed each request once with ``add_request`` (or a whole record with ``add_record``) and its
+    chunk gaps with ``add_itl``, in any order and grouping; ``summary`` gives the same
+    ``Summary`` as ``summarize`` over the full records, byte for byte, whatever the order.
+    Per-request values are kept as compact arrays (64 bytes a request); ITL samples as
+    (value, count) tables, so their memory grows with the number of distinct values only.
+    ``compact_at``: how many buffered ITL samples trigger a merge into the tables.
+    """
+
+    def __init__(self, *, compact_at: int = 1 << 20) -> None:
+        # Per request, in arrival order of the calls; NaN stands for None.
+        self._times = array("d")  # arrival, first token, finish, scheduled
+        self._ints = array("q")  # request id, prompt tokens, output tokens, succeeded
+        self._failed = 0
+        self._preemptions = 0
+        self._cached = 0
+        self._itl = _WeightedSamples(compact_at)
+        self._itl_token = _WeightedSamples(compact_at)
+
+    def __len__(self) -> int:
+        """Number of requests added."""
+        return len(self._ints) // 4
+
+    def add_request(
+        self,
+        request_id: int,
+        arrival_time: float,
+        *,
+        first_token_time: float | None,
+        finish_time: float | None,
+        scheduled_time: float | None,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        num_preemptions: int = 0,
+        num_cached_tokens: int = 0,
+        succeeded: bool = True,
+    ) -> None:
+        """One request's scalars. Preemptions and cached tokens count for failed requests too;
+        a failed request gives no latency samples (and its gaps must not be fed to add_itl)."""
+        if succeeded:
+            if first_token_time is None or finish_time is None:
+                raise ValueError("a succeeded request needs first_token_time and finish_time")
+        else:
+            self._failed += 1
+        self._times.extend((
+            arrival_time,
+            nan if first_token_time is None else first_token_time,
+            nan if finish_time is None else finish_time,
+            nan if scheduled_time is None else scheduled_time,
+        ))
+        self._ints.extend((request_id, num_prompt_tokens, num_output_tokens, 1 if succeeded else 0))
+        self._preemptions += num_preemptions
+        self._cached += num_cached_tokens
+
+    def add_itl(self, gaps: float | np.ndarray, weight: int = 1, tokens: int | Any = 1) -> None:
+        """Chunk gaps (seconds), each counted ``weight`` times.
+
+        ``tokens``: tokens carried by the later chunk of each gap (one int, or one per gap).
+        Per chunk, each gap is one sample; per token, a gap ``g`` with ``k > 0`` tokens gives
+        ``k`` samples of ``g / k``, and ``k == 0`` none.
+        """
+        g = np.array(gaps, dtype=np.float64, ndmin=1).ravel()  # a copy: callers reuse buffers
+        weight = operator.index(weight)
+        if weight < 1:
+            raise ValueError(f"weight must be >= 1, got {weight}")
+        if isinstance(tokens, (int, np.integer)):
+            k = int(tokens)
+            if k < 0:
+                raise ValueError(f"tokens must be >= 0, got {k}")
+            per_token = (g, weight) if k == 1 else (g / k, weight * k) if k > 1 else None
+        else:
+            k = np.asarray(tokens, dtype=np.int64).ravel()
+            if k.shape != g.shape:
+                raise ValueError(f"tokens has {k.size} entries for {g.size} gaps")
+            k_min = k.min() if k.size else 1
+            if k_min < 0:
+                raise ValueError("tokens must be >= 0")
+            if k_min == 0:
+                g_tok, k = g[k > 0], k[k > 0]
+                per_token = (g_tok / k, weight * k)
+            else:
+                per_token = (g / k, weight * k)
+        if not g.size:
+            return
+        self._itl.add(g, weight)
+        if per_token is not None and per_token[0].size:
+            self._itl_token.add(*per_token)
+
+    def add_record(self, record: RequestRecord) -> None:
+        """A full record: its scalars, and the gaps between its chunks if it succeeded."""
+        self.add_records((record,))
+
+    def add_records(self, records: Iterable[RequestRecord]) -> None:
+        """Full records, as ``add_record`` on each, with their gaps fed in large batches."""
+        times: list[float] = []
+        tokens: list[int] = []
+        lens: list[int] = []
+        for r in records:
+            succeeded = r.succeeded
+            self.add_request(
+                r.request_id,
+                r.arrival_time,
+                first_token_time=r.first_token_time,
+                finish_time=r.finish_time,
+                scheduled_time=r.scheduled_time,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_output_tokens=r.num_output_tokens,
+                num_preemptions=r.num_preemptions,
+                num_cached_tokens=r.num_cached_tokens,
+                succeeded=succeeded,
+            )
+            if succeeded:
+                times += r.chunk_times
+                tokens += r.chunk_tokens
+                lens.append(len(r.chunk_times))
+                if len(times) >= self._itl.compact_at:
+                    self._add_chunks(times, tokens, lens)
+                    times, tokens, lens = [], [], []
+        self._add_chunks(times, tokens, lens)
+
+    def _add_chunks(self, times: list[float], tokens: list[int], lens: list[int]) -> None:
+        """The gaps within each of several requests whose chunk lists are concatenated."""
+        if len(times) == len(lens):  # at most one chunk each: no gaps
+            return
+        gaps = np.diff(np.array(times))
+        within = np.ones(gaps.size, dtype=bool)  # not the gap into a request's first chunk
+        within[np.cumsum(lens[:-1], dtype=np.intp) - 1] = False
+        self.add_itl(gaps[within], 1, np.array(tokens[1:], dtype=np.int64)[within])
+
+    # ------------------------------------------------------------------ read access
+
+    def _table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(times, ints) as (requests, 4) arrays in the order requests were added (no copy)."""
+        times = np.frombuffer(self._times, dtype=np.float64).reshape(-1, 4)
+        ints = np.frombuffer(self._ints, dtype=np.int64).reshape(-1, 4)
+        return times, ints
+
+    def _by_id(self, column: int) -> np.ndarray:
+        """One column of ``_times`` for every request, in request-id order."""
+        times, ints = self._table()
+        return times[np.argsort(ints[:, 0], kind="stable"), column]
+
+    @property
+    def request_ids(self) -> np.ndarray:
+        """Request ids of every request added, sorted."""
+        return np.sort(self._table()[1][:, 0])
+
+    @property
+    def arrival_times(self) -> np.ndarray:
+        """Arrival times of every request, in request-id order."""
+        return self._by_id(0)
+
+    @property
+    def finish_times(self) -> np.ndarray:
+        """Finish times of every request, in request-id order; np.inf where not finished."""
+        finish = self._by_id(2)
+        finish[np.isnan(finish)] = np.inf
+        return finish
+
+    def itl_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-chunk ITL samples as (sorted distinct values, int64 counts)."""
+        values, counts = self._itl.table()
+        return values.copy(), counts.copy()
+
+    # ------------------------------------------------------------------ summary
+
+    def summary(
+        self,
+        *,
+        slo: dict[str, float] | None = None,
+        duration_s: float | None = None,
+        kv_usage: KVUsage | None = None,
+        spec_decode: dict[str, Any] | None = None,
+    ) -> Summary:
+        """The ``Summary`` of everything added so far; arguments as for ``summarize``."""
+        times, ints = self._table()
+        done = np.flatnonzero(ints[:, 3])
+        done = done[np.argsort(ints[done, 0], kind="stable")]  # completed, in request-id order
+        n, failed = done.size, self._failed
+        # One column at a time, to keep the peak memory of a million requests low.
+        arrival = times[done, 0]
+        ttft = times[done, 1] - arrival
+        e2e = times[done, 2] - arrival
+        queue = times[done, 3] - arrival
+        queue = queue[~np.isnan(queue)]  # NaN: scheduled time unknown
+        out_tok = ints[done, 2]
+        multi = out_tok > 1
+        tpot = (e2e[multi] - ttft[multi]) / (out_tok[multi] - 1)
+
+        output_tokens, input_tokens = int(out_tok.sum()), int(ints[done, 1].sum())
+        if duration_s is None:
+            duration_s = float(times[done, 2].max() - arrival.min()) if n else 0.0
+        duration_s = float(duration_s)
+
+        def rate(x: float) -> float:
+            return float(x / duration_s) if duration_s > 0 else 0.0
+
+        throughput = {
+            "requests_per_s": rate(n),
+            "output_tokens_per_s": rate(output_tokens),
+            "input_tokens_per_s": rate(input_tokens),
+            "total_tokens_per_s": rate(output_tokens + input_tokens),
+        }
+        dists = {
+            "ttft_s": Distribution.of(ttft),
+            "tpot_s": Distribution.of(tpot),
+            "itl_s": self._itl.distribution(),
+            "itl_per_token_s": self._itl_token.distribution(),
+            "e2e_s": Distribution.of(e2e),
+            "queue_s": Distribution.of(queue),
+        }
+
+        slo_out = goodput = slo_pass = None
+        if slo:
+            parsed = _parse_slo(slo)
+            slo_out = {}
+            for key, metric, stat, target in parsed:
+                dist = dists[SLO_METRICS[metric]]
+                value = dist.stat(stat)
+                slo_out[key] = {
+                    "target": target,
+                    "value": value,
+                    "pass": value is not None and value <= target,
+                    "samples_adequate": dist.stat_adequate(stat),
+                }
+            slo_pass = all(v["pass"] for v in slo_out.values())
+
+            per_request = {"ttft": ttft, "e2e": e2e}
+            tpot_full = np.full(n, np.nan)
+            tpot_full[multi] = tpot
+            per_request["tpot"] = tpot_full
+            good = np.ones(n, dtype=bool)
+            for _, metric, _, target in parsed:
+                if metric in GOODPUT_METRICS:
+                    # NaN (no TPOT) compares False against the target, so it passes this check.
+                    good &= ~(per_request[metric] > target)
+            n_good = int(good.sum())
+            total = n + failed
+            goodput = {
+                "requests_per_s": rate(n_good),
+                "fraction": float(n_good / total) if total else None,
+            }
+
+        return Summary(
+            completed=n,
+            failed=failed,
+            duration_s=duration_s,
+            **dists,
+            throughput=throughput,
+            preemptions=int(self._preemptions),
+            prefix_cache_hit_tokens=int(self._cached),
+            goodput=goodput,
+            slo=slo_out,
+            slo_pass=slo_pass,
+            kv_cache_usage=None if kv_usage is None else _kv_usage(kv_usage),
+            output_tokens=output_tokens,
+            input_tokens=input_tokens,
+            spec_decode=spec_decode,
+        )
+
+
 def summarize(
     records: Iterable[RequestRecord],
     *,
     slo: dict[str, float] | None = None,
     duration_s: float | None = None,
-    kv_usage: tuple[Sequence[float], Sequence[float]] | None = None,
+    kv_usage: KVUsage | None = None,
     spec_decode: dict[str, Any] | None = None,
 ) -> Summary:
     """Summarize request records into a ``Summary`` (see the module docstring for definitions).
 
     ``slo`` maps ``METRIC_STAT`` keys (e.g. ``"ttft_p95"``) to targets in seconds;
     ``duration_s`` overrides the run duration (default: last finish - first arrival of completed
-    requests); ``kv_usage`` is a ``(times, usages)`` step series of KV-cache usage fractions;
+    requests); ``kv_usage`` is a ``(times, usages)`` step series of KV-cache usage fractions
+    (or its reduced ``{"mean", "max"}``);
     ``spec_decode`` holds the engine's speculative-decoding counters (simulated, or the server's
     Prometheus deltas in a live run), passed through unchanged.
     """
-    done: list[RequestRecord] = []
-    failed = preemptions = cached = 0
-    for r in records:
-        preemptions += r.num_preemptions
-        cached += r.num_cached_tokens
-        if r.succeeded:
-            done.append(r)
-        else:
-            failed += 1
-    n = len(done)
-
-    arrival = np.fromiter((r.arrival_time for r in done), float, n)
-    finish = np.fromiter((r.finish_time for r in done), float, n)
-    sched = np.fromiter(
-        (np.nan if r.scheduled_time is None else r.scheduled_time for r in done), float, n
-    )
-    prompt = np.fromiter((r.num_prompt_tokens for r in done), np.int64, n)
-    lens = np.fromiter((len(r.chunk_times) for r in done), np.int64, n)
-    total_chunks = int(lens.sum())
-    times = np.fromiter(
-        itertools.chain.from_iterable(r.chunk_times for r in done), float, total_chunks
-    )
-    tokens = np.fromiter(
-        itertools.chain.from_iterable(r.chunk_tokens for r in done), np.int64, total_chunks
-    )
-    starts = np.cumsum(lens) - lens  # every completed record has >= 1 chunk
-
-    out_tok = np.add.reduceat(tokens, starts) if n else np.zeros(0, np.int64)
-    ttft = times[starts] - arrival
-    e2e = finish - arrival
-    multi = out_tok > 1
-    tpot = (e2e[multi] - ttft[multi]) / (out_tok[multi] - 1)
-    queue = (sched - arrival)[~np.isnan(sched)]
-
-    # Gaps across record boundaries are not ITLs: drop the gap ending at each record's start.
-    within = np.ones(max(total_chunks - 1, 0), dtype=bool)
-    within[starts[1:] - 1] = False
-    itl = np.diff(times)[within]
-    k = tokens[1:][within]
-    del times, tokens, within  # up to 1e8+ chunks: free memory before the per-token copy
-    g = itl
-    if not k.all():  # chunks without tokens contribute no per-token samples
-        g, k = itl[k > 0], k[k > 0]
-    itl_tok = np.repeat(g / k, k)
-
-    output_tokens, input_tokens = int(out_tok.sum()), int(prompt.sum())
-    if duration_s is None:
-        duration_s = float(finish.max() - arrival.min()) if n else 0.0
-    duration_s = float(duration_s)
-
-    def rate(x: float) -> float:
-        return float(x / duration_s) if duration_s > 0 else 0.0
-
-    throughput = {
-        "requests_per_s": rate(n),
-        "output_tokens_per_s": rate(output_tokens),
-        "input_tokens_per_s": rate(input_tokens),
-        "total_tokens_per_s": rate(output_tokens + input_tokens),
-    }
-    dists = {
-        "ttft_s": Distribution.of(ttft),
-        "tpot_s": Distribution.of(tpot),
-        "itl_s": Distribution.of(itl),
-        "itl_per_token_s": Distribution.of(itl_tok),
-        "e2e_s": Distribution.of(e2e),
-        "queue_s": Distribution.of(queue),
-    }
-
-    slo_out = goodput = slo_pass = None
-    if slo:
-        parsed = _parse_slo(slo)
-        slo_out = {}
-        for key, metric, stat, target in parsed:
-            dist = dists[SLO_METRICS[metric]]
-            value = dist.stat(stat)
-            slo_out[key] = {
-                "target": target,
-                "value": value,
-                "pass": value is not None and value <= target,
-                "samples_adequate": dist.stat_adequate(stat),
-            }
-        slo_pass = all(v["pass"] for v in slo_out.values())
-
-        per_request = {"ttft": ttft, "e2e": e2e}
-        tpot_full = np.full(n, np.nan)
-        tpot_full[multi] = tpot
-        per_request["tpot"] = tpot_full
-        good = np.ones(n, dtype=bool)
-        for _, metric, _, target in parsed:
-            if metric in GOODPUT_METRICS:
-                # NaN (no TPOT) compares False against the target, so it passes this check.
-                good &= ~(per_request[metric] > target)
-        n_good = int(good.sum())
-        total = n + failed
-        goodput = {
-            "requests_per_s": rate(n_good),
-            "fraction": float(n_good / total) if total else None,
-        }
-
-    return Summary(
-        completed=n,
-        failed=failed,
-        duration_s=duration_s,
-        **dists,
-        throughput=throughput,
-        preemptions=int(preemptions),
-        prefix_cache_hit_tokens=int(cached),
-        goodput=goodput,
-        slo=slo_out,
-        slo_pass=slo_pass,
-        kv_cache_usage=(
-            None if kv_usage is None else kv_usage if isinstance(kv_usage, dict) else _kv_usage(kv_usage)
-        ),
-        output_tokens=output_tokens,
-        input_tokens=input_tokens,
-        spec_decode=spec_decode,
-    )
+    acc = MetricsAccumulator()
+    acc.add_records(records)
+    return acc.summary(slo=slo, duration_s=duration_s, kv_usage=kv_usage, spec_decode=spec_decode)

@@ -5,7 +5,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simcap.metrics import Distribution, early_stopping_min_queries, summarize
+from simcap.metrics import (
+    PERCENTILES,
+    Distribution,
+    MetricsAccumulator,
+    _table_percentiles,
+    early_stopping_min_queries,
+    summarize,
+)
 from simcap.records import RequestRecord
 
 
@@ -192,3 +199,233 @@ def test_zero_token_chunk_keeps_chunk_itl():
     s = summarize([rec(0, 0.0, [0.1, 0.2, 0.4], tokens=[1, 0, 2])])
     assert s.itl_s.count == 2
     assert s.itl_per_token_s.count == 2 and s.itl_per_token_s.mean == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------- weighted samples, streaming
+
+
+@st.composite
+def tables(draw):
+    """Small (value, count) tables: repeated values, one value, counts up to 50, many magnitudes."""
+    # Full 52-bit mantissas too: simple floats interpolate exactly either way numpy's lerp goes.
+    mantissa = st.builds(lambda m, e: (1 + m / 2**52) * 2.0**e, st.integers(0, 2**52 - 1), st.integers(-30, 20))
+    magnitude = mantissa | st.floats(-1e6, 1e6, allow_nan=False) | st.floats(1e-9, 1e-3) | st.just(0.0)
+    pool = draw(st.lists(magnitude, min_size=1, max_size=6))
+    values = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=20))
+    counts = draw(st.lists(st.integers(1, 50), min_size=len(values), max_size=len(values)))
+    return np.array(values), np.array(counts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tables(), st.lists(st.floats(0, 100), min_size=1, max_size=6))
+def test_weighted_percentiles_equal_numpy_bit_for_bit(table, qs):
+    values, counts = table
+    expanded = np.repeat(values, counts)
+    d = Distribution.of_weighted(values, counts)
+    expected = np.percentile(expanded, list(PERCENTILES.values()))
+    assert [d.p50, d.p90, d.p95, d.p99] == expected.tolist()
+    assert d.count == expanded.size and d.max == expanded.max()
+    assert d == Distribution.of(expanded)
+    order = np.argsort(values, kind="stable")
+    v, c = values[order], counts[order]
+    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
+    got = _table_percentiles(v[starts], np.add.reduceat(c, starts), expanded.size, qs)
+    assert got.tolist() == np.percentile(expanded, qs).tolist()
+
+
+def test_weighted_percentiles_on_random_tables():
+    rng = np.random.default_rng(0)
+    lerp_sides_differ = 0
+    for _ in range(500):
+        size = int(rng.integers(1, 12))
+        values = rng.choice(rng.uniform(0, 1, size) * 10.0 ** rng.integers(-6, 3, size), size)
+        counts = rng.integers(1, 51, size)
+        expanded = np.repeat(values, counts)
+        d = Distribution.of_weighted(values, counts)
+        assert [d.p50, d.p90, d.p95, d.p99] == np.percentile(expanded, [50, 90, 95, 99]).tolist()
+        x = np.sort(expanded)
+        for q in (50, 90, 95, 99):
+            i, t = divmod((x.size - 1) * q / 100, 1)
+            if i + 1 < x.size:
+                a, b = x[int(i)], x[int(i) + 1]
+                lerp_sides_differ += a + (b - a) * t != b - (b - a) * (1 - t)
+    assert lerp_sides_differ  # the cases where numpy's choice of lerp formula matters are covered
+
+
+def test_of_weighted_edge_cases():
+    assert Distribution.of_weighted([], []) == Distribution(count=0)
+    assert Distribution.of_weighted([0.5, 0.7], [0, 0]) == Distribution(count=0)
+    d = Distribution.of_weighted([0.25, 0.75, 0.25], [2, 0, 1])  # unsorted, repeated, zero count
+    assert d == Distribution.of(np.array([0.25, 0.25, 0.25]))
+    assert d.mean == 0.25 and d.max == 0.25
+    d = Distribution.of_weighted([0.1, 0.2], 64)  # one count for all values
+    assert d.count == 128 and d.samples_adequate["p90"]
+    with pytest.raises(ValueError):
+        Distribution.of_weighted([0.1, 0.2], [1, -1])
+    with pytest.raises(ValueError):
+        Distribution.of_weighted([0.1, 0.2], [1, 2, 3])
+
+
+def feed(acc, r):
+    """What add_record does, through the two primitive calls (gaps one at a time)."""
+    acc.add_request(
+        r.request_id, r.arrival_time, first_token_time=r.first_token_time,
+        finish_time=r.finish_time, scheduled_time=r.scheduled_time,
+        num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
+        num_preemptions=r.num_preemptions, num_cached_tokens=r.num_cached_tokens,
+        succeeded=r.succeeded,
+    )
+    if r.succeeded:
+        for i in range(1, len(r.chunk_times)):
+            acc.add_itl(r.chunk_times[i] - r.chunk_times[i - 1], tokens=r.chunk_tokens[i])
+
+
+@st.composite
+def mixed_records(draw):
+    """Records with failures, unknown scheduled times, multi- and zero-token chunks, shared gaps."""
+    gap = st.sampled_from([0.0, 0.01, 0.02, 0.125]) | st.floats(0, 1)
+    out = []
+    for i in range(draw(st.integers(0, 15))):
+        arrival = draw(st.floats(0, 100))
+        first = arrival + draw(st.floats(0, 10))
+        gaps = draw(st.lists(gap, max_size=8))
+        chunks = [float(t) for t in np.cumsum([first, *gaps])]
+        tokens = [1] + draw(st.lists(st.integers(0, 4), min_size=len(gaps), max_size=len(gaps)))
+        sched = draw(st.none() | st.just(arrival))
+        r = rec(i, arrival, chunks, tokens=tokens, scheduled_time=sched,
+                num_preemptions=draw(st.integers(0, 2)), num_cached_tokens=draw(st.integers(0, 64)))
+        kind = draw(st.sampled_from(["ok", "ok", "ok", "error", "unfinished"]))
+        if kind == "error":
+            r.error = "boom"
+        elif kind == "unfinished":
+            r.finish_time = None
+        out.append(r)
+    return out
+
+
+KW = dict(slo={"ttft_p95": 5.0, "tpot_mean": 0.1, "itl_p50": 0.05, "e2e_p99": 8.0}, kv_usage=([0, 1], [0.1, 0.3]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(mixed_records(), st.randoms(use_true_random=False), st.integers(1, 7))
+def test_summary_exactly_order_and_grouping_independent(rs, rnd, compact_at):
+    expected = json.dumps(summarize(rs, **KW).to_dict())
+
+    shuffled = list(rs)
+    rnd.shuffle(shuffled)
+    assert json.dumps(summarize(shuffled, **KW).to_dict()) == expected
+
+    acc = MetricsAccumulator(compact_at=compact_at)  # merges the ITL tables many times
+    for r in shuffled:
+        acc.add_record(r)
+    assert json.dumps(acc.summary(**KW).to_dict()) == expected
+
+    # Requests one by one, their gaps separately, in another order, with equal gaps grouped.
+    acc = MetricsAccumulator()
+    rnd.shuffle(shuffled)
+    for r in shuffled:
+        acc.add_request(
+            r.request_id, r.arrival_time, first_token_time=r.first_token_time,
+            finish_time=r.finish_time, scheduled_time=r.scheduled_time,
+            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
+            num_preemptions=r.num_preemptions, num_cached_tokens=r.num_cached_tokens,
+            succeeded=r.succeeded,
+        )
+    gaps = [
+        (r.chunk_times[i] - r.chunk_times[i - 1], r.chunk_tokens[i])
+        for r in rs if r.succeeded for i in range(1, len(r.chunk_times))
+    ]
+    groups: dict[tuple[float, int], int] = {}
+    for g in gaps:
+        groups[g] = groups.get(g, 0) + 1
+    items = list(groups.items())
+    rnd.shuffle(items)
+    for (g, k), w in items:
+        acc.add_itl(np.array([g]), weight=w, tokens=k)
+    assert json.dumps(acc.summary(**KW).to_dict()) == expected
+
+
+def test_split_weights_and_batches_give_the_same_summary():
+    gaps = np.array([0.011, 0.013, 0.011, 0.2, 0.0123456789])
+    tokens = np.array([1, 2, 0, 3, 1])
+
+    def summary(feed_itl):
+        acc = MetricsAccumulator()
+        acc.add_request(0, 0.0, first_token_time=0.1, finish_time=1.0, scheduled_time=0.0,
+                        num_prompt_tokens=10, num_output_tokens=20)
+        feed_itl(acc)
+        return json.dumps(acc.summary().to_dict())
+
+    one = summary(lambda a: a.add_itl(gaps, weight=3, tokens=tokens))
+    assert one == summary(lambda a: [a.add_itl(gaps, 1, tokens) for _ in range(3)])
+    assert one == summary(lambda a: a.add_itl(np.repeat(gaps, 3), 1, np.repeat(tokens, 3)))
+    assert one == summary(lambda a: [a.add_itl(g, 3, int(k)) for g, k in zip(gaps[::-1], tokens[::-1])])
+    assert one == summary(lambda a: (a.add_itl(gaps, 2, tokens), a.add_itl(gaps[:2], 1, tokens[:2]),
+                                     a.add_itl(gaps[2:], 1, tokens[2:])))
+
+
+def test_add_itl_weights_and_tokens():
+    acc = MetricsAccumulator()
+    acc.add_request(0, 0.0, first_token_time=0.1, finish_time=1.0, scheduled_time=None,
+                    num_prompt_tokens=10, num_output_tokens=20)
+    acc.add_itl(0.3, weight=2, tokens=3)  # 2 chunks, 6 tokens of 0.1
+    acc.add_itl([0.5, 0.7], weight=4, tokens=[0, 1])  # the zero-token chunk has no per-token ITL
+    s = acc.summary()
+    assert s.itl_s.count == 10 and s.itl_s.max == 0.7
+    assert s.itl_per_token_s.count == 10
+    assert s.itl_per_token_s.p50 == 0.3 / 3 and s.itl_per_token_s.max == 0.7
+    values, counts = acc.itl_table()
+    assert values.tolist() == [0.3, 0.5, 0.7] and counts.tolist() == [2, 4, 4]
+    assert counts.dtype == np.int64
+    for bad in (dict(weight=0), dict(tokens=-1), dict(tokens=[1, -1]), dict(tokens=[1, 2, 3])):
+        with pytest.raises(ValueError):
+            acc.add_itl([0.1, 0.2], **bad)
+    with pytest.raises(TypeError):
+        acc.add_itl([0.1], weight=1.5)
+    assert acc.summary().to_dict() == s.to_dict()  # rejected calls added nothing
+    acc.add_itl([], weight=2, tokens=[])
+    acc.add_itl([0.4], weight=2, tokens=0)
+    assert acc.summary().itl_s.count == 12 and acc.summary().itl_per_token_s.count == 10
+
+
+def test_add_itl_copies_its_input():
+    acc = MetricsAccumulator()
+    buf = np.array([0.1, 0.2])
+    acc.add_itl(buf, 5)
+    buf[:] = 9.0
+    assert acc.itl_table()[0].tolist() == [0.1, 0.2]
+
+
+def test_failed_record_adds_no_itl_but_counts_preemptions():
+    acc = MetricsAccumulator()
+    acc.add_record(rec(0, 0.0, [0.1, 0.2, 0.4], error="boom", num_preemptions=2, num_cached_tokens=8))
+    s = acc.summary()
+    assert s.completed == 0 and s.failed == 1
+    assert s.itl_s.count == 0 and s.itl_per_token_s.count == 0 and s.ttft_s.count == 0
+    assert s.preemptions == 2 and s.prefix_cache_hit_tokens == 8
+    with pytest.raises(ValueError):
+        acc.add_request(1, 0.0, first_token_time=None, finish_time=1.0, scheduled_time=None,
+                        num_prompt_tokens=1, num_output_tokens=1)
+
+
+def test_per_request_read_access_in_request_id_order():
+    acc = MetricsAccumulator()
+    acc.add_record(rec(2, 0.2, [0.5, 0.6]))
+    acc.add_record(RequestRecord(request_id=0, arrival_time=0.0, num_prompt_tokens=5, max_tokens=5))
+    acc.add_record(rec(1, 0.1, [0.3]))
+    assert len(acc) == 3
+    assert acc.request_ids.tolist() == [0, 1, 2]
+    assert acc.arrival_times.tolist() == [0.0, 0.1, 0.2]
+    assert acc.finish_times.tolist() == [np.inf, 0.3, 0.6]
+    assert acc.itl_table()[0].tolist() == [0.6 - 0.5]
+
+
+def test_summary_can_be_taken_while_streaming():
+    rs = [rec(i, 0.01 * i, [0.1 + 0.01 * i, 0.2 + 0.02 * i, 0.25 + 0.03 * i], tokens=[1, 2, 1]) for i in range(30)]
+    acc = MetricsAccumulator(compact_at=4)
+    for r in rs[:10]:
+        acc.add_record(r)
+    assert acc.summary().to_dict() == summarize(rs[:10]).to_dict()
+    for r in rs[10:]:
+        acc.add_record(r)
+    assert acc.summary(**KW).to_dict() == summarize(rs, **KW).to_dict()
