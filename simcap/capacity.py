@@ -221,11 +221,8 @@ def point_from_result(
     """Measure one finished run: measured rate, SLO values and flags, saturation."""
     summary = result.summary
     slo = summary.slo or {}
-    records = result.records
-    arrival = np.fromiter((r.arrival_time for r in records), float, len(records))
-    finish = np.fromiter(
-        (np.inf if r.finish_time is None else r.finish_time for r in records), float, len(records)
-    )
+    arrival = result.metrics.arrival_times
+    finish = result.metrics.finish_times
     half = duration_s / 2.0
     arrived_w = int(np.count_nonzero((arrival >= half) & (arrival < duration_s)))
     done_w = int(np.count_nonzero((finish >= half) & (finish < duration_s)))
@@ -241,7 +238,7 @@ def point_from_result(
         rate=float(rate),
         replicate=int(replicate),
         seed=int(result.scenario.seed),
-        measured_rate=len(records) / duration_s,
+        measured_rate=len(arrival) / duration_s,
         values=values,
         slo_pass={k: bool(v["pass"]) for k, v in slo.items()},
         samples_adequate=adequate,

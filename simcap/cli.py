@@ -60,13 +60,16 @@ def simulate_cmd(
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
     intervals = None
+    keep = plot is not None  # the figures need every chunk and every step
     with user_errors():
         if ci:
             from simcap.calibrate import simulate_with_ci
 
-            result, intervals = simulate_with_ci(load_scenario(scenario, set_ or []))
+            result, intervals = simulate_with_ci(
+                load_scenario(scenario, set_ or []), records=keep, steps=keep
+            )
         else:
-            result = simulate(load_scenario(scenario, set_ or []))
+            result = simulate(load_scenario(scenario, set_ or []), records=keep, steps=keep)
     data = result.to_dict()
     if intervals is not None:
         data["ci"] = {"level": 0.9, **{k: list(v) for k, v in intervals.items()}}

@@ -122,11 +122,10 @@ class ArmPoint:
     @classmethod
     def of(cls, result: Result) -> "ArmPoint":
         s = result.summary
-        rates = [
-            r.num_output_tokens / (r.finish_time - r.arrival_time)
-            for r in result.records
-            if r.succeeded and r.finish_time > r.arrival_time
-        ]
+        m = result.metrics
+        e2e = m.finish_times - m.arrival_times
+        ok = np.isfinite(e2e) & (e2e > 0)
+        rates = m.num_output_tokens[ok] / e2e[ok]
         return cls(
             output_tokens_per_s=s.throughput["output_tokens_per_s"],
             requests_per_s=s.throughput["requests_per_s"],
@@ -135,7 +134,7 @@ class ArmPoint:
             latency_p95_s=s.e2e_s.p95,
             ttft_mean_s=s.ttft_s.mean,
             tpot_mean_s=s.tpot_s.mean,
-            per_stream_tps_mean=float(np.mean(rates)) if rates else None,
+            per_stream_tps_mean=float(np.mean(rates)) if rates.size else None,
             completed=s.completed,
             duration_s=s.duration_s,
             preemptions=s.preemptions,

@@ -485,6 +485,12 @@ class MetricsAccumulator:
         finish[np.isnan(finish)] = np.inf
         return finish
 
+    @property
+    def num_output_tokens(self) -> np.ndarray:
+        """Output tokens of every request, in request-id order."""
+        _, ints = self._table()
+        return ints[np.argsort(ints[:, 0], kind="stable"), 2]
+
     def itl_table(self) -> tuple[np.ndarray, np.ndarray]:
         """Per-chunk ITL samples as (sorted distinct values, int64 counts)."""
         values, counts = self._itl.table()

@@ -20,7 +20,7 @@ from simcap.engine.scheduler import Scheduler
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import StepTimeModel
 from simcap.fast_forward import Clock, plan_stretch, run_stretch
-from simcap.metrics import Summary, summarize
+from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
 from simcap.steplog import StepLog
@@ -33,12 +33,18 @@ class SimulationError(RuntimeError):
 
 @dataclass
 class Result:
-    """A finished simulation: its inputs, every request's record, the step log, the summary."""
+    """A finished simulation: its inputs, summary, metrics and (when asked) records and steps.
+
+    ``metrics`` holds every request's scalars and the ITL table the summary came from;
+    ``records`` (one :class:`RequestRecord` per request, with every stream chunk) is None
+    unless ``simulate(..., records=True)``; ``steps`` keeps its rows only with ``steps=True``.
+    """
 
     scenario: Scenario
-    records: list[RequestRecord]
-    steps: StepLog
     summary: Summary
+    metrics: MetricsAccumulator
+    steps: StepLog
+    records: list[RequestRecord] | None
     provenance: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,8 +79,13 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
     }
 
 
+GAP_BUFFER = 1 << 16  # per-chunk ITL samples collected before one bulk add to the metrics
+
+
 class _World:
-    def __init__(self, scenario: Scenario, fast: bool = True) -> None:
+    def __init__(
+        self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False
+    ) -> None:
         self.scenario = scenario
         self.fast = fast
         self.env = Clock()
@@ -97,8 +108,11 @@ class _World:
         self.proposer = Proposer(spec, np.random.default_rng(propose_ss)) if spec else None
         self.spec_counters = SpecDecodeCounters() if spec else None
         self.workload = Workload(scenario.workload, scenario.seed)
-        self.records: list[RequestRecord] = []
-        self.steps = StepLog()
+        self.metrics = MetricsAccumulator()
+        self.records: list[RequestRecord] | None = [] if records else None
+        self.steps = StepLog(keep=steps)
+        self._gaps: list[float] = []  # ITL samples (one each) not yet in the metrics
+        self._gap_tokens: list[int] = []
         self._wakeup: simpy.Event | None = None
         self._on_finish: dict[int, Callable[[], None]] = {}
 
@@ -106,52 +120,16 @@ class _World:
 
     def submit(self, spec: RequestSpec) -> None:
         now = self.env.now
-        self.records.append(
-            RequestRecord(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens)
-        )
+        if self.records is not None:
+            self.records.append(
+                RequestRecord(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens)
+            )
         self.scheduler.add_request(
             Request(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments)
         )
         if self._wakeup is not None:
             self._wakeup.succeed()
             self._wakeup = None
-
-    # ------------------------------------------------------------------ client view
-
-    def emit(self, req: Request, now: float, num_tokens: int) -> None:
-        """One stream chunk of ``num_tokens`` tokens reaches ``req``'s client at ``now``."""
-        if req.first_token_ts is None:
-            req.first_token_ts = now
-        req.last_token_ts = now
-        rec = self.records[req.request_id]
-        rec.chunk_times.append(now)
-        rec.chunk_tokens.append(num_tokens)
-
-    def emit_stretch(self, reqs: list[Request], ends: np.ndarray) -> None:
-        """One token per request at each of ``ends`` (a stretch of decode steps)."""
-        times = ends.tolist()
-        ones = [1] * len(times)
-        last = times[-1]
-        for req in reqs:
-            if req.first_token_ts is None:
-                req.first_token_ts = times[0]
-            req.last_token_ts = last
-            rec = self.records[req.request_id]
-            rec.chunk_times.extend(times)
-            rec.chunk_tokens.extend(ones)
-
-    def finish(self, reqs: list[Request], now: float) -> None:
-        """Requests that got their last token at ``now``: close their records, wake clients."""
-        for req in reqs:
-            rec = self.records[req.request_id]
-            rec.finish_time = now
-            rec.finish_reason = "length"
-            rec.scheduled_time = req.scheduled_ts
-            rec.num_preemptions = req.num_preemptions
-            rec.num_cached_tokens = max(req.num_cached_tokens, 0)
-            notify = self._on_finish.pop(req.request_id, None)
-            if notify is not None:
-                notify()
 
     def open_loop(self, times: np.ndarray):
         env = self.env
@@ -186,6 +164,73 @@ class _World:
 
         for _ in range(arrival.concurrency):
             env.process(client())
+
+    # ------------------------------------------------------------------ client view
+
+    def emit(self, req: Request, now: float, num_tokens: int) -> None:
+        """One stream chunk of ``num_tokens`` tokens reaches ``req``'s client at ``now``."""
+        if req.first_token_ts is None:
+            req.first_token_ts = now
+        else:
+            self._gaps.append(now - req.last_token_ts)
+            self._gap_tokens.append(num_tokens)
+            if len(self._gaps) >= GAP_BUFFER:
+                self._flush_gaps()
+        req.last_token_ts = now
+        if self.records is not None:
+            self.records[req.request_id].add_chunk(now, num_tokens)
+
+    def emit_stretch(self, reqs: list[Request], ends: np.ndarray) -> None:
+        """One token per request at each of ``ends`` (a stretch of decode steps)."""
+        first = float(ends[0])
+        last = float(ends[-1])
+        gaps = self._gaps
+        for req in reqs:
+            if req.first_token_ts is None:
+                req.first_token_ts = first
+            else:
+                gaps.append(first - req.last_token_ts)
+                self._gap_tokens.append(1)
+            req.last_token_ts = last
+        if len(ends) > 1:
+            # Every request in the stretch sees the same gaps between its chunks.
+            self.metrics.add_itl(np.diff(ends), weight=len(reqs))
+        if len(gaps) >= GAP_BUFFER:
+            self._flush_gaps()
+        if self.records is not None:
+            times = ends.tolist()
+            ones = [1] * len(times)
+            for req in reqs:
+                rec = self.records[req.request_id]
+                rec.chunk_times.extend(times)
+                rec.chunk_tokens.extend(ones)
+
+    def _flush_gaps(self) -> None:
+        if self._gaps:
+            self.metrics.add_itl(np.array(self._gaps), tokens=np.array(self._gap_tokens))
+            self._gaps.clear()
+            self._gap_tokens.clear()
+
+    def finish(self, reqs: list[Request], now: float) -> None:
+        """Requests that got their last token at ``now``: summarise them, wake their clients."""
+        for req in reqs:
+            cached = max(req.num_cached_tokens, 0)
+            self.metrics.add_request(
+                req.request_id, req.arrival_time, first_token_time=req.first_token_ts,
+                finish_time=now, scheduled_time=req.scheduled_ts,
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                num_preemptions=req.num_preemptions, num_cached_tokens=cached,
+            )
+            if self.records is not None:
+                rec = self.records[req.request_id]
+                rec.finish_time = now
+                rec.finish_reason = "length"
+                rec.scheduled_time = req.scheduled_ts
+                rec.num_preemptions = req.num_preemptions
+                rec.num_cached_tokens = cached
+            notify = self._on_finish.pop(req.request_id, None)
+            if notify is not None:
+                notify()
 
     def engine(self):
         """Step the engine; in fast mode, without a SimPy event for steps nobody waits on.
@@ -267,18 +312,24 @@ class _World:
         self.env.run()
         if self.scheduler.has_unfinished_requests():
             raise SimulationError("simulation ended with unfinished requests")
-        self.records.sort(key=lambda r: r.request_id)
-        summary = summarize(
-            self.records,
+        self._flush_gaps()
+        summary = self.metrics.summary(
             slo=dict(self.scenario.slo) or None,
             kv_usage=self.steps.kv_usage_summary(),
             spec_decode=self.spec_counters.to_dict() if self.spec_counters else None,
         )
-        return Result(self.scenario, self.records, self.steps, summary, provenance(self.scenario))
-
+        return Result(
+            self.scenario, summary, self.metrics, self.steps, self.records,
+            provenance(self.scenario),
+        )
 
 def simulate(
-    scenario: Scenario, trace: list[tuple[float, RequestSpec]] | None = None, *, fast: bool = True
+    scenario: Scenario,
+    trace: list[tuple[float, RequestSpec]] | None = None,
+    *,
+    fast: bool = True,
+    records: bool = False,
+    steps: bool = False,
 ) -> Result:
     """Run one scenario to completion (every request finishes) and summarise it.
 
@@ -286,7 +337,11 @@ def simulate(
     e.g. the arrivals and lengths a live run actually produced. Request ids must be
     0..N-1 in send order.
 
+    Requests are summarised as they finish, so memory does not grow with every token of
+    every request; ``records=True`` also keeps each request's full record (every stream
+    chunk, as the live client records it), ``steps=True`` every row of the step log.
+
     ``fast=False`` steps the engine one step at a time: the reference path that the fast
     path (:mod:`simcap.fast_forward`, identical results) is tested against.
     """
-    return _World(scenario, fast).run(trace)
+    return _World(scenario, fast, records, steps).run(trace)

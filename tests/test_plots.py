@@ -38,7 +38,7 @@ STALL = {
 
 @pytest.fixture(scope="module")
 def stall_result():
-    return simulate(parse_scenario(STALL))
+    return simulate(parse_scenario(STALL), records=True, steps=True)
 
 
 def _is_png(path: Path) -> bool:

@@ -127,7 +127,7 @@ def scenarios(draw):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_simulated_records_are_causal_complete_and_deterministic(scenario):
-    result = simulate(scenario)
+    result = simulate(scenario, records=True)
     assert result.summary.completed == scenario.workload.num_requests
     for rec in result.records:
         assert rec.arrival_time <= rec.scheduled_time <= rec.first_token_time <= rec.finish_time

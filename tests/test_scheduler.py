@@ -39,7 +39,7 @@ def test_hand_computed_ttft_and_e2e_with_constant_step_time():
         engine={"max_num_batched_tokens": 256},
         workload={"input_len": 1000, "output_len": 128, "num_requests": 1},
     )
-    result = simulate(scenario)
+    result = simulate(scenario, records=True, steps=True)
     rec = result.records[0]
     assert rec.first_token_time - rec.arrival_time == pytest.approx(0.040)
     assert rec.finish_time - rec.arrival_time == pytest.approx(1.310)
@@ -57,7 +57,7 @@ def test_two_requests_share_the_budget():
         workload={"arrival": {"process": "closed", "concurrency": 2}, "num_requests": 2,
                   "input_len": 300, "output_len": 4},
     )
-    result = simulate(scenario)
+    result = simulate(scenario, records=True, steps=True)
     a, b = result.records
     assert a.chunk_times == pytest.approx([0.02, 0.03, 0.04, 0.05])
     assert b.chunk_times == pytest.approx([0.03, 0.04, 0.05, 0.06])

@@ -23,7 +23,7 @@ def spec_scenario(rates, k=3, **step_time):
 
 def test_full_acceptance_emits_k_plus_one_tokens_per_step():
     # Prefill step emits 1 token; then 4 per step; 1 + 4*31 = 125, the 33rd step is trimmed to 3.
-    result = simulate(spec_scenario([1.0, 1.0, 1.0]))
+    result = simulate(spec_scenario([1.0, 1.0, 1.0]), records=True)
     rec = result.records[0]
     assert rec.chunk_tokens == [1] + [4] * 31 + [3]
     assert rec.finish_time == pytest.approx(0.33)
@@ -31,7 +31,7 @@ def test_full_acceptance_emits_k_plus_one_tokens_per_step():
 
 
 def test_zero_acceptance_emits_one_token_per_step_and_still_pays_for_drafting():
-    result = simulate(spec_scenario([0.0, 0.0, 0.0], draft_per_pass=0.002))
+    result = simulate(spec_scenario([0.0, 0.0, 0.0], draft_per_pass=0.002), records=True)
     rec = result.records[0]
     assert rec.chunk_tokens == [1] * 128
     # Every step: 10 ms forward + 3 draft passes x 2 ms.
@@ -40,9 +40,9 @@ def test_zero_acceptance_emits_one_token_per_step_and_still_pays_for_drafting():
 
 
 def test_verify_and_draft_costs_are_separate_terms():
-    plain = simulate(spec_scenario([0.0] * 3)).records[0].finish_time
-    verify = simulate(spec_scenario([0.0] * 3, per_verify_token=0.001)).records[0].finish_time
-    draft = simulate(spec_scenario([0.0] * 3, draft_per_request=0.001)).records[0].finish_time
+    plain = simulate(spec_scenario([0.0] * 3), records=True).records[0].finish_time
+    verify = simulate(spec_scenario([0.0] * 3, per_verify_token=0.001), records=True).records[0].finish_time
+    draft = simulate(spec_scenario([0.0] * 3, draft_per_request=0.001), records=True).records[0].finish_time
     # 127 decode steps verify 3 drafts each; every one of the 128 steps drafts 3 passes.
     assert verify - plain == pytest.approx(127 * 3 * 0.001)
     assert draft - plain == pytest.approx(128 * 3 * 0.001)
@@ -99,7 +99,7 @@ def test_ngram_drafts_only_where_a_match_is_found():
         workload={"arrival": {"process": "closed", "concurrency": 4}, "num_requests": 40,
                   "input_len": 64, "output_len": 128},
     )
-    result = simulate(scenario)
+    result = simulate(scenario, records=True)
     sd = result.summary.spec_decode
     steps_with_tokens = sum(len(r.chunk_times) for r in result.records) - 40
     assert sd["num_drafts"] == pytest.approx(0.5 * steps_with_tokens, rel=0.1)

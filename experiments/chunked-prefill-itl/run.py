@@ -368,7 +368,7 @@ def main() -> None:
     for budget in BUDGETS:
         scenario = load(budget, args.profile, kv["pools"][budget]["num_gpu_blocks"])
         t0 = time.perf_counter()
-        result = simcap.simulate(scenario)
+        result = simcap.simulate(scenario, records=True, steps=True)
         wall = time.perf_counter() - t0
         _, with_prefill = itl_by_step_kind(result)
         stats = figures(result)
@@ -388,7 +388,7 @@ def main() -> None:
         sets, notes = bootstrap_sets(scenario)
         if sets:
             idx = np.linspace(0, len(sets) - 1, min(args.max_sets, len(sets))).round().astype(int)
-            boot = [figures(simcap.simulate(with_coefficients(scenario, sets[i])))
+            boot = [figures(simcap.simulate(with_coefficients(scenario, sets[i]), records=True, steps=True))
                     for i in sorted(set(idx.tolist()))]
             entry["bootstrap"] = {
                 "num_sets": len(boot),

@@ -65,9 +65,9 @@ def metric_of_key(key: str) -> tuple[str, float] | None:
     return None
 
 
-def _itl_samples(result: Result) -> np.ndarray:
-    gaps = [np.diff(r.chunk_times) for r in result.records if r.succeeded and len(r.chunk_times) > 1]
-    return np.concatenate(gaps) if gaps else np.zeros(0)
+def _itl_samples(result: Result) -> tuple[np.ndarray, np.ndarray]:
+    """Per-chunk ITL samples of a run as (distinct values, counts)."""
+    return result.metrics.itl_table()
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
@@ -103,15 +103,16 @@ def metric_value(
             itl = _itl_samples(result)
             if _itl is not None:
                 _itl.append(itl)
-        if itl.size == 0:
+        values, counts = itl
+        if values.size == 0:
             return 0.0
         lo, hi = float(m[2]), (float(m[3]) if m[3] else math.inf)
         if smooth > 0:
-            z = np.log(np.maximum(itl, 1e-9))
+            z = np.log(np.maximum(values, 1e-9))
             above = _sigmoid((z - math.log(lo)) / smooth)
             below = _sigmoid((z - math.log(hi)) / smooth) if hi < math.inf else 0.0
-            return float(np.mean(above - below))
-        return float(np.mean((itl > lo) & (itl <= hi)))
+            return float(np.dot(counts, above - below) / counts.sum())
+        return float(counts[(values > lo) & (values <= hi)].sum() / counts.sum())
     metric, _, stat = name.partition("_")
     if metric in _DISTS and stat in _STATS:
         value = getattr(getattr(s, _DISTS[metric]), stat)

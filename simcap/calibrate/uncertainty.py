@@ -26,6 +26,9 @@ def simulate_with_ci(
     profile_path: str | Path | None = None,
     level: float = 0.9,
     max_sets: int | None = None,
+    *,
+    records: bool = False,
+    steps: bool = False,
 ) -> tuple[Result, dict[str, tuple[float, float]]]:
     """Simulate ``scenario``, then again with each bootstrap coefficient set of its profile.
 
@@ -33,6 +36,7 @@ def simulate_with_ci(
     over the re-runs, for the metrics of :data:`CI_METRICS`. A coefficient the scenario sets
     itself (differs from the profile's) is not varied. The re-runs keep the scenario's seed, so
     the intervals show the coefficients' uncertainty only, not the workload's sampling noise.
+    ``records``, ``steps``: what the central result keeps (as for :func:`simulate`).
     """
     path = profile_path or scenario.profile_file
     if path is None:
@@ -42,7 +46,7 @@ def simulate_with_ci(
     if not profile.bootstrap:
         raise ScenarioError(f"profile: {path} has no bootstrap coefficient sets; refit it with "
                             "simcap calibrate")
-    result = simulate(scenario)
+    result = simulate(scenario, records=records, steps=steps)
     own = scenario.step_time.model_dump()
     sets = profile.bootstrap[:max_sets] if max_sets else profile.bootstrap
     values: dict[str, list[float]] = {m: [] for m in CI_METRICS}

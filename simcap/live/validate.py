@@ -343,7 +343,7 @@ def validate(
         if not trace:
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
         this = _adopt_spec_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
-        sim = simulate(this, trace=trace)
+        sim = simulate(this, trace=trace, records=True)
         if run.num_failed:
             notes.append(f"run {i}: {run.num_failed} failed request(s) left out of the simulated trace")
         if cpu.get("disturbed"):

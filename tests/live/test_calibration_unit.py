@@ -108,7 +108,7 @@ def test_validate_plot_writes_ecdf_overlay(tmp_path):
     })
     reps = []
     for i in range(2):
-        sim = simulate(sc.model_copy(update={"seed": i}))
+        sim = simulate(sc.model_copy(update={"seed": i}), records=True)
         live = LiveRun(records=sim.records, specs={}, base_url="http://x", model="m", endpoint="completions",
                        closed_loop=True, requested_rate=None, scheduled_rate=None, achieved_rate=None,
                        wall_duration_s=1.0, max_send_lag_s=None)
