@@ -194,7 +194,7 @@ class _World:
             req.last_token_ts = last
         if len(ends) > 1:
             # Every request in the stretch sees the same gaps between its chunks.
-            self.metrics.add_itl(np.diff(ends), weight=len(reqs))
+            self.metrics.add_itl(ends[1:] - ends[:-1], weight=len(reqs))
         if len(gaps) >= GAP_BUFFER:
             self._flush_gaps()
         if self.records is not None:

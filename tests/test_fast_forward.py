@@ -92,3 +92,21 @@ def test_fast_path_is_taken_on_long_decodes():
     finally:
         sim.run_stretch = original
     assert sum(calls) > 0.9 * len(simulate(scenario, fast=False).steps)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_decode_shortcut_changes_nothing(scenario):
+    """The scheduler skips allocate_slots for a decode token inside a held, not-yet-full block;
+    calling it every time (the shortcut off) must give the same run."""
+    from simcap.engine.kv_cache import KVCacheManager
+
+    shortcut = simulate(scenario, fast=False, records=True, steps=True)
+    original = KVCacheManager.num_blocks_held
+    KVCacheManager.num_blocks_held = lambda self, request: 0  # shortcut never applies
+    try:
+        always = simulate(scenario, fast=False, records=True, steps=True)
+    finally:
+        KVCacheManager.num_blocks_held = original
+    assert shortcut.records == always.records and shortcut.steps == always.steps
+    assert to_json(shortcut.to_dict()) == to_json(always.to_dict())

@@ -172,6 +172,7 @@ class Scheduler:
         running = self.running
         kv = self.kv
         lookahead = self.num_lookahead_tokens
+        bs = self.block_size
         max_len_minus_1 = self.max_model_len - 1
         i = 0
         while i < len(running) and budget > 0:
@@ -187,11 +188,14 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not kv.allocate_slots(req, n, num_lookahead_tokens=lookahead):
-                victim = running.pop()
-                self._preempt(victim, out)
-                if victim is req:
-                    return budget
+            if n == 1 and not lookahead and (computed + 1) % bs and computed < kv.num_blocks_held(req) * bs:
+                pass  # a token inside a held block that does not fill it: the pool is unchanged
+            else:
+                while not kv.allocate_slots(req, n, num_lookahead_tokens=lookahead):
+                    victim = running.pop()
+                    self._preempt(victim, out)
+                    if victim is req:
+                        return budget
             # Drafts that did not fit in the budget are dropped, not delayed.
             num_spec = computed + n - req.num_tokens
             if num_spec < 0:
