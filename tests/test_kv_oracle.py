@@ -62,7 +62,10 @@ def test_pool_matches_reference_model(data):
         pool.free_queue.compact_at = draw(st.integers(0, 8))
     requests = []
     for i in range(draw(st.integers(1, 6), label="num_requests")):
-        segments = draw(segment_lists(bs), label="segments")
+        if requests and draw(st.booleans(), label="near copy"):
+            segments = draw(near_copies(requests[-1].segments), label="segments")
+        else:
+            segments = draw(segment_lists(bs), label="segments")
         prompt = sum(n for _, n in segments)
         output_key = draw(st.sampled_from([None, None, 100, 101]), label="output_key")
         # Ids from 1: request 0's default keys -1 and -2 have equal Python hashes, which the
@@ -200,11 +203,34 @@ def truncated(segments, end):
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@st.composite
+def near_copies(draw, segments):
+    """The same content or a small edit of it: an empty segment, a split, a length or key."""
+    segs = list(segments)
+    k = draw(st.integers(0, len(segs)))
+    edit = draw(st.sampled_from(["same", "empty", "split", "length", "key"]))
+    if edit == "empty":
+        segs.insert(k, (draw(st.sampled_from(KEYS)), 0))
+    elif k < len(segs):
+        key, n = segs[k]
+        if edit == "split":
+            cut = draw(st.integers(0, n))
+            segs[k : k + 1] = [(key, cut), (key, n - cut)]
+        elif edit == "length":
+            segs[k] = (key, max(0, n + draw(st.sampled_from([-1, 1]))))
+        elif edit == "key":
+            segs[k] = (draw(st.sampled_from(KEYS)), n)
+    if sum(n for _, n in segs) == 0:
+        segs.append((1, 1))
+    return tuple(segs)
+
+
+@settings(max_examples=500, deadline=None)
 @given(st.data())
 def test_hash_equality_matches_content_and_the_reference_model(data):
     bs = data.draw(st.sampled_from([1, 3, 4, 16]))
-    segs = [data.draw(segment_lists(bs)) for _ in range(2)]
+    first = data.draw(segment_lists(bs))
+    segs = [first, data.draw(st.one_of(segment_lists(bs), near_copies(first)))]
     outs = [data.draw(st.integers(0, 3 * bs)) for _ in range(2)]
     out_keys = [data.draw(st.sampled_from([100, 101])) for _ in range(2)]
     reqs = [Request(i + 1, 0.0, sum(n for _, n in s), 1000, s, k) for i, (s, k) in enumerate(zip(segs, out_keys))]
