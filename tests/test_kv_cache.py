@@ -81,7 +81,7 @@ def test_evicting_a_cached_block_drops_its_hash():
     a = make_request(0, 8, 1, ((1, 8),))
     pool.allocate_slots(a, 8)
     pool.free(a)
-    assert pool.prefix_cache.num_cached_blocks() == 2
+    assert len(pool.prefix_cache) == 2
     c = make_request(1, 8, 1)  # unrelated content takes both blocks
     assert pool.allocate_slots(c, 8)
     probe = make_request(2, 9, 1, ((1, 8), (-7, 1)))

@@ -47,7 +47,6 @@ class FreeBlockQueue:
         self.num_free = len(self._main)
         self.compact_at = 4096  # drop the consumed part of _main once it is this long
 
-
     def __len__(self) -> int:
         return self.num_free
 
@@ -157,30 +156,27 @@ class PrefixCache:
     """vLLM's ``BlockPool.cached_block_hash_to_block``: which block holds a prefix's KV.
 
     ``block_hash[b]`` is the hash of block ``b``'s content while ``b`` holds a committed full
-    block (None otherwise). ``_map`` maps a hash to the first block registered for it; an
-    entry ``h -> b`` counts only while ``block_hash[b] == h``, so evicting a block is just
-    clearing its ``block_hash``. This equals vLLM's delete-on-evict rule (the map keeps
-    the first block registered for a hash; evicting a block drops the entry only if it points
-    to that block): an entry dropped by vLLM is exactly one whose block was evicted (its
-    ``block_hash`` cleared), and a block is registered only while it has no hash, so a
-    stale entry turns valid again only by a registration that vLLM would also make. Stale
-    entries are purged when the map outgrows a few times the pool, keeping memory bounded.
+    block (None otherwise); ``_map`` maps a hash to the first block registered for it. A
+    block registered for a hash that is already mapped keeps its ``block_hash`` (it can still
+    be freed as cached) but does not take over the entry; evicting a block drops the entry
+    only if it points to that block, as in vLLM.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.block_hash: list[int | None] = [None] * num_blocks
         self._map: dict[int, int] = {}
-        self.purge_at = 4 * num_blocks + 1024  # map size that triggers dropping stale entries
+
+    def __len__(self) -> int:
+        """How many hashes the cache can hit."""
+        return len(self._map)
 
     def longest_prefix(self, hashes: list[int], max_blocks: int) -> list[int]:
         """Blocks holding ``hashes[0]``, ``hashes[1]``, ... up to the first miss."""
         get = self._map.get
-        block_hash = self.block_hash
         blocks: list[int] = []
         for i in range(max_blocks):
-            h = hashes[i]
-            block = get(h)
-            if block is None or block_hash[block] != h:
+            block = get(hashes[i])
+            if block is None:
                 break
             blocks.append(block)
         return blocks
@@ -188,29 +184,36 @@ class PrefixCache:
     def register(self, blocks: list[int], hashes: list[int]) -> None:
         """Record that ``blocks[i]`` holds ``hashes[i]``; an existing holder keeps the entry."""
         block_hash = self.block_hash
+        setdefault = self._map.setdefault
         for block, h in zip(blocks, hashes):
             block_hash[block] = h
-        cached = self._map
-        if cached.keys().isdisjoint(hashes):
-            cached.update(zip(hashes, blocks))
-        else:
-            for block, h in zip(blocks, hashes):
-                other = cached.get(h)
-                if other is None or block_hash[other] != h:
-                    cached[h] = block
-        if len(cached) > self.purge_at:
-            self._map = {h: b for h, b in cached.items() if block_hash[b] == h}
+            setdefault(h, block)
+
+    def register_one(self, block: int, h: int) -> None:
+        """:meth:`register` for one block (a decode step fills one block at a time)."""
+        self.block_hash[block] = h
+        self._map.setdefault(h, block)
 
     def evict(self, blocks: list[int]) -> None:
         """Forget the content of blocks taken for reuse."""
         block_hash = self.block_hash
+        pop = self._map.pop
         for block in blocks:
-            block_hash[block] = None
+            h = block_hash[block]
+            if h is not None:
+                block_hash[block] = None
+                holder = pop(h, block)
+                if holder != block:  # another block holds this hash: put its entry back
+                    self._map[h] = holder
 
-    def num_cached_blocks(self) -> int:
-        """How many hashes the cache can currently hit."""
-        block_hash = self.block_hash
-        return sum(1 for h, b in self._map.items() if block_hash[b] == h)
+    def evict_one(self, block: int) -> None:
+        """:meth:`evict` for one block."""
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            holder = self._map.pop(h, block)
+            if holder != block:
+                self._map[h] = holder
 
 
 class KVCacheManager:
@@ -296,8 +299,7 @@ class KVCacheManager:
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
         num_held = len(held) if held is not None else 0
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        end = num_computed + num_new_tokens
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         need_tokens = end + num_lookahead_tokens
         if need_tokens > self.max_model_len:
             need_tokens = self.max_model_len
@@ -339,7 +341,8 @@ class KVCacheManager:
         if self.enable_caching:
             if new_computed_blocks and rid not in self._num_committed:
                 self._num_committed[rid] = len(new_computed_blocks)
-            self._cache_full_blocks(request, min(end, request.num_tokens))
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens
+            self._cache_full_blocks(request, end if end < num_tokens else num_tokens)
         return True
 
     def append_block(self, request: Request) -> None:
@@ -349,7 +352,7 @@ class KVCacheManager:
         tokens: the same LRU pop and eviction as :meth:`allocate_slots`.
         """
         block = self.free_queue.popleft()
-        self.prefix_cache.block_hash[block] = None
+        self.prefix_cache.evict_one(block)
         self.ref_cnt[block] = 1
         self.req_to_blocks[request.request_id].append(block)
 
@@ -358,7 +361,10 @@ class KVCacheManager:
         if self.enable_caching:
             num_tokens = request.num_prompt_tokens + request.num_output_tokens
             computed = request.num_computed_tokens
-            self._cache_full_blocks(request, computed if computed < num_tokens else num_tokens)
+            if computed > num_tokens:
+                computed = num_tokens
+            if computed // self.block_size > self._num_committed.get(request.request_id, 0):
+                self._cache_full_blocks(request, computed)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Commit the request's newly full blocks (never drafts) to the prefix cache."""
@@ -370,8 +376,11 @@ class KVCacheManager:
             return
         hashes = request.hash_full_blocks(bs)
         blocks = self.req_to_blocks[rid]
-        self.prefix_cache.register(blocks[done:num_full], hashes[done:num_full])
         self._num_committed[rid] = num_full
+        if num_full == done + 1:
+            self.prefix_cache.register_one(blocks[done], hashes[done])
+        else:
+            self.prefix_cache.register(blocks[done:num_full], hashes[done:num_full])
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, to the LRU free queue.
