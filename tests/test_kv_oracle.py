@@ -239,6 +239,26 @@ def test_hash_equality_matches_content_and_the_reference_model(data):
     assert len(set(new[0])) == len(new[0])  # no two prefixes of one request collide
 
 
+@pytest.mark.parametrize("compact_at", [0, 3, 4096])
+def test_many_touches_few_pops_keep_the_queue_small(compact_at):
+    """Hits that touch a long shared prefix while allocating one block: stale entries pile up."""
+    pool = KVCacheManager(40, 4, 1000)
+    oracle = OracleKVCacheManager(40, 4, 1000)
+    pool.free_queue.compact_at = compact_at
+    for i in range(300):
+        req = Request(i + 1, 0.0, 41, 10, ((1, 40), (1000 + i, 1)))
+        got = pool.get_computed_blocks(req)
+        assert got == oracle.get_computed_blocks(req)
+        hits, num_hit = got
+        assert pool.allocate_slots(req, 41 - num_hit, num_hit, list(hits))
+        assert oracle.allocate_slots(req, 41 - num_hit, num_hit, list(hits))
+        pool.free(req)
+        oracle.free(req)
+        compare(pool, oracle)
+    queue = pool.free_queue
+    assert len(queue._main) - queue._head <= 2 * 40 + compact_at
+
+
 @pytest.mark.parametrize("planted", ["tail_head_swapped"])
 def test_the_comparison_catches_a_planted_bug(planted, monkeypatch):
     """A pool whose free() sends hashed blocks to the head must fail the comparison."""

@@ -33,7 +33,9 @@ class FreeBlockQueue:
     lazy in ``_main``: the block's entry stays and ``_stale[block]`` counts it. Entries only
     join ``_main`` at the tail, and a removed block is off the queue until it is pushed
     again, so a block's stale entries always come before its live one: a pop that meets a
-    block with a stale count skips that entry and lowers the count.
+    block with a stale count skips that entry and lowers the count. Consumed entries are
+    dropped once they outnumber the rest, and stale ones once they outnumber the free blocks
+    (hits that touch many blocks while allocation takes few), so memory stays bounded.
     """
 
     def __init__(self, blocks: range) -> None:
@@ -45,7 +47,7 @@ class FreeBlockQueue:
         self._stale = [0] * size
         self._num_stale = 0
         self.num_free = len(self._main)
-        self.compact_at = 4096  # drop the consumed part of _main once it is this long
+        self.compact_at = 4096  # slack before consumed or stale entries are dropped
 
     def __len__(self) -> int:
         return self.num_free
@@ -135,6 +137,24 @@ class FreeBlockQueue:
         else:
             self._stale[block] += 1
             self._num_stale += 1
+            if self._num_stale > self.num_free + self.compact_at:
+                self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Rewrite ``_main`` without its consumed and stale entries."""
+        stale = self._stale
+        live = []
+        for block in self._main[self._head :]:
+            if stale[block]:
+                stale[block] -= 1
+            else:
+                live.append(block)
+        self._main = live
+        self._head = 0
+        self._num_stale = 0
+
+    def __iter__(self):
+        return iter(self.blocks())
 
     def blocks(self) -> list[int]:
         """The free blocks in queue order, head first."""
