@@ -192,13 +192,12 @@ class PrefixCache:
 
     def longest_prefix(self, hashes: list[int], max_blocks: int) -> list[int]:
         """Blocks holding ``hashes[0]``, ``hashes[1]``, ... up to the first miss."""
-        get = self._map.get
-        blocks: list[int] = []
-        for i in range(max_blocks):
-            block = get(hashes[i])
-            if block is None:
-                break
-            blocks.append(block)
+        cached = self._map
+        if max_blocks <= 0 or hashes[0] not in cached:
+            return []
+        blocks = list(map(cached.get, hashes[:max_blocks]))
+        if None in blocks:
+            del blocks[blocks.index(None) :]
         return blocks
 
     def register(self, blocks: list[int], hashes: list[int]) -> None:
@@ -225,6 +224,12 @@ class PrefixCache:
                 holder = pop(h, block)
                 if holder != block:  # another block holds this hash: put its entry back
                     self._map[h] = holder
+
+    def check(self) -> None:
+        """Every entry points to a block that holds its hash."""
+        block_hash = self.block_hash
+        for h, block in self._map.items():
+            assert block_hash[block] == h, "cache entry for a block that does not hold it"
 
     def evict_one(self, block: int) -> None:
         """:meth:`evict` for one block."""
@@ -334,21 +339,21 @@ class KVCacheManager:
             return True
         num_new_blocks = -(-need_tokens // bs) - num_held - len(new_computed_blocks)
         ref_cnt = self.ref_cnt
-        num_evictable_hits = 0
-        for block in new_computed_blocks:
-            if ref_cnt[block] == 0:
-                num_evictable_hits += 1
         free_queue = self.free_queue
-        if num_new_blocks + num_evictable_hits > free_queue.num_free:
+        if new_computed_blocks:
+            # Hits on free cached blocks take them off the free queue ("touch").
+            touched = [block for block in new_computed_blocks if not ref_cnt[block]]
+            if num_new_blocks + len(touched) > free_queue.num_free:
+                return False
+            for block in touched:
+                free_queue.remove(block)
+            for block in new_computed_blocks:
+                ref_cnt[block] += 1
+        elif num_new_blocks > free_queue.num_free:
             return False
         if held is None:
             held = self.req_to_blocks[rid] = []
-        if new_computed_blocks:
-            for block in new_computed_blocks:  # touch: a hit on a free block takes it off the queue
-                if ref_cnt[block] == 0:
-                    free_queue.remove(block)
-                ref_cnt[block] += 1
-            held += new_computed_blocks
+        held += new_computed_blocks
         if num_new_blocks > 0:
             if num_new_blocks == 1:
                 new = [free_queue.popleft()]
@@ -437,7 +442,8 @@ class KVCacheManager:
         self.free_queue.extend(to_tail)
 
     def check_invariants(self) -> None:
-        """free + referenced == usable blocks; every referenced block is off the free queue."""
+        """free + referenced == usable blocks; every referenced block is off the free queue;
+        ref counts match holders; cache entries point to blocks holding their hash."""
         free = self.free_queue.blocks()
         assert len(free) == self.free_queue.num_free, "free count differs from the queue"
         assert len(set(free)) == len(free), "block twice on the free queue"
@@ -451,3 +457,4 @@ class KVCacheManager:
                 held[block] = held.get(block, 0) + 1
         for block, count in held.items():
             assert self.ref_cnt[block] == count, "ref count differs from holders"
+        self.prefix_cache.check()
