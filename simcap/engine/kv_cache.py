@@ -225,12 +225,6 @@ class PrefixCache:
                 if holder != block:  # another block holds this hash: put its entry back
                     self._map[h] = holder
 
-    def check(self) -> None:
-        """Every entry points to a block that holds its hash."""
-        block_hash = self.block_hash
-        for h, block in self._map.items():
-            assert block_hash[block] == h, "cache entry for a block that does not hold it"
-
     def evict_one(self, block: int) -> None:
         """:meth:`evict` for one block."""
         h = self.block_hash[block]
@@ -239,6 +233,12 @@ class PrefixCache:
             holder = self._map.pop(h, block)
             if holder != block:
                 self._map[h] = holder
+
+    def check(self) -> None:
+        """Every entry points to a block that holds its hash."""
+        block_hash = self.block_hash
+        for h, block in self._map.items():
+            assert block_hash[block] == h, "cache entry for a block that does not hold it"
 
 
 class KVCacheManager:
