@@ -42,7 +42,7 @@ def test_free_returns_cached_blocks_to_the_tail_in_reverse_order():
     blocks = list(pool.req_to_blocks[0])
     pool.free(a)
     # Never-used blocks first; a's blocks last, its tail block before its head block.
-    assert list(pool.free_queue)[-2:] == [blocks[1], blocks[0]]
+    assert pool.free_block_ids()[-2:] == [blocks[1], blocks[0]]
     pool.check_invariants()
 
 
@@ -53,7 +53,7 @@ def test_unhashed_blocks_are_reused_first_since_0_24():
         pool.allocate_slots(a, 6)
         partial = pool.req_to_blocks[0][1]
         pool.free(a)
-        assert (next(iter(pool.free_queue)) == partial) == first
+        assert (pool.free_block_ids()[0] == partial) == first
 
 
 def test_prefix_hit_shares_blocks_and_eviction_is_lru():
@@ -66,7 +66,7 @@ def test_prefix_hit_shares_blocks_and_eviction_is_lru():
     hits, n = pool.get_computed_blocks(b)
     assert n == 8 and hits == pool_blocks_of(pool, seg)
     assert pool.allocate_slots(b, 1, 8, hits)
-    assert pool.ref_cnt[hits[0]] == 1 and hits[0] not in pool.free_queue
+    assert pool.ref_cnt[hits[0]] == 1 and hits[0] not in pool.free_block_ids()
     pool.check_invariants()
 
 
@@ -81,7 +81,7 @@ def test_evicting_a_cached_block_drops_its_hash():
     a = make_request(0, 8, 1, ((1, 8),))
     pool.allocate_slots(a, 8)
     pool.free(a)
-    assert len(pool.cached_block_hash_to_block) == 2
+    assert len(pool.prefix_cache) == 2
     c = make_request(1, 8, 1)  # unrelated content takes both blocks
     assert pool.allocate_slots(c, 8)
     probe = make_request(2, 9, 1, ((1, 8), (-7, 1)))

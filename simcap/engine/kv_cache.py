@@ -6,14 +6,239 @@ takes from the head (evicting the block's cached hash), freeing appends a reques
 blocks to the tail in reverse order, so a request's tail blocks are evicted first. A block whose hash
 is cached and whose ref count is 0 is both free and reusable by a prefix hit ("touch").
 
+Three parts, one job each: :class:`FreeBlockQueue` (the LRU order of free blocks),
+:class:`PrefixCache` (block hash -> block, and each block's hash) and :class:`KVCacheManager`
+(ref counts, the blocks each request holds, and the allocation rules built on the other two).
+They are laid out for bulk work: a request gets, commits and frees dozens of blocks at once.
+
 Invariant (checked by the tests): free blocks + blocks with ref_cnt > 0 == num_blocks - 1.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from simcap.engine.request import Request
+
+
+class FreeBlockQueue:
+    """vLLM's ``FreeKVCacheBlockQueue``: free blocks in the order allocation reuses them.
+
+    vLLM keeps a doubly linked list of blocks, so that a block can leave from anywhere when a
+    prefix hit touches it. Here the queue is two Python lists, so that bulk pops and pushes
+    are slices and ``extend`` calls:
+
+    - ``_front``, a stack of blocks pushed at the head (its last item is the queue's head);
+    - ``_main[_head:]``, the rest of the queue in order; pushes at the tail append to it.
+
+    Removal from the middle (:meth:`remove`) is immediate in ``_front`` (rare and short) and
+    lazy in ``_main``: the block's entry stays and ``_stale[block]`` counts it. Entries only
+    join ``_main`` at the tail, and a removed block is off the queue until it is pushed
+    again, so a block's stale entries always come before its live one: a pop that meets a
+    block with a stale count skips that entry and lowers the count. Consumed entries are
+    dropped once they outnumber the rest, and stale ones once they outnumber the free blocks
+    (hits that touch many blocks while allocation takes few), so memory stays bounded.
+    """
+
+    def __init__(self, blocks: range) -> None:
+        size = blocks.stop
+        self._front: list[int] = []
+        self._in_front = bytearray(size)
+        self._main: list[int] = list(blocks)
+        self._head = 0
+        self._stale = [0] * size
+        self._num_stale = 0
+        self.num_free = len(self._main)
+        self.compact_at = 4096  # slack before consumed or stale entries are dropped
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self) -> int:
+        """Take the head block."""
+        self.num_free -= 1
+        front = self._front
+        if front:
+            block = front.pop()
+            self._in_front[block] = 0
+            return block
+        main = self._main
+        head = self._head
+        block = main[head]
+        head += 1
+        if self._num_stale:
+            stale = self._stale
+            while stale[block]:
+                stale[block] -= 1
+                self._num_stale -= 1
+                block = main[head]
+                head += 1
+        self._head = head
+        if head > self.compact_at and head * 2 > len(main):
+            del main[:head]
+            self._head = 0
+        return block
+
+    def popleft_many(self, n: int) -> list[int]:
+        """Take the ``n`` head blocks, in queue order (the caller checked ``n <= len``)."""
+        self.num_free -= n
+        front = self._front
+        out: list[int] = []
+        if front:
+            k = len(front) if len(front) < n else n
+            out = front[-k:]
+            del front[-k:]
+            out.reverse()
+            in_front = self._in_front
+            for block in out:
+                in_front[block] = 0
+            n -= k
+            if not n:
+                return out
+        main = self._main
+        head = self._head
+        if not self._num_stale:
+            out += main[head : head + n]
+            head += n
+        else:
+            stale = self._stale
+            while n:
+                block = main[head]
+                head += 1
+                if stale[block]:
+                    stale[block] -= 1
+                    self._num_stale -= 1
+                else:
+                    out.append(block)
+                    n -= 1
+        if head > self.compact_at and head * 2 > len(main):
+            del main[:head]
+            head = 0
+        self._head = head
+        return out
+
+    def extend(self, blocks: list[int]) -> None:
+        """Push ``blocks`` at the tail, in order."""
+        self._main += blocks
+        self.num_free += len(blocks)
+
+    def extend_head(self, blocks: list[int]) -> None:
+        """Push each of ``blocks`` at the head in turn: the last one pushed is the new head."""
+        self._front += blocks
+        in_front = self._in_front
+        for block in blocks:
+            in_front[block] = 1
+        self.num_free += len(blocks)
+
+    def remove(self, block: int) -> None:
+        """Take a free block off the queue wherever it is (a prefix hit touches it)."""
+        self.num_free -= 1
+        if self._in_front[block]:
+            self._front.remove(block)
+            self._in_front[block] = 0
+        else:
+            self._stale[block] += 1
+            self._num_stale += 1
+            if self._num_stale > self.num_free + self.compact_at:
+                self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Rewrite ``_main`` without its consumed and stale entries."""
+        stale = self._stale
+        live = []
+        for block in self._main[self._head :]:
+            if stale[block]:
+                stale[block] -= 1
+            else:
+                live.append(block)
+        self._main = live
+        self._head = 0
+        self._num_stale = 0
+
+    def __iter__(self):
+        return iter(self.blocks())
+
+    def blocks(self) -> list[int]:
+        """The free blocks in queue order, head first."""
+        out = self._front[::-1]
+        if not self._num_stale:
+            return out + self._main[self._head :]
+        pending = {}  # block -> stale entries not yet skipped
+        stale = self._stale
+        for block in self._main[self._head :]:
+            skip = pending.get(block, stale[block])
+            if skip:
+                pending[block] = skip - 1
+            else:
+                out.append(block)
+        return out
+
+
+class PrefixCache:
+    """vLLM's ``BlockPool.cached_block_hash_to_block``: which block holds a prefix's KV.
+
+    ``block_hash[b]`` is the hash of block ``b``'s content while ``b`` holds a committed full
+    block (None otherwise); ``_map`` maps a hash to the first block registered for it. A
+    block registered for a hash that is already mapped keeps its ``block_hash`` (it can still
+    be freed as cached) but does not take over the entry; evicting a block drops the entry
+    only if it points to that block, as in vLLM.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self._map: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        """How many hashes the cache can hit."""
+        return len(self._map)
+
+    def longest_prefix(self, hashes: list[int], max_blocks: int) -> list[int]:
+        """Blocks holding ``hashes[0]``, ``hashes[1]``, ... up to the first miss."""
+        cached = self._map
+        if max_blocks <= 0 or hashes[0] not in cached:
+            return []
+        blocks = list(map(cached.get, hashes[:max_blocks]))
+        if None in blocks:
+            del blocks[blocks.index(None) :]
+        return blocks
+
+    def register(self, blocks: list[int], hashes: list[int]) -> None:
+        """Record that ``blocks[i]`` holds ``hashes[i]``; an existing holder keeps the entry."""
+        block_hash = self.block_hash
+        setdefault = self._map.setdefault
+        for block, h in zip(blocks, hashes):
+            block_hash[block] = h
+            setdefault(h, block)
+
+    def register_one(self, block: int, h: int) -> None:
+        """:meth:`register` for one block (a decode step fills one block at a time)."""
+        self.block_hash[block] = h
+        self._map.setdefault(h, block)
+
+    def evict(self, blocks: list[int]) -> None:
+        """Forget the content of blocks taken for reuse."""
+        block_hash = self.block_hash
+        pop = self._map.pop
+        for block in blocks:
+            h = block_hash[block]
+            if h is not None:
+                block_hash[block] = None
+                holder = pop(h, block)
+                if holder != block:  # another block holds this hash: put its entry back
+                    self._map[h] = holder
+
+    def evict_one(self, block: int) -> None:
+        """:meth:`evict` for one block."""
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            holder = self._map.pop(h, block)
+            if holder != block:
+                self._map[h] = holder
+
+    def check(self) -> None:
+        """Every entry points to a block that holds its hash."""
+        block_hash = self.block_hash
+        for h, block in self._map.items():
+            assert block_hash[block] == h, "cache entry for a block that does not hold it"
 
 
 class KVCacheManager:
@@ -35,9 +260,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.free_unhashed_first = free_unhashed_first
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached_block_hash_to_block: dict[int, int] = {}
+        self.free_queue = FreeBlockQueue(range(1, num_blocks))
+        self.prefix_cache = PrefixCache(num_blocks)
         self.req_to_blocks: dict[int, list[int]] = {}
         self._num_committed: dict[int, int] = {}  # request id -> blocks committed to the cache
         # Prefix-cache counters (tokens), as vllm:prefix_cache_queries / _hits.
@@ -48,15 +272,19 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self.free_queue.num_free
 
     @property
     def usage(self) -> float:
         """``vllm:kv_cache_usage_perc``: cached-but-unreferenced blocks count as free."""
-        return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
+        return 1.0 - self.free_queue.num_free / (self.num_blocks - 1)
 
     def num_blocks_held(self, request: Request) -> int:
         return len(self.req_to_blocks.get(request.request_id, ()))
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in LRU order: the next allocation takes the first."""
+        return self.free_queue.blocks()
 
     def get_computed_blocks(self, request: Request, drop_last_block: bool = False) -> tuple[list[int], int]:
         """Longest chain of cached full blocks that opens the request, and its length in tokens.
@@ -68,14 +296,7 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
-        hashes = request.hash_full_blocks(bs)
-        cached = self.cached_block_hash_to_block
-        blocks: list[int] = []
-        for i in range(max_blocks):
-            block = cached.get(hashes[i])
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self.prefix_cache.longest_prefix(request.hash_full_blocks(bs), max_blocks)
         if drop_last_block and blocks:
             blocks.pop()
         return blocks, len(blocks) * bs
@@ -103,49 +324,50 @@ class KVCacheManager:
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
         num_held = len(held) if held is not None else 0
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        need_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        need_tokens = end + num_lookahead_tokens
         if need_tokens > self.max_model_len:
             need_tokens = self.max_model_len
         if not new_computed_blocks and need_tokens <= num_held * bs:
             # Common decode step: the held blocks already have room.
             if self.enable_caching:
                 num_tokens = request.num_prompt_tokens + request.num_output_tokens
-                end = num_computed + num_new_tokens
-                self._cache_full_blocks(request, end if end < num_tokens else num_tokens)
+                if end > num_tokens:
+                    end = num_tokens
+                if end // bs > self._num_committed.get(rid, 0):
+                    self._cache_full_blocks(request, end)
             return True
         num_new_blocks = -(-need_tokens // bs) - num_held - len(new_computed_blocks)
         ref_cnt = self.ref_cnt
-        num_evictable_hits = 0
-        for block in new_computed_blocks:
-            if ref_cnt[block] == 0:
-                num_evictable_hits += 1
-        if num_new_blocks + num_evictable_hits > len(self.free_queue):
+        free_queue = self.free_queue
+        if new_computed_blocks:
+            # Hits on free cached blocks take them off the free queue ("touch").
+            touched = [block for block in new_computed_blocks if not ref_cnt[block]]
+            if num_new_blocks + len(touched) > free_queue.num_free:
+                return False
+            for block in touched:
+                free_queue.remove(block)
+            for block in new_computed_blocks:
+                ref_cnt[block] += 1
+        elif num_new_blocks > free_queue.num_free:
             return False
         if held is None:
             held = self.req_to_blocks[rid] = []
-        free_queue = self.free_queue
-        for block in new_computed_blocks:  # touch: a hit on a free block takes it off the queue
-            if ref_cnt[block] == 0:
-                del free_queue[block]
-            ref_cnt[block] += 1
-            held.append(block)
+        held += new_computed_blocks
         if num_new_blocks > 0:
-            block_hash = self.block_hash
-            cached = self.cached_block_hash_to_block
-            for _ in range(num_new_blocks):
-                block, _ = free_queue.popitem(last=False)
-                h = block_hash[block]
-                if h is not None:  # evict the LRU cached block
-                    if cached.get(h) == block:
-                        del cached[h]
-                    block_hash[block] = None
+            if num_new_blocks == 1:
+                new = [free_queue.popleft()]
+            else:
+                new = free_queue.popleft_many(num_new_blocks)
+            self.prefix_cache.evict(new)  # the LRU blocks lose their cached content
+            for block in new:
                 ref_cnt[block] = 1
-                held.append(block)
+            held += new
         if self.enable_caching:
             if new_computed_blocks and rid not in self._num_committed:
                 self._num_committed[rid] = len(new_computed_blocks)
-            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens
+            self._cache_full_blocks(request, end if end < num_tokens else num_tokens)
         return True
 
     def append_block(self, request: Request) -> None:
@@ -154,12 +376,8 @@ class KVCacheManager:
         The fast path's form of the allocation a decode step makes every ``block_size``
         tokens: the same LRU pop and eviction as :meth:`allocate_slots`.
         """
-        block, _ = self.free_queue.popitem(last=False)
-        h = self.block_hash[block]
-        if h is not None:
-            if self.cached_block_hash_to_block.get(h) == block:
-                del self.cached_block_hash_to_block[h]
-            self.block_hash[block] = None
+        block = self.free_queue.popleft()
+        self.prefix_cache.evict_one(block)
         self.ref_cnt[block] = 1
         self.req_to_blocks[request.request_id].append(block)
 
@@ -168,7 +386,10 @@ class KVCacheManager:
         if self.enable_caching:
             num_tokens = request.num_prompt_tokens + request.num_output_tokens
             computed = request.num_computed_tokens
-            self._cache_full_blocks(request, computed if computed < num_tokens else num_tokens)
+            if computed > num_tokens:
+                computed = num_tokens
+            if computed // self.block_size > self._num_committed.get(request.request_id, 0):
+                self._cache_full_blocks(request, computed)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Commit the request's newly full blocks (never drafts) to the prefix cache."""
@@ -180,15 +401,11 @@ class KVCacheManager:
             return
         hashes = request.hash_full_blocks(bs)
         blocks = self.req_to_blocks[rid]
-        cached = self.cached_block_hash_to_block
-        block_hash = self.block_hash
-        for i in range(done, num_full):
-            h = hashes[i]
-            block = blocks[i]
-            block_hash[block] = h
-            if h not in cached:
-                cached[h] = block
         self._num_committed[rid] = num_full
+        if num_full == done + 1:
+            self.prefix_cache.register_one(blocks[done], hashes[done])
+        else:
+            self.prefix_cache.register(blocks[done:num_full], hashes[done:num_full])
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, to the LRU free queue.
@@ -202,21 +419,37 @@ class KVCacheManager:
         if not blocks:
             return
         ref_cnt = self.ref_cnt
-        free_queue = self.free_queue
-        block_hash = self.block_hash
-        head_first = self.free_unhashed_first
-        for block in reversed(blocks):
-            ref_cnt[block] -= 1
-            if ref_cnt[block] == 0:
-                free_queue[block] = None
-                if head_first and block_hash[block] is None:
-                    free_queue.move_to_end(block, last=False)
+        to_tail: list[int] = []
+        if self.free_unhashed_first:
+            block_hash = self.prefix_cache.block_hash
+            to_head: list[int] = []
+            for block in reversed(blocks):
+                count = ref_cnt[block] - 1
+                ref_cnt[block] = count
+                if not count:
+                    if block_hash[block] is None:
+                        to_head.append(block)
+                    else:
+                        to_tail.append(block)
+            if to_head:
+                self.free_queue.extend_head(to_head)
+        else:
+            for block in reversed(blocks):
+                count = ref_cnt[block] - 1
+                ref_cnt[block] = count
+                if not count:
+                    to_tail.append(block)
+        self.free_queue.extend(to_tail)
 
     def check_invariants(self) -> None:
-        """free + referenced == usable blocks; every referenced block is off the free queue."""
+        """free + referenced == usable blocks; every referenced block is off the free queue;
+        ref counts match holders; cache entries point to blocks holding their hash."""
+        free = self.free_queue.blocks()
+        assert len(free) == self.free_queue.num_free, "free count differs from the queue"
+        assert len(set(free)) == len(free), "block twice on the free queue"
         referenced = sum(1 for c in self.ref_cnt[1:] if c > 0)
-        assert referenced + len(self.free_queue) == self.num_blocks - 1, "block leak"
-        for block in self.free_queue:
+        assert referenced + len(free) == self.num_blocks - 1, "block leak"
+        for block in free:
             assert self.ref_cnt[block] == 0, "referenced block on the free queue"
         held = {}
         for blocks in self.req_to_blocks.values():
@@ -224,3 +457,4 @@ class KVCacheManager:
                 held[block] = held.get(block, 0) + 1
         for block, count in held.items():
             assert self.ref_cnt[block] == count, "ref count differs from holders"
+        self.prefix_cache.check()

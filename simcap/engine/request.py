@@ -67,7 +67,9 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.block_hashes: list[int] = []
-        self._hash_cursor = (0, 0, 0)  # (segment index, offset in it, parent hash)
+        # (segment index, its first token, its seed, its end or None for the growing output
+        # segment) of the segment the last hashed block ends in; None until a block is hashed.
+        self._hash_cursor: tuple[int, int, int, int | None] | None = None
         # Timestamps as vLLM's RequestStateStats keeps them (first scheduling, first and
         # latest output token), in simulated seconds.
         self.scheduled_ts: float | None = None
@@ -89,46 +91,98 @@ class Request:
     def hash_full_blocks(self, block_size: int) -> list[int]:
         """Extend ``block_hashes`` over every full block of ``num_tokens``; return the list.
 
-        Block ``i``'s hash chains its parent's hash with the (key, start, end) pieces of the
-        segments it covers, as vLLM chains ``hash(parent, block_tokens)``; a block inside one
-        segment hashes as ``(parent, key, start)``.
+        vLLM chains ``hash(parent_hash, block_token_ids)``, so block ``i``'s hash identifies
+        all tokens up to the block's end. Here token content is a list of segments, and the
+        same identity is computed without chaining blocks: the prefix that ends ``o`` tokens
+        into segment ``j`` (``0 < o <= length_j``) hashes to ``seed_j + o``, where the random
+        ``seed_j`` mixes the identity of the whole segments before ``j`` with ``key_j`` (see
+        :func:`segment_seed`). Two requests therefore agree on block ``i``'s hash iff their
+        segment lists agree up to token ``(i + 1) * block_size``, barring a collision (two
+        different seeds closer than the offsets: odds about ``length / 2**60``), and the
+        hashes of all blocks that end in one segment are one ``range``. The hashes are kept on
+        the request and extended as output tokens grow the last segment.
         """
         hashes = self.block_hashes
-        num_full = self.num_tokens // block_size
-        if len(hashes) >= num_full:
+        num_full = (self.num_prompt_tokens + self.num_output_tokens) // block_size
+        n = len(hashes)
+        if n >= num_full:
             return hashes
-        seg_index, offset, parent = self._hash_cursor
+        cursor = self._hash_cursor
+        if cursor is not None:
+            _, seg_start, seed, seg_end = cursor
+            if seg_end is None or num_full * block_size <= seg_end:  # all in the cursor's segment
+                base = seed - seg_start
+                if num_full == n + 1:
+                    hashes.append(base + num_full * block_size)
+                else:
+                    hashes.extend(range(base + (n + 1) * block_size, base + num_full * block_size + 1, block_size))
+                return hashes
+        self._hash_segments(block_size, n, num_full)
+        return hashes
+
+    def _hash_segments(self, block_size: int, n: int, num_full: int) -> None:
+        """Hash blocks ``n .. num_full-1``, walking the segments their ends lie in."""
+        hashes = self.block_hashes
         segments = self.segments
         num_segments = len(segments)
-        while len(hashes) < num_full:
-            # Fast case: the block lies inside one segment.
+        if self._hash_cursor is None:  # segment 0 starts at token 0
+            key = segments[0][0] if num_segments else self.output_key
+            seg_index, seg_start, seed = 0, 0, segment_seed(_EMPTY_PREFIX, key)
+        else:
+            seg_index, seg_start, seed, _ = self._hash_cursor
+        target = num_full * block_size
+        while True:
             if seg_index < num_segments:
-                key, length = segments[seg_index]
-            else:
-                key, length = self.output_key, self.num_output_tokens
-            if length - offset >= block_size:
-                parent = hash((parent, key, offset))
-                hashes.append(parent)
-                offset += block_size
-                if offset == length and seg_index < num_segments:
-                    seg_index += 1
-                    offset = 0
-                continue
-            pieces = []
-            need = block_size
-            while need:
-                if seg_index < num_segments:
-                    key, length = segments[seg_index]
-                else:  # the output segment grows with the request
-                    key, length = self.output_key, self.num_output_tokens
-                take = min(need, length - offset)
-                pieces.append((key, offset, offset + take))
-                offset += take
-                need -= take
-                if offset == length and seg_index < num_segments:
-                    seg_index += 1
-                    offset = 0
-            parent = hash((parent, tuple(pieces)))
-            hashes.append(parent)
-        self._hash_cursor = (seg_index, offset, parent)
-        return hashes
+                length = segments[seg_index][1]
+            else:  # the output segment grows with the request
+                length = self.num_output_tokens
+            seg_end = seg_start + length
+            last = (seg_end if seg_end < target else target) // block_size
+            if last > n:  # blocks n .. last-1 end in this segment
+                first = seed + (n + 1) * block_size - seg_start
+                hashes.extend(range(first, first + (last - n) * block_size, block_size))
+                n = last
+            if n >= num_full:
+                break
+            # The next block ends beyond this segment: chain its whole identity into the next.
+            seg_index += 1
+            key = segments[seg_index][0] if seg_index < num_segments else self.output_key
+            seed = segment_seed(prefix_identity(seed, length), key)
+            seg_start = seg_end
+        # The segment the last block ends in, and where that segment ends (None: the output).
+        self._hash_cursor = (seg_index, seg_start, seed, seg_end if seg_index < num_segments else None)
+
+
+# Prefix identities: splitmix64's finalizer (Steele et al.) over 64-bit integers. Keys are
+# taken modulo 2**64, so distinct keys below 2**63 in magnitude stay distinct.
+_MASK = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_KEY_MUL = 0xD6E8FEB86659FD93
+_PREFIX_SALT = 0x2545F4914F6CDD1D
+_EMPTY_PREFIX = 0x6A09E667F3BCC908
+
+
+def _mix(z: int) -> int:
+    """A bijection of 64-bit integers that scatters every input bit over the output."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def segment_seed(prefix: int, key: int) -> int:
+    """Seed of a segment keyed ``key`` that follows the prefix whose identity is ``prefix``.
+
+    60 bits, so that seed + offset stays a machine-sized int: ``range`` over such ints is
+    fast, and they hash to themselves in dicts.
+    """
+    return _mix((prefix + (key & _MASK) * _KEY_MUL) & _MASK) >> 4
+
+
+def prefix_identity(seed: int, length: int) -> int:
+    """Identity of the prefix that ends with the whole segment (``seed``, ``length``).
+
+    Defined for ``length == 0`` too, and different from the segment's own prefix identity,
+    so that an empty segment still changes what follows it (as in the per-block chained
+    hashes this scheme replaced, where an empty segment was a piece of the next block).
+    """
+    return _mix(((seed + length * _GAMMA) & _MASK) ^ _PREFIX_SALT)
