@@ -16,36 +16,27 @@ hold this path to the reference (``simulate(..., fast=False)``) on random scenar
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from heapq import heappush
 
-import numpy as np
 import simpy
 from simpy.core import NORMAL
 
 from simcap.engine.request import Request
 
-MIN_STRETCH = 2  # shorter stretches are not worth the set-up; step them one by one
+MIN_STRETCH = 2  # a lone step goes through the reference path
 
 
-@dataclass(slots=True)
-class Stretch:
-    """``m`` pure-decode steps to apply at once (see :func:`plan_stretch`)."""
-
-    m: int
-    starts: np.ndarray  # starts[j] = step j's start; starts[m] = the stretch's end
-    periods: np.ndarray  # the m step periods
-    new_blocks: list[tuple[int, int]]  # (step, batch index) of each new KV block, sorted
-    finishing: list[Request]  # requests whose last token comes in the last step
-
-
-def plan_stretch(world, now: float, horizon: float) -> Stretch | None:
-    """The pure-decode steps that can run at once from ``now``, or None.
+def advance_decode_stretch(world, now: float, horizon: float) -> tuple[float, list[Request]] | None:
+    """Run the pure-decode steps that can run at once from ``now``; None if none can.
 
     The stretch runs until the first finish (included), the last step starting before
     ``horizon`` (the next SimPy event) or the step before the KV pool runs out, whichever
-    comes first.
+    comes first. Returns the stretch's end time and the requests that finished in its last
+    step (already released from the scheduler; the caller reports them at that time).
+
+    Plain Python floats throughout: a stretch is typically tens of steps, where numpy's
+    per-call cost exceeds the arithmetic, and float operations are the step-time model's own,
+    in its order, so every time equals the reference path's.
     """
     scheduler = world.scheduler
     running: list[Request] = scheduler.running
@@ -56,25 +47,51 @@ def plan_stretch(world, now: float, horizon: float) -> Stretch | None:
         return None
     max_model_len = scheduler.max_model_len
     lefts = []
+    context = 0
     for req in running:
         num_tokens = req.num_prompt_tokens + req.num_output_tokens
-        if req.num_computed_tokens != num_tokens - 1 or req.num_spec_tokens:
+        computed = req.num_computed_tokens
+        if computed != num_tokens - 1 or req.num_spec_tokens:
             return None
+        context += computed
         left = req.max_tokens - req.num_output_tokens
         lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
-    m_finish = m = min(lefts)  # the first finish is in step m (1-based)
+    m_finish = min(lefts)  # the first finish is in step m_finish (1-based)
+    if m_finish < MIN_STRETCH or now >= horizon:
+        return None
+
+    # Step periods (StepTimeModel.step_period, term by term) and start times, up to the
+    # first finish or the last step that starts before the horizon.
+    model = world.step_model
+    t0 = model.base + model.per_prefill_token * 0
+    t0 += model.per_decode_token * num_reqs
+    host, asynchronous = model.host_overhead, model.async_scheduling
+    per_context = model.per_context_token
+    starts = [now]
+    periods: list[float] = []
+    t = now
+    if per_context:
+        for _ in range(m_finish):
+            context += num_reqs
+            f = t0 + per_context * context
+            dt = (f if f > host else host) if asynchronous else f + host
+            periods.append(dt)
+            t += dt
+            starts.append(t)
+            if t >= horizon:
+                break
+    else:
+        dt = (t0 if t0 > host else host) if asynchronous else t0 + host
+        for _ in range(m_finish):
+            t += dt
+            starts.append(t)
+            if t >= horizon:
+                break
+        periods = [dt] * (len(starts) - 1)
+    m = len(periods)
     if m < MIN_STRETCH:
         return None
-    periods = step_periods(world, num_reqs, m)
-    starts = np.empty(m + 1)
-    starts[0] = now
-    starts[1:] = periods
-    np.add.accumulate(starts, out=starts)
-    # Step j (0-based) is unaffected by an event at `horizon` only if it starts before it.
-    if starts[m - 1] >= horizon:
-        m = int(np.searchsorted(starts[:m], horizon, side="left"))
-        if m < MIN_STRETCH:
-            return None
+
     # KV: request b needs a new block at step j when computed + j + 1 > held * bs, i.e. at
     # j = held*bs - computed and every bs steps after.
     kv = scheduler.kv
@@ -84,76 +101,55 @@ def plan_stretch(world, now: float, horizon: float) -> Stretch | None:
         first = kv.num_blocks_held(req) * bs - req.num_computed_tokens
         if first < m:
             new_blocks.extend((j, b) for j in range(first if first > 0 else 0, m, bs))
+    free = kv.num_free_blocks
     if len(new_blocks) > 1:
         new_blocks.sort()
-    free = kv.num_free_blocks
-    if len(new_blocks) > free:
-        # The (free+1)-th new block fails: stop before the step that asks for it.
-        m = new_blocks[free][0]
+        if len(new_blocks) > free:
+            # The (free+1)-th new block fails: stop before the step that asks for it.
+            m = new_blocks[free][0]
+            if m < MIN_STRETCH:
+                return None
+            new_blocks = new_blocks[:free]
+            del starts[m + 1 :], periods[m:]
+    elif len(new_blocks) > free:  # one block wanted, none free
+        m = new_blocks[0][0]
         if m < MIN_STRETCH:
             return None
-        new_blocks = [e for e in new_blocks if e[0] < m]
-    finishing = []
-    if m == m_finish:
-        finishing = [req for req, left in zip(running, lefts) if left == m]
-    return Stretch(m, starts[: m + 1], periods[:m], new_blocks, finishing)
+        new_blocks = []
+        del starts[m + 1 :], periods[m:]
 
-
-def step_periods(world, num_reqs: int, m: int) -> np.ndarray:
-    """Durations of the next ``m`` pure-decode steps of ``num_reqs`` requests, computed as
-    ``StepTimeModel.step_period`` computes each (same operations, same order)."""
-    model = world.step_model
-    t = model.base + model.per_prefill_token * 0
-    t += model.per_decode_token * num_reqs
-    if model.per_context_token:
-        context0 = sum(r.num_computed_tokens for r in world.scheduler.running)
-        context = context0 + num_reqs * np.arange(1, m + 1, dtype=np.int64)
-        t = t + model.per_context_token * context.astype(np.float64)
-        if model.async_scheduling:
-            return np.maximum(t, model.host_overhead)
-        return t + model.host_overhead
-    if model.async_scheduling:
-        t = t if t > model.host_overhead else model.host_overhead
-    else:
-        t += model.host_overhead
-    return np.full(m, t)
-
-
-def run_stretch(world, stretch: Stretch) -> None:
-    """Apply the stretch's steps to the scheduler, KV pool, requests and step log.
-
-    Requests that finish in the last step are released as ``update_from_output`` would;
-    the caller reports them once the clock has reached the stretch's end.
-    """
-    m, starts, periods, new_blocks = stretch.m, stretch.starts, stretch.periods, stretch.new_blocks
-    scheduler = world.scheduler
-    running = list(scheduler.running)
-    kv = scheduler.kv
-    num_reqs = len(running)
-    # New blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
+    # Apply: blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
     # that fill up are committed at the end: their hashes include this request's own output
     # tokens, so no other request's allocation or hit in the stretch can depend on them.
     for _, b in new_blocks:
         kv.append_block(running[b])
-    for req in running:
+    finishing = []
+    for req, left in zip(running, lefts):
         req.num_computed_tokens += m
         req.num_output_tokens += m
         kv.commit_full_blocks(req)
-    world.emit_stretch(running, starts[1:])
+        if left == m:
+            finishing.append(req)
+    world.emit_stretch(running, starts)  # chunks at starts[1:]
     # Usage after each step's allocations: the free count falls at every new-block event.
-    free_end = kv.num_free_blocks
+    scale = kv.num_blocks - 1
     if new_blocks:
-        event_steps = np.array([j for j, _ in new_blocks])
-        allocated = np.searchsorted(event_steps, np.arange(m), side="right")
-        usage = 1.0 - (free_end + len(new_blocks) - allocated) / (kv.num_blocks - 1)
+        usages = []
+        free_j = kv.num_free_blocks + len(new_blocks)
+        events = iter(new_blocks)
+        next_step = next(events)[0]
+        for j in range(m):
+            while next_step == j:
+                free_j -= 1
+                next_step = next(events, (m,))[0]
+            usages.append(1.0 - free_j / scale)
     else:
-        usage = np.full(m, 1.0 - free_end / (kv.num_blocks - 1))
-    world.steps.extend(
-        starts[:-1], periods, usage,
-        num_decode_tokens=num_reqs, num_reqs=num_reqs, num_running=num_reqs,
-    )
-    if stretch.finishing:
-        scheduler.finish_requests(stretch.finishing)
+        usages = [1.0 - kv.num_free_blocks / scale] * m
+    end = starts.pop()  # starts now holds the m steps' start times
+    world.steps.extend_decode(starts, periods, usages, num_reqs)
+    if finishing:
+        scheduler.finish_requests(finishing)
+    return end, finishing
 
 
 class Clock(simpy.Environment):

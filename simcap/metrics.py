@@ -380,17 +380,26 @@ class MetricsAccumulator:
         self._preemptions += num_preemptions
         self._cached += num_cached_tokens
 
-    def add_itl(self, gaps: float | np.ndarray, weight: int = 1, tokens: int | Any = 1) -> None:
-        """Chunk gaps (seconds), each counted ``weight`` times.
+    def add_itl(
+        self, gaps: float | np.ndarray, weight: int | np.ndarray = 1, tokens: int | Any = 1
+    ) -> None:
+        """Chunk gaps (seconds), each counted ``weight`` times (one int, or one per gap).
 
         ``tokens``: tokens carried by the later chunk of each gap (one int, or one per gap).
         Per chunk, each gap is one sample; per token, a gap ``g`` with ``k > 0`` tokens gives
         ``k`` samples of ``g / k``, and ``k == 0`` none.
         """
         g = np.array(gaps, dtype=np.float64, ndmin=1).ravel()  # a copy: callers reuse buffers
-        weight = operator.index(weight)
-        if weight < 1:
-            raise ValueError(f"weight must be >= 1, got {weight}")
+        if isinstance(weight, np.ndarray):
+            weight = weight.astype(np.int64).ravel()
+            if weight.shape != g.shape:
+                raise ValueError(f"weight has {weight.size} entries for {g.size} gaps")
+            if weight.size and weight.min() < 1:
+                raise ValueError("weights must be >= 1")
+        else:
+            weight = operator.index(weight)
+            if weight < 1:
+                raise ValueError(f"weight must be >= 1, got {weight}")
         if isinstance(tokens, (int, np.integer)):
             k = int(tokens)
             if k < 0:
@@ -404,8 +413,10 @@ class MetricsAccumulator:
             if k_min < 0:
                 raise ValueError("tokens must be >= 0")
             if k_min == 0:
-                g_tok, k = g[k > 0], k[k > 0]
-                per_token = (g_tok / k, weight * k)
+                some = k > 0
+                g_tok, k = g[some], k[some]
+                w = weight[some] if isinstance(weight, np.ndarray) else weight
+                per_token = (g_tok / k, w * k)
             else:
                 per_token = (g / k, weight * k)
         if not g.size:

@@ -19,7 +19,7 @@ from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import StepTimeModel
-from simcap.fast_forward import Clock, plan_stretch, run_stretch
+from simcap.fast_forward import Clock, advance_decode_stretch
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
@@ -111,8 +111,12 @@ class _World:
         self.metrics = MetricsAccumulator()
         self.records: list[RequestRecord] | None = [] if records else None
         self.steps = StepLog(keep=steps)
-        self._gaps: list[float] = []  # ITL samples (one each) not yet in the metrics
+        # ITL samples not yet in the metrics: single gaps (with the tokens of the later
+        # chunk), and stretch gaps that every request of a stretch saw (with that count).
+        self._gaps: list[float] = []
         self._gap_tokens: list[int] = []
+        self._stretch_gaps: list[float] = []
+        self._stretch_weights: list[int] = []
         self._wakeup: simpy.Event | None = None
         self._on_finish: dict[int, Callable[[], None]] = {}
 
@@ -180,29 +184,33 @@ class _World:
         if self.records is not None:
             self.records[req.request_id].add_chunk(now, num_tokens)
 
-    def emit_stretch(self, reqs: list[Request], ends: np.ndarray) -> None:
-        """One token per request at each of ``ends`` (a stretch of decode steps)."""
-        first = float(ends[0])
-        last = float(ends[-1])
+    def emit_stretch(self, reqs: list[Request], times: list[float]) -> None:
+        """One token per request at each of ``times[1:]`` (a stretch of decode steps; ``times[0]``
+        is its start)."""
+        first = times[1]
+        last = times[-1]
         gaps = self._gaps
+        tokens = self._gap_tokens
         for req in reqs:
             if req.first_token_ts is None:
                 req.first_token_ts = first
             else:
                 gaps.append(first - req.last_token_ts)
-                self._gap_tokens.append(1)
+                tokens.append(1)
             req.last_token_ts = last
-        if len(ends) > 1:
+        m = len(times) - 1
+        if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
-            self.metrics.add_itl(ends[1:] - ends[:-1], weight=len(reqs))
-        if len(gaps) >= GAP_BUFFER:
+            self._stretch_gaps.extend([times[j + 1] - times[j] for j in range(1, m)])
+            self._stretch_weights.extend([len(reqs)] * (m - 1))
+        if len(gaps) >= GAP_BUFFER or len(self._stretch_gaps) >= GAP_BUFFER:
             self._flush_gaps()
         if self.records is not None:
-            times = ends.tolist()
-            ones = [1] * len(times)
+            ends = times[1:]
+            ones = [1] * m
             for req in reqs:
                 rec = self.records[req.request_id]
-                rec.chunk_times.extend(times)
+                rec.chunk_times.extend(ends)
                 rec.chunk_tokens.extend(ones)
 
     def _flush_gaps(self) -> None:
@@ -210,6 +218,10 @@ class _World:
             self.metrics.add_itl(np.array(self._gaps), tokens=np.array(self._gap_tokens))
             self._gaps.clear()
             self._gap_tokens.clear()
+        if self._stretch_gaps:
+            self.metrics.add_itl(np.array(self._stretch_gaps), weight=np.array(self._stretch_weights))
+            self._stretch_gaps.clear()
+            self._stretch_weights.clear()
 
     def finish(self, reqs: list[Request], now: float) -> None:
         """Requests that got their last token at ``now``: summarise them, wake their clients."""
@@ -255,16 +267,13 @@ class _World:
                 now = env.now
                 continue
             horizon = env.peek()
-            if fast:
-                stretch = plan_stretch(self, now, horizon)
-                if stretch is not None:
-                    run_stretch(self, stretch)
-                    now = float(stretch.starts[-1])
-                    if now >= horizon or (stretch.finishing and waiters):
-                        yield env.timeout_at(now)
-                    if stretch.finishing:
-                        self.finish(stretch.finishing, now)
-                    continue
+            if fast and (stretch := advance_decode_stretch(self, now, horizon)) is not None:
+                now, finishing = stretch
+                if now >= horizon or (finishing and waiters):
+                    yield env.timeout_at(now)
+                if finishing:
+                    self.finish(finishing, now)
+                continue
             out = scheduler.schedule()
             if out.total_num_scheduled_tokens == 0 and not out.preempted_reqs:
                 raise SimulationError(

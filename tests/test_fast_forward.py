@@ -80,17 +80,19 @@ def test_fast_path_is_taken_on_long_decodes():
     import simcap.simulator as sim
 
     calls = []
-    original = sim.run_stretch
+    original = sim.advance_decode_stretch
 
-    def spy(world, stretch):
-        calls.append(stretch.m)
-        return original(world, stretch)
+    def spy(world, now, horizon):
+        before = len(world.steps)
+        out = original(world, now, horizon)
+        calls.append(len(world.steps) - before)
+        return out
 
-    sim.run_stretch = spy
+    sim.advance_decode_stretch = spy
     try:
         simulate(scenario)
     finally:
-        sim.run_stretch = original
+        sim.advance_decode_stretch = original
     assert sum(calls) > 0.9 * len(simulate(scenario, fast=False).steps)
 
 
