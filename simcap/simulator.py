@@ -115,8 +115,9 @@ class _World:
         # chunk), and stretch gaps that every request of a stretch saw (with that count).
         self._gaps: list[float] = []
         self._gap_tokens: list[int] = []
-        self._stretch_gaps: list[float] = []
-        self._stretch_weights: list[int] = []
+        self._stretch_times: list[float] = []  # each stretch's start, then its chunk times
+        self._stretch_lens: list[int] = []
+        self._stretch_sizes: list[int] = []
         self._wakeup: simpy.Event | None = None
         self._on_finish: dict[int, Callable[[], None]] = {}
 
@@ -201,9 +202,12 @@ class _World:
         m = len(times) - 1
         if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
-            self._stretch_gaps.extend([times[j + 1] - times[j] for j in range(1, m)])
-            self._stretch_weights.extend([len(reqs)] * (m - 1))
-        if len(gaps) >= GAP_BUFFER or len(self._stretch_gaps) >= GAP_BUFFER:
+            self._stretch_times += times
+            self._stretch_lens.append(m + 1)
+            self._stretch_sizes.append(len(reqs))
+            if len(self._stretch_times) >= GAP_BUFFER:
+                self._flush_gaps()
+        if len(gaps) >= GAP_BUFFER:
             self._flush_gaps()
         if self.records is not None:
             ends = times[1:]
@@ -218,10 +222,20 @@ class _World:
             self.metrics.add_itl(np.array(self._gaps), tokens=np.array(self._gap_tokens))
             self._gaps.clear()
             self._gap_tokens.clear()
-        if self._stretch_gaps:
-            self.metrics.add_itl(np.array(self._stretch_gaps), weight=np.array(self._stretch_weights))
-            self._stretch_gaps.clear()
-            self._stretch_weights.clear()
+        if self._stretch_times:
+            # Stretch i's start and chunk times are segment i of _stretch_times; its ITL
+            # samples are the gaps between its chunks, each seen by all its requests.
+            times = np.array(self._stretch_times)
+            lens = np.array(self._stretch_lens)
+            starts = np.cumsum(lens) - lens
+            keep = np.ones(len(times) - 1, dtype=bool)
+            keep[starts] = False  # start -> first chunk
+            keep[starts[1:] - 1] = False  # last chunk -> next stretch's start
+            weights = np.repeat(np.array(self._stretch_sizes), lens - 2)
+            self.metrics.add_itl((times[1:] - times[:-1])[keep], weight=weights)
+            self._stretch_times.clear()
+            self._stretch_lens.clear()
+            self._stretch_sizes.clear()
 
     def finish(self, reqs: list[Request], now: float) -> None:
         """Requests that got their last token at ``now``: summarise them, wake their clients."""

@@ -1,8 +1,8 @@
 """The engine's step log: one row per step, reduced as it grows.
 
 Rows arrive one at a time (the reference path) or as whole stretches of decode steps (the
-fast path). Either way the KV-usage statistics are reduced row by row in the same order with
-the same float operations, so both paths give the same figures bit for bit. With
+fast path). Either way they are buffered and the KV-usage statistics reduced in fixed blocks
+of :data:`FOLD_ROWS` rows, so both paths give the same figures bit for bit. With
 ``keep=False`` no row is stored and memory stays bounded however long the run (a million
 requests is tens of millions of steps); ``keep=True`` stores every row, compactly, for plots
 and step-level analysis.
@@ -29,6 +29,9 @@ FIELDS = (
 FLOAT_FIELDS = ("start", "duration", "kv_cache_usage")
 
 
+FOLD_ROWS = 1 << 16  # rows reduced at once: always rows [k*FOLD_ROWS, (k+1)*FOLD_ROWS)
+
+
 class StepLog:
     """One row per engine step: when it started, how long it took, what it computed."""
 
@@ -36,9 +39,10 @@ class StepLog:
         self.keep = keep
         self._columns = {name: array("d" if name in FLOAT_FIELDS else "q") for name in FIELDS}
         self._num_rows = 0
-        # KV usage, time-weighted: each row's usage holds until the next row's start.
-        self._last_start = math.nan
-        self._last_usage = math.nan
+        # Rows not yet reduced (start times and KV usage), and the reduction so far: each
+        # row's usage holds until the next row's start.
+        self._starts: list[float] = []
+        self._usages: list[float] = []
         self._weighted = 0.0
         self._weight = 0.0
         self._usage_sum = 0.0
@@ -61,16 +65,11 @@ class StepLog:
         kv_cache_usage: float,
         num_preempted: int,
     ) -> None:
-        if self._num_rows:
-            w = start - self._last_start
-            self._weighted += w * self._last_usage
-            self._weight += w
-        self._usage_sum += kv_cache_usage
-        if kv_cache_usage > self._max:
-            self._max = kv_cache_usage
-        self._last_start = start
-        self._last_usage = kv_cache_usage
+        self._starts.append(start)
+        self._usages.append(kv_cache_usage)
         self._num_rows += 1
+        if len(self._starts) > FOLD_ROWS:
+            self._fold()
         if self.keep:
             c = self._columns
             c["start"].append(start)
@@ -88,23 +87,11 @@ class StepLog:
     ) -> None:
         """Rows of pure-decode steps of ``num_reqs`` requests (nothing waits or is preempted)."""
         n = len(starts)
-        weighted, weight, usage_sum, peak = self._weighted, self._weight, self._usage_sum, self._max
-        last_start, last_usage = self._last_start, self._last_usage
-        first = not self._num_rows
-        for start, usage in zip(starts, usages):
-            if first:
-                first = False
-            else:
-                w = start - last_start
-                weighted += w * last_usage
-                weight += w
-            usage_sum += usage
-            if usage > peak:
-                peak = usage
-            last_start, last_usage = start, usage
-        self._weighted, self._weight, self._usage_sum, self._max = weighted, weight, usage_sum, peak
-        self._last_start, self._last_usage = last_start, last_usage
+        self._starts += starts
+        self._usages += usages
         self._num_rows += n
+        while len(self._starts) > FOLD_ROWS:
+            self._fold()
         if self.keep:
             c = self._columns
             c["start"].extend(starts)
@@ -119,15 +106,34 @@ class StepLog:
             c["num_reqs"].extend(batch)
             c["num_running"].extend(batch)
 
+    def _fold(self) -> None:
+        """Reduce the oldest FOLD_ROWS buffered rows (the next row's start closes the last)."""
+        starts = np.array(self._starts[: FOLD_ROWS + 1])
+        usages = np.array(self._usages[:FOLD_ROWS])
+        self._reduce(starts, usages)
+        del self._starts[:FOLD_ROWS], self._usages[:FOLD_ROWS]
+
+    def _reduce(self, starts: np.ndarray, usages: np.ndarray) -> None:
+        weights = starts[1:] - starts[:-1]
+        self._weighted += float(np.dot(weights, usages[: len(weights)]))
+        self._weight += float(weights.sum())
+        self._usage_sum += float(usages.sum())
+        self._max = max(self._max, float(usages.max()))
+
     # ------------------------------------------------------------------ reading
 
     def kv_usage_summary(self) -> dict[str, float | None]:
         """Time-weighted mean and max of KV usage (each step's usage holds until the next step)."""
         if not self._num_rows:
             return {"mean": None, "max": None}
-        if self._weight > 0:
-            return {"mean": self._weighted / self._weight, "max": self._max}
-        return {"mean": self._usage_sum / self._num_rows, "max": self._max}
+        saved = self._weighted, self._weight, self._usage_sum, self._max
+        if self._starts:
+            self._reduce(np.array(self._starts), np.array(self._usages))
+        weighted, weight, usage_sum, peak = self._weighted, self._weight, self._usage_sum, self._max
+        self._weighted, self._weight, self._usage_sum, self._max = saved
+        if weight > 0:
+            return {"mean": weighted / weight, "max": peak}
+        return {"mean": usage_sum / self._num_rows, "max": peak}
 
     def as_arrays(self) -> dict[str, np.ndarray]:
         """Every row, field by field (only when the log keeps its rows)."""
