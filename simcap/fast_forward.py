@@ -93,58 +93,52 @@ def advance_decode_stretch(world, now: float, horizon: float) -> tuple[float, li
         return None
 
     # KV: request b needs a new block at step j when computed + j + 1 > held * bs, i.e. at
-    # j = held*bs - computed and every bs steps after.
+    # j = held*bs - computed and every bs steps after. Events are encoded j * num_reqs + b,
+    # so that sorting them gives the (step, batch) order in which stepping allocates.
     kv = scheduler.kv
     bs = kv.block_size
-    new_blocks: list[tuple[int, int]] = []
+    held = kv.req_to_blocks
+    stride = bs * num_reqs
+    events: list[int] = []
     for b, req in enumerate(running):
-        first = kv.num_blocks_held(req) * bs - req.num_computed_tokens
+        first = len(held.get(req.request_id, ())) * bs - req.num_computed_tokens
         if first < m:
-            new_blocks.extend((j, b) for j in range(first if first > 0 else 0, m, bs))
+            events += range((first if first > 0 else 0) * num_reqs + b, m * num_reqs, stride)
     free = kv.num_free_blocks
-    if len(new_blocks) > 1:
-        new_blocks.sort()
-        if len(new_blocks) > free:
+    if events:
+        events.sort()
+        if len(events) > free:
             # The (free+1)-th new block fails: stop before the step that asks for it.
-            m = new_blocks[free][0]
+            m = events[free] // num_reqs
             if m < MIN_STRETCH:
                 return None
-            new_blocks = new_blocks[:free]
-            del starts[m + 1 :], periods[m:]
-    elif len(new_blocks) > free:  # one block wanted, none free
-        m = new_blocks[0][0]
-        if m < MIN_STRETCH:
-            return None
-        new_blocks = []
-        del starts[m + 1 :], periods[m:]
+            del events[free:], starts[m + 1 :], periods[m:]
+
+    # Usage after each step's allocations: the free count falls at every new block.
+    scale = kv.num_blocks - 1
+    usages: list[float] = []
+    j = 0
+    for e in events:
+        step = e // num_reqs
+        if step > j:
+            usages += [1.0 - free / scale] * (step - j)
+            j = step
+        free -= 1
+    usages += [1.0 - free / scale] * (m - j)
 
     # Apply: blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
     # that fill up are committed at the end: their hashes include this request's own output
     # tokens, so no other request's allocation or hit in the stretch can depend on them.
-    for _, b in new_blocks:
-        kv.append_block(running[b])
+    if events:
+        kv.append_blocks([running[e % num_reqs] for e in events])
     finishing = []
     for req, left in zip(running, lefts):
         req.num_computed_tokens += m
         req.num_output_tokens += m
-        kv.commit_full_blocks(req)
         if left == m:
             finishing.append(req)
+    kv.commit_full_blocks_of(running)
     world.emit_stretch(running, starts)  # chunks at starts[1:]
-    # Usage after each step's allocations: the free count falls at every new-block event.
-    scale = kv.num_blocks - 1
-    if new_blocks:
-        usages = []
-        free_j = kv.num_free_blocks + len(new_blocks)
-        events = iter(new_blocks)
-        next_step = next(events)[0]
-        for j in range(m):
-            while next_step == j:
-                free_j -= 1
-                next_step = next(events, (m,))[0]
-            usages.append(1.0 - free_j / scale)
-    else:
-        usages = [1.0 - kv.num_free_blocks / scale] * m
     end = starts.pop()  # starts now holds the m steps' start times
     world.steps.extend_decode(starts, periods, usages, num_reqs)
     if finishing:

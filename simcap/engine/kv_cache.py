@@ -381,6 +381,31 @@ class KVCacheManager:
         self.ref_cnt[block] = 1
         self.req_to_blocks[request.request_id].append(block)
 
+    def append_blocks(self, requests: list[Request]) -> None:
+        """:meth:`append_block` for each of ``requests`` in turn (the caller checked enough
+        blocks are free); a request may appear more than once."""
+        new = self.free_queue.popleft_many(len(requests))
+        self.prefix_cache.evict(new)
+        ref_cnt = self.ref_cnt
+        req_to_blocks = self.req_to_blocks
+        for block, request in zip(new, requests):
+            ref_cnt[block] = 1
+            req_to_blocks[request.request_id].append(block)
+
+    def commit_full_blocks_of(self, requests: list[Request]) -> None:
+        """:meth:`commit_full_blocks` for each of ``requests``."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        committed = self._num_committed
+        for request in requests:
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens
+            computed = request.num_computed_tokens
+            if computed > num_tokens:
+                computed = num_tokens
+            if computed // bs > committed.get(request.request_id, 0):
+                self._cache_full_blocks(request, computed)
+
     def commit_full_blocks(self, request: Request) -> None:
         """Commit every full block of the request's computed tokens to the prefix cache."""
         if self.enable_caching:
