@@ -22,17 +22,60 @@ import simpy
 from simpy.core import NORMAL
 
 from simcap.engine.request import Request
+from simcap.engine.scheduler import SchedulerOutput
 
 MIN_STRETCH = 2  # a lone step goes through the reference path
 
 
-def advance_decode_stretch(world, now: float, horizon: float) -> tuple[float, list[Request]] | None:
+def schedule_admission(world) -> SchedulerOutput | None:
+    """The next step's :class:`SchedulerOutput` when requests wait and every running request
+    decodes: what ``Scheduler.schedule`` gives, without walking the decoders one by one.
+
+    None (nothing changed) when the batch is not like that, or a decoder would need a block
+    the pool does not have (a preemption: the reference path's business).
+    """
+    scheduler = world.scheduler
+    if world.proposer is not None or not scheduler.waiting:
+        return None
+    running = scheduler.running
+    if len(running) >= scheduler.max_num_batched_tokens:
+        return None
+    kv = scheduler.kv
+    bs = kv.block_size
+    held = kv.req_to_blocks
+    context = 0
+    touched = []  # decoders whose token needs a new block or fills one
+    num_new = 0
+    for req in running:
+        computed = req.num_computed_tokens
+        if computed != req.num_prompt_tokens + req.num_output_tokens - 1 or req.num_spec_tokens:
+            return None
+        context += computed
+        if computed >= len(held.get(req.request_id, ())) * bs:
+            touched.append(req)
+            num_new += 1
+        elif (computed + 1) % bs == 0:
+            touched.append(req)
+    if num_new > kv.num_free_blocks:
+        return None
+    for req in touched:  # in batch order, as the reference path's allocate_slots calls
+        kv.allocate_slots(req, 1)
+    return scheduler.schedule_decoders_and_admit(context)
+
+
+def advance_decode_stretch(
+    world, now: float, horizon: float, first: SchedulerOutput | None = None
+) -> tuple[float, list[Request]] | None:
     """Run the pure-decode steps that can run at once from ``now``; None if none can.
 
     The stretch runs until the first finish (included), the last step starting before
     ``horizon`` (the next SimPy event) or the step before the KV pool runs out, whichever
     comes first. Returns the stretch's end time and the requests that finished in its last
     step (already released from the scheduler; the caller reports them at that time).
+
+    ``first``: an already scheduled step (from :func:`schedule_admission`) to run as the
+    stretch's first step, when after it every running request decodes and nothing waits;
+    otherwise None is returned and the caller runs that step the reference way.
 
     Plain Python floats throughout: a stretch is typically tens of steps, where numpy's
     per-call cost exceeds the arithmetic, and float operations are the step-time model's own,
@@ -45,51 +88,62 @@ def advance_decode_stretch(world, now: float, horizon: float) -> tuple[float, li
     num_reqs = len(running)
     if num_reqs > scheduler.max_num_batched_tokens:
         return None
+    # Before a step, a decoding request has computed all but its last token; a scheduled
+    # first step has already counted its tokens as computed.
+    ahead = 1 if first is None else 0
     max_model_len = scheduler.max_model_len
     lefts = []
     context = 0
     for req in running:
         num_tokens = req.num_prompt_tokens + req.num_output_tokens
         computed = req.num_computed_tokens
-        if computed != num_tokens - 1 or req.num_spec_tokens:
+        if computed != num_tokens - ahead or req.num_spec_tokens:
             return None
         context += computed
         left = req.max_tokens - req.num_output_tokens
         lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
     m_finish = min(lefts)  # the first finish is in step m_finish (1-based)
-    if m_finish < MIN_STRETCH or now >= horizon:
+    if first is None and (m_finish < MIN_STRETCH or now >= horizon):
         return None
 
     # Step periods (StepTimeModel.step_period, term by term) and start times, up to the
     # first finish or the last step that starts before the horizon.
     model = world.step_model
+    starts = [now]
+    periods: list[float] = []
+    t = now
+    todo = m_finish
+    if first is not None:
+        dt = model.step_period(first)
+        periods.append(dt)
+        t += dt
+        starts.append(t)
+        todo -= 1
     t0 = model.base + model.per_prefill_token * 0
     t0 += model.per_decode_token * num_reqs
     host, asynchronous = model.host_overhead, model.async_scheduling
     per_context = model.per_context_token
-    starts = [now]
-    periods: list[float] = []
-    t = now
     if per_context:
-        for _ in range(m_finish):
+        for _ in range(todo):
+            if t >= horizon:
+                break
             context += num_reqs
             f = t0 + per_context * context
             dt = (f if f > host else host) if asynchronous else f + host
             periods.append(dt)
             t += dt
             starts.append(t)
-            if t >= horizon:
-                break
     else:
         dt = (t0 if t0 > host else host) if asynchronous else t0 + host
-        for _ in range(m_finish):
-            t += dt
-            starts.append(t)
+        done = len(periods)
+        for _ in range(todo):
             if t >= horizon:
                 break
-        periods = [dt] * (len(starts) - 1)
+            t += dt
+            starts.append(t)
+        periods += [dt] * (len(starts) - 1 - done)
     m = len(periods)
-    if m < MIN_STRETCH:
+    if first is None and m < MIN_STRETCH:
         return None
 
     # KV: request b needs a new block at step j when computed + j + 1 > held * bs, i.e. at
@@ -101,16 +155,16 @@ def advance_decode_stretch(world, now: float, horizon: float) -> tuple[float, li
     stride = bs * num_reqs
     events: list[int] = []
     for b, req in enumerate(running):
-        first = len(held.get(req.request_id, ())) * bs - req.num_computed_tokens
-        if first < m:
-            events += range((first if first > 0 else 0) * num_reqs + b, m * num_reqs, stride)
+        j = len(held.get(req.request_id, ())) * bs - req.num_computed_tokens + 1 - ahead
+        if j < m:
+            events += range((j if j > 0 else 0) * num_reqs + b, m * num_reqs, stride)
     free = kv.num_free_blocks
     if events:
         events.sort()
         if len(events) > free:
             # The (free+1)-th new block fails: stop before the step that asks for it.
             m = events[free] // num_reqs
-            if m < MIN_STRETCH:
+            if first is None and m < MIN_STRETCH:
                 return None
             del events[free:], starts[m + 1 :], periods[m:]
 
@@ -127,20 +181,31 @@ def advance_decode_stretch(world, now: float, horizon: float) -> tuple[float, li
     usages += [1.0 - free / scale] * (m - j)
 
     # Apply: blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
-    # that fill up are committed at the end: their hashes include this request's own output
-    # tokens, so no other request's allocation or hit in the stretch can depend on them.
+    # that fill up are committed when the request releases them (KVCacheManager.free), not
+    # as they fill: their content includes the request's own output tokens, which no other
+    # prompt contains, so no allocation or prefix hit of another request can depend on them.
     if events:
         kv.append_blocks([running[e % num_reqs] for e in events])
     finishing = []
     for req, left in zip(running, lefts):
-        req.num_computed_tokens += m
+        req.num_computed_tokens += m - 1 + ahead
         req.num_output_tokens += m
         if left == m:
             finishing.append(req)
-    kv.commit_full_blocks_of(running)
     world.emit_stretch(running, starts)  # chunks at starts[1:]
     end = starts.pop()  # starts now holds the m steps' start times
-    world.steps.extend_decode(starts, periods, usages, num_reqs)
+    steps = world.steps
+    if first is not None:
+        for req in first.new_reqs:
+            if req.scheduled_ts is None:
+                req.scheduled_ts = now
+        steps.append(
+            now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, len(first.reqs),
+            num_reqs, 0, usages[0], 0,
+        )
+        del starts[0], periods[0], usages[0]
+    if starts:
+        steps.extend_decode(starts, periods, usages, num_reqs)
     if finishing:
         scheduler.finish_requests(finishing)
     return end, finishing

@@ -19,7 +19,7 @@ from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import StepTimeModel
-from simcap.fast_forward import Clock, advance_decode_stretch
+from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
@@ -281,14 +281,16 @@ class _World:
                 now = env.now
                 continue
             horizon = env.peek()
-            if fast and (stretch := advance_decode_stretch(self, now, horizon)) is not None:
+            out = schedule_admission(self) if fast else None
+            if fast and (stretch := advance_decode_stretch(self, now, horizon, out)) is not None:
                 now, finishing = stretch
                 if now >= horizon or (finishing and waiters):
                     yield env.timeout_at(now)
                 if finishing:
                     self.finish(finishing, now)
                 continue
-            out = scheduler.schedule()
+            if out is None:
+                out = scheduler.schedule()
             if out.total_num_scheduled_tokens == 0 and not out.preempted_reqs:
                 raise SimulationError(
                     f"engine stalled at t={now:.6f}s: {len(scheduler.waiting)} waiting, "

@@ -82,9 +82,9 @@ def test_fast_path_is_taken_on_long_decodes():
     calls = []
     original = sim.advance_decode_stretch
 
-    def spy(world, now, horizon):
+    def spy(world, now, horizon, first=None):
         before = len(world.steps)
-        out = original(world, now, horizon)
+        out = original(world, now, horizon, first)
         calls.append(len(world.steps) - before)
         return out
 
@@ -112,3 +112,34 @@ def test_decode_shortcut_changes_nothing(scenario):
         KVCacheManager.num_blocks_held = original
     assert shortcut.records == always.records and shortcut.steps == always.steps
     assert to_json(shortcut.to_dict()) == to_json(always.to_dict())
+
+
+def test_fast_path_equals_reference_path_at_scale():
+    """Hundreds of requests, with preemptions (a tight pool), shared prefixes and chunked
+    prompts, through stretches, merged admission steps and reference steps."""
+    preemptions = []
+    for engine, workload in [
+        (dict(num_gpu_blocks=120, block_size=16, max_num_seqs=24, max_num_batched_tokens=512),
+         dict(arrival={"process": "poisson", "rate": 40.0}, num_requests=300,
+              input_len={"dist": "uniform", "low": 40, "high": 600},
+              output_len={"dist": "uniform", "low": 1, "high": 300},
+              prefix={"shared_tokens": 32, "num_prefixes": 3})),
+        (dict(num_gpu_blocks=4000, block_size=16, max_num_seqs=64, max_num_batched_tokens=2048,
+              vllm_version="0.11"),
+         dict(arrival={"process": "gamma", "rate": 30.0, "burstiness": 0.5}, num_requests=400,
+              input_len={"dist": "uniform", "low": 1, "high": 3000},
+              output_len={"dist": "uniform", "low": 1, "high": 400})),
+    ]:
+        scenario = make_scenario(
+            engine={**engine, "max_model_len": 4096},
+            step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
+                           per_context_token=1e-8),
+            workload=workload,
+        )
+        reference = simulate(scenario, fast=False, records=True, steps=True)
+        fast = simulate(scenario, records=True, steps=True)
+        assert fast.records == reference.records and fast.steps == reference.steps
+        assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+        assert reference.summary.completed == workload["num_requests"]
+        preemptions.append(reference.summary.preemptions)
+    assert min(preemptions) > 0  # both pools run out: the fast path meets preemptions

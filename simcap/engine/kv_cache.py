@@ -392,20 +392,6 @@ class KVCacheManager:
             ref_cnt[block] = 1
             req_to_blocks[request.request_id].append(block)
 
-    def commit_full_blocks_of(self, requests: list[Request]) -> None:
-        """:meth:`commit_full_blocks` for each of ``requests``."""
-        if not self.enable_caching:
-            return
-        bs = self.block_size
-        committed = self._num_committed
-        for request in requests:
-            num_tokens = request.num_prompt_tokens + request.num_output_tokens
-            computed = request.num_computed_tokens
-            if computed > num_tokens:
-                computed = num_tokens
-            if computed // bs > committed.get(request.request_id, 0):
-                self._cache_full_blocks(request, computed)
-
     def commit_full_blocks(self, request: Request) -> None:
         """Commit every full block of the request's computed tokens to the prefix cache."""
         if self.enable_caching:
@@ -439,6 +425,8 @@ class KVCacheManager:
         nothing reusable and, since vLLM 0.24, go to the head to be reused first.
         """
         rid = request.request_id
+        if self.enable_caching and rid in self.req_to_blocks:
+            self.commit_full_blocks(request)  # what the fast path left to commit
         blocks = self.req_to_blocks.pop(rid, None)
         self._num_committed.pop(rid, None)
         if not blocks:

@@ -4,7 +4,9 @@ Token *content* matters only for prefix caching, so a request carries no token i
 prompt is a sequence of segments ``(key, length)``. Two requests whose prompts open with the
 same segments hold the same tokens there (a shared system prompt, an earlier turn of the same
 conversation). Output tokens form one more segment keyed by ``output_key``, so that a later
-turn can quote them and a preempted request can hit its own freed blocks.
+turn can quote them and a preempted request can hit its own freed blocks. Nothing quotes a
+request's output while it still runs (a client has not seen all of it yet): the fast path
+relies on that to commit a running request's output blocks when it releases them.
 """
 
 from __future__ import annotations

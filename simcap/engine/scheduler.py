@@ -141,18 +141,41 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        threshold = self.prefill_threshold()
+        budget = self._schedule_running(out, self.max_num_batched_tokens, threshold)
+        if not out.preempted_reqs:
+            self._schedule_waiting(out, budget, threshold)
+        self._advance(out)
+        return out
+
+    def schedule_decoders_and_admit(self, num_context_tokens: int) -> SchedulerOutput:
+        """:meth:`schedule` for a batch in which every running request decodes one token and
+        the budget covers them all, with their allocations already made by the caller
+        (``num_context_tokens``: the sum of their computed tokens). Admits from WAITING."""
+        running = self.running
+        n = len(running)
+        out = SchedulerOutput(
+            reqs=list(running), num_scheduled_tokens=[1] * n, num_scheduled_spec_tokens=[0] * n,
+            total_num_scheduled_tokens=n, num_decode_reqs=n, num_decode_tokens=n,
+            num_context_tokens=num_context_tokens + n,
+        )
+        self._schedule_waiting(out, self.max_num_batched_tokens - n, self.prefill_threshold())
+        self._advance(out)
+        return out
+
+    def prefill_threshold(self) -> int:
+        """``long_prefill_token_threshold`` as it applies to this step (0: no cap)."""
         threshold = self.long_prefill_token_threshold
         if threshold and self.features.threshold_exempts_single_request:
             if len(self.running) + len(self.waiting) <= 1:
-                threshold = 0
-        budget = self._schedule_running(out, budget, threshold)
-        if not out.preempted_reqs:
-            self._schedule_waiting(out, budget, threshold)
+                return 0
+        return threshold
+
+    @staticmethod
+    def _advance(out: SchedulerOutput) -> None:
         # num_computed_tokens advances as soon as the step is scheduled (vLLM does the same).
         for req, n in zip(out.reqs, out.num_scheduled_tokens):
             req.num_computed_tokens += n
-        return out
 
     def _add(self, out: SchedulerOutput, req: Request, n: int, num_spec: int) -> None:
         out.reqs.append(req)
