@@ -16,7 +16,9 @@ hold this path to the reference (``simulate(..., fast=False)``) on random scenar
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from heapq import heappush
+from itertools import accumulate
 
 import simpy
 from simpy.core import NORMAL
@@ -107,41 +109,29 @@ def advance_decode_stretch(
         return None
 
     # Step periods (StepTimeModel.step_period, term by term) and start times, up to the
-    # first finish or the last step that starts before the horizon.
+    # first finish; then cut after the last step that starts before the horizon. Times are
+    # accumulated one step at a time (itertools.accumulate: the same additions, in C).
     model = world.step_model
-    starts = [now]
     periods: list[float] = []
-    t = now
     todo = m_finish
     if first is not None:
-        dt = model.step_period(first)
-        periods.append(dt)
-        t += dt
-        starts.append(t)
+        periods.append(model.step_period(first))
         todo -= 1
     t0 = model.base + model.per_prefill_token * 0
     t0 += model.per_decode_token * num_reqs
     host, asynchronous = model.host_overhead, model.async_scheduling
     per_context = model.per_context_token
     if per_context:
-        for _ in range(todo):
-            if t >= horizon:
-                break
-            context += num_reqs
-            f = t0 + per_context * context
-            dt = (f if f > host else host) if asynchronous else f + host
-            periods.append(dt)
-            t += dt
-            starts.append(t)
+        for k in range(1, todo + 1):
+            f = t0 + per_context * (context + num_reqs * k)
+            periods.append((f if f > host else host) if asynchronous else f + host)
     else:
-        dt = (t0 if t0 > host else host) if asynchronous else t0 + host
-        done = len(periods)
-        for _ in range(todo):
-            if t >= horizon:
-                break
-            t += dt
-            starts.append(t)
-        periods += [dt] * (len(starts) - 1 - done)
+        periods += [(t0 if t0 > host else host) if asynchronous else t0 + host] * todo
+    starts = list(accumulate(periods, initial=now))
+    # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
+    m = bisect_left(starts, horizon, 1 if first is not None else 0, m_finish)
+    if m < m_finish:
+        del starts[m + 1 :], periods[m:]
     m = len(periods)
     if first is None and m < MIN_STRETCH:
         return None
