@@ -6,9 +6,12 @@ Reading guide, in the order data flows:
    workload, SLO, seed; loaded from YAML with ``--set`` overrides.
 2. :mod:`simcap.workload` -- the requests: arrival times, prompt/output lengths, shared prefixes.
 3. :mod:`simcap.engine` -- the pure engine model: scheduler, KV cache, step time.
-4. :mod:`simcap.simulator` -- the SimPy world around it: one event per engine step.
+4. :mod:`simcap.simulator` -- the SimPy world around it: one event per engine step on the
+   reference path, bulk stretches of steps on the fast path (:mod:`simcap.fast_forward`);
+   :mod:`simcap.steplog` keeps or reduces the per-step rows.
 5. :mod:`simcap.records` and :mod:`simcap.metrics` -- per-request records (the same type
-   for simulated and live runs) and the one path from records to a :class:`Summary`.
+   for simulated and live runs) and the one path from records, or requests streamed as they
+   finish, to a :class:`Summary`.
 6. :mod:`simcap.report` and :mod:`simcap.cli` -- tables, JSON and the ``simcap`` command.
 
 Around that core:
@@ -20,7 +23,6 @@ Around that core:
   runs: speculative-decoding crossover, safe request rate, what-if grids.
 - :mod:`simcap.plots` -- step timelines, ITL histograms, KV and queue over time, study figures.
 - :mod:`simcap.live` -- the same workload against a real server, and sim-vs-live validation.
-- :mod:`simcap.fast_forward` -- bulk pure-decode steps, equal to stepping one by one.
 
 Usage::
 

@@ -1,17 +1,20 @@
-"""Fast path: advance a stretch of identical pure-decode steps at once, exactly.
+"""Fast path: advance a stretch of pure-decode steps at once, exactly.
 
 When every running request is decoding, nothing waits, no drafts are in play and the token
 budget covers the batch, each engine step computes one token per running request and the
 batch cannot change until (a) a request finishes, (b) another SimPy event (an arrival, a
 client's think time) happens, or (c) the KV pool runs out. Until then the steps differ only
 in their attended context, so their durations, the requests' chunk times, the step log and
-the KV pool's block allocations (every ``block_size`` tokens) can be computed in bulk.
+the KV pool's block allocations (every ``block_size`` tokens) can be computed in bulk
+(:func:`advance_decode_stretch`). A step that admits waiting requests into such a batch is
+scheduled without walking the decoders one by one (:func:`schedule_admission`) and, when
+every admitted prompt completes in it, runs as the first step of the following stretch.
 
 The result is the same, float for float, as stepping one by one: step times use the
-step-time model's own operation order elementwise; start times are accumulated
-sequentially as SimPy's clock would; the KV manager is called at exactly the steps and in
-the batch order at which the reference path's ``allocate_slots`` changes state. The tests
-hold this path to the reference (``simulate(..., fast=False)``) on random scenarios.
+step-time model's own operations in its order; start times are accumulated one step at a
+time as SimPy's clock would; the KV manager hands out blocks in exactly the order in which
+the reference path's ``allocate_slots`` calls take them. The tests hold this path to the
+reference (``simulate(..., fast=False)``) on random scenarios.
 """
 
 from __future__ import annotations
