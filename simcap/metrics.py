@@ -6,7 +6,10 @@ computed identically. ``MetricsAccumulator`` is the streaming form: it takes eac
 scalars as the request finishes (``add_request``) and chunk gaps in bulk as weighted samples
 (``add_itl``: a stretch of identical decode steps gives the same gaps to every request in the
 batch), keeping the ITL samples as a sorted table of (value, count), so memory grows with the
-number of distinct gaps, not of chunks. ``summarize(records)`` feeds the records to one.
+number of distinct gaps, not of chunks. ITL samples are kept to the nanosecond
+(:data:`ITL_RESOLUTION_S`): gaps that differ only by float rounding (a run of equal steps
+gives gaps that differ in their last bits) count as one value, which keeps that table small
+over millions of steps. ``summarize(records)`` feeds the records to one.
 
 Definitions (all times in seconds, per completed request, i.e. ``record.succeeded``):
 
@@ -46,6 +49,8 @@ import numpy as np
 
 from simcap.records import RequestRecord
 
+ITL_DECIMALS = 9  # ITL samples are rounded to this many decimals of a second
+ITL_RESOLUTION_S = 10.0**-ITL_DECIMALS
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0}
 ADEQUACY = {"p90": 0.90, "p95": 0.95, "p99": 0.99}
 SLO_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2e": "e2e_s"}
@@ -390,6 +395,7 @@ class MetricsAccumulator:
         ``k`` samples of ``g / k``, and ``k == 0`` none.
         """
         g = np.array(gaps, dtype=np.float64, ndmin=1).ravel()  # a copy: callers reuse buffers
+        g = np.round(g, ITL_DECIMALS)
         if isinstance(weight, np.ndarray):
             weight = weight.astype(np.int64).ravel()
             if weight.shape != g.shape:
@@ -404,7 +410,9 @@ class MetricsAccumulator:
             k = int(tokens)
             if k < 0:
                 raise ValueError(f"tokens must be >= 0, got {k}")
-            per_token = (g, weight) if k == 1 else (g / k, weight * k) if k > 1 else None
+            per_token = (
+                (g, weight) if k == 1 else (np.round(g / k, ITL_DECIMALS), weight * k) if k > 1 else None
+            )
         else:
             k = np.asarray(tokens, dtype=np.int64).ravel()
             if k.shape != g.shape:
@@ -416,9 +424,9 @@ class MetricsAccumulator:
                 some = k > 0
                 g_tok, k = g[some], k[some]
                 w = weight[some] if isinstance(weight, np.ndarray) else weight
-                per_token = (g_tok / k, w * k)
+                per_token = (np.round(g_tok / k, ITL_DECIMALS), w * k)
             else:
-                per_token = (g / k, weight * k)
+                per_token = (np.round(g / k, ITL_DECIMALS), weight * k)
         if not g.size:
             return
         self._itl.add(g, weight)
