@@ -155,20 +155,13 @@ class Request:
         self._hash_cursor = (seg_index, seg_start, seed, seg_end if seg_index < num_segments else None)
 
 
-# Prefix identities: splitmix64's finalizer (Steele et al.) over 64-bit integers. Keys are
-# taken modulo 2**64, so distinct keys below 2**63 in magnitude stay distinct.
-_MASK = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-_KEY_MUL = 0xD6E8FEB86659FD93
+# Prefix identities from Python's tuple hash (C speed, the same in every run: ints and tuples
+# of ints are not salted). Python hashes an int modulo 2**61 - 1 and maps -1 to -2, so keys
+# are shifted by 2**60 first: keys below 2**59 in magnitude stay distinct.
+_SEED_MASK = (1 << 60) - 1
+_KEY_SHIFT = 1 << 60
 _PREFIX_SALT = 0x2545F4914F6CDD1D
 _EMPTY_PREFIX = 0x6A09E667F3BCC908
-
-
-def _mix(z: int) -> int:
-    """A bijection of 64-bit integers that scatters every input bit over the output."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
 
 
 def segment_seed(prefix: int, key: int) -> int:
@@ -177,7 +170,7 @@ def segment_seed(prefix: int, key: int) -> int:
     60 bits, so that seed + offset stays a machine-sized int: ``range`` over such ints is
     fast, and they hash to themselves in dicts.
     """
-    return _mix((prefix + (key & _MASK) * _KEY_MUL) & _MASK) >> 4
+    return hash((prefix, key + _KEY_SHIFT)) & _SEED_MASK
 
 
 def prefix_identity(seed: int, length: int) -> int:
@@ -187,4 +180,4 @@ def prefix_identity(seed: int, length: int) -> int:
     so that an empty segment still changes what follows it (as in the per-block chained
     hashes this scheme replaced, where an empty segment was a piece of the next block).
     """
-    return _mix(((seed + length * _GAMMA) & _MASK) ^ _PREFIX_SALT)
+    return hash((seed, length, _PREFIX_SALT))
