@@ -266,8 +266,8 @@ def test_of_weighted_edge_cases():
         Distribution.of_weighted([0.1, 0.2], [1, 2, 3])
 
 
-def feed(acc, r):
-    """What add_record does, through the two primitive calls (gaps one at a time)."""
+def add_scalars(acc, r):
+    """A record's per-request scalars, through add_request."""
     acc.add_request(
         r.request_id, r.arrival_time, first_token_time=r.first_token_time,
         finish_time=r.finish_time, scheduled_time=r.scheduled_time,
@@ -275,6 +275,11 @@ def feed(acc, r):
         num_preemptions=r.num_preemptions, num_cached_tokens=r.num_cached_tokens,
         succeeded=r.succeeded,
     )
+
+
+def feed(acc, r):
+    """What add_record does, through the two primitive calls (gaps one at a time)."""
+    add_scalars(acc, r)
     if r.succeeded:
         for i in range(1, len(r.chunk_times)):
             acc.add_itl(r.chunk_times[i] - r.chunk_times[i - 1], tokens=r.chunk_tokens[i])
@@ -324,13 +329,7 @@ def test_summary_exactly_order_and_grouping_independent(rs, rnd, compact_at):
     acc = MetricsAccumulator()
     rnd.shuffle(shuffled)
     for r in shuffled:
-        acc.add_request(
-            r.request_id, r.arrival_time, first_token_time=r.first_token_time,
-            finish_time=r.finish_time, scheduled_time=r.scheduled_time,
-            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
-            num_preemptions=r.num_preemptions, num_cached_tokens=r.num_cached_tokens,
-            succeeded=r.succeeded,
-        )
+        add_scalars(acc, r)
     gaps = [
         (r.chunk_times[i] - r.chunk_times[i - 1], r.chunk_tokens[i])
         for r in rs if r.succeeded for i in range(1, len(r.chunk_times))
