@@ -133,7 +133,7 @@ def test_records_survive_a_killed_run(base_url, scenario_for, tmp_path, sig):
             time.sleep(0.1)
         assert proc.poll() is None, f"run ended early: {proc.communicate()}"
         os.kill(proc.pid, sig)  # SIGKILL: a crash, no cleanup runs; SIGINT: Ctrl-C
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=90)  # a shared, loaded machine can be slow to unwind
         if sig == signal.SIGINT:
             assert proc.returncode == 130 and "interrupted" in err, err
     finally:
