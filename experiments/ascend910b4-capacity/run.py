@@ -50,7 +50,7 @@ def _ms(x: float | None) -> str:
 
 
 def results_markdown(res: dict) -> str:
-    pred, search, grid = res["prediction"], res["search"], res["grid"]
+    pred, search = res["prediction"], res["search"]
     lo_hi = pred["safe_rate_interval"]
     interval = f"{_r(lo_hi[0])}-{_r(lo_hi[1])}" if lo_hi else "-"
     prof = res["provenance"].get("profile") or {}

@@ -225,15 +225,6 @@ class PrefixCache:
                 if holder != block:  # another block holds this hash: put its entry back
                     self._map[h] = holder
 
-    def evict_one(self, block: int) -> None:
-        """:meth:`evict` for one block."""
-        h = self.block_hash[block]
-        if h is not None:
-            self.block_hash[block] = None
-            holder = self._map.pop(h, block)
-            if holder != block:
-                self._map[h] = holder
-
     def check(self) -> None:
         """Every entry points to a block that holds its hash."""
         block_hash = self.block_hash
@@ -373,17 +364,15 @@ class KVCacheManager:
     def append_block(self, request: Request) -> None:
         """Give a running request one more block (the caller checked one is free).
 
-        The fast path's form of the allocation a decode step makes every ``block_size``
-        tokens: the same LRU pop and eviction as :meth:`allocate_slots`.
+        The allocation a decode step makes every ``block_size`` tokens: the same LRU pop and
+        eviction as :meth:`allocate_slots`.
         """
-        block = self.free_queue.popleft()
-        self.prefix_cache.evict_one(block)
-        self.ref_cnt[block] = 1
-        self.req_to_blocks[request.request_id].append(block)
+        self.append_blocks([request])
 
     def append_blocks(self, requests: list[Request]) -> None:
         """:meth:`append_block` for each of ``requests`` in turn (the caller checked enough
-        blocks are free); a request may appear more than once."""
+        blocks are free); a request may appear more than once. The fast path's form: one
+        call for all the blocks a stretch of decode steps takes, in the order it takes them."""
         new = self.free_queue.popleft_many(len(requests))
         self.prefix_cache.evict(new)
         ref_cnt = self.ref_cnt

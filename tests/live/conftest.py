@@ -17,11 +17,13 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from simcap.live.prom import parse_metrics
 from simcap.live.server import VllmServer, tiny_model_dir, vllm_python
 from simcap.scenario import parse_scenario
 
@@ -171,3 +173,14 @@ def write_yaml():
         return path
 
     return write
+
+
+def wait_idle(base_url: str, timeout: float = 30.0) -> None:
+    """Wait until the server runs and queues no request (it aborted what clients gave up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
+        if snap.gauges.get("vllm:num_requests_running", 0) == 0 and snap.gauges.get("vllm:num_requests_waiting", 0) == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"server still busy after {timeout:g} s")

@@ -17,20 +17,12 @@ import pytest
 import yaml
 
 from simcap.live.prom import parse_metrics
+from tests.live.conftest import wait_idle
 
 pytestmark = pytest.mark.live
 
 CAL_ARGS = ("--model", "tiny", "--max-num-seqs", "8", "--max-num-batched-tokens", "512")
 
-
-def _wait_idle(base_url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
-        if snap.gauges.get("vllm:num_requests_running", 0) == 0 and snap.gauges.get("vllm:num_requests_waiting", 0) == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("server still busy")
 
 
 @pytest.fixture(scope="module")
@@ -172,4 +164,4 @@ def test_request_timeout_is_recorded_as_a_failed_request(vllm_server, tmp_path, 
     assert data["live"]["errors"] == ["timeout: not complete within 0.3 s (request timeout) after 0 chunks"]
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     assert len(lines) == 2 and all(r["finish_reason"] == "error" and r["error"].startswith("timeout") for r in lines)
-    _wait_idle(vllm_server.base_url)  # the server aborted the requests the client gave up on
+    wait_idle(vllm_server.base_url)  # the server aborted the requests the client gave up on

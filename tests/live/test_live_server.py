@@ -11,12 +11,11 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 import yaml
 
 from simcap.live.client import run_live
-from simcap.live.prom import parse_metrics
+from tests.live.conftest import wait_idle
 from simcap.live.validate import METRICS, validate
 from simcap.records import RequestRecord
 
@@ -106,15 +105,6 @@ def _live_command() -> list[str]:
     return [sys.executable, "-m", "simcap.live"]
 
 
-def _wait_idle(base_url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
-        if snap.gauges.get("vllm:num_requests_running", 0) == 0 and snap.gauges.get("vllm:num_requests_waiting", 0) == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("server still busy after the client was killed")
-
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["crash", "ctrl-c"])
 def test_records_survive_a_killed_run(base_url, scenario_for, tmp_path, sig):
@@ -152,7 +142,7 @@ def test_records_survive_a_killed_run(base_url, scenario_for, tmp_path, sig):
         rec = RequestRecord.from_dict(json.loads(line))
         assert rec.succeeded and rec.num_output_tokens == OUT
     assert len(lines) < 200
-    _wait_idle(base_url)
+    wait_idle(base_url)
 
 
 def test_validate_compares_every_metric(base_url, scenario_for, tmp_path):

@@ -141,7 +141,6 @@ class GuardedFakeVllm(FakeVllm):
             return httpx.Response(401, json={"error": f"Unauthorized: {request.headers.get('authorization')}"})
         if path == "/v1/completions" and self.calls == STALL:
             self.calls += 1
-            body = json.loads(request.content)
             first = _sse({"choices": [{"text": "x", "token_ids": [7], "finish_reason": None}]})
             return httpx.Response(200, stream=_Stall([first, first], self.stall_s))
         if path == "/v1/completions" and self.calls in (CUT, MALFORMED, HTTP_500, NO_DONE, USAGE_MORE, ERROR_EVENT):
