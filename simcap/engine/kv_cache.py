@@ -251,10 +251,14 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.free_unhashed_first = free_unhashed_first
         self.ref_cnt = [0] * num_blocks
+        self._num_shared = 0  # references beyond a block's first: sum of max(ref_cnt - 1, 0)
         self.free_queue = FreeBlockQueue(range(1, num_blocks))
         self.prefix_cache = PrefixCache(num_blocks)
         self.req_to_blocks: dict[int, list[int]] = {}
         self._num_committed: dict[int, int] = {}  # request id -> blocks committed to the cache
+        # Requests freed unfinished (preempted) and not finished since: they may hit their
+        # own private blocks, so those are registered in the prefix cache (see _registers).
+        self._preempted: set[int] = set()
         # Prefix-cache counters (tokens), as vllm:prefix_cache_queries / _hits.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -287,7 +291,12 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
-        blocks = self.prefix_cache.longest_prefix(request.hash_full_blocks(bs), max_blocks)
+        limit = self._num_registrable(request)
+        if limit < max_blocks:  # private blocks of a request never preempted: nobody holds them
+            max_blocks = limit
+        if max_blocks <= 0:
+            return [], 0
+        blocks = self.prefix_cache.longest_prefix(request.hash_full_blocks(bs, max_blocks), max_blocks)
         if drop_last_block and blocks:
             blocks.pop()
         return blocks, len(blocks) * bs
@@ -338,6 +347,7 @@ class KVCacheManager:
                 return False
             for block in touched:
                 free_queue.remove(block)
+            self._num_shared += len(new_computed_blocks) - len(touched)
             for block in new_computed_blocks:
                 ref_cnt[block] += 1
         elif num_new_blocks > free_queue.num_free:
@@ -391,56 +401,104 @@ class KVCacheManager:
             if computed // self.block_size > self._num_committed.get(request.request_id, 0):
                 self._cache_full_blocks(request, computed)
 
+    def _num_registrable(self, request: Request) -> int:
+        """How many of the request's leading blocks go into the prefix cache when they fill.
+
+        A block whose content includes a private segment (see ``request.py``) can only ever
+        be hit by its own request, after a preemption. So the blocks of a request never
+        preempted are registered only as far as its public prefix goes; the rest are
+        registered when it is first preempted (:meth:`free`), none of their hashes being in
+        the cache before, which leaves the cache as registering them one by one would have.
+        A finished request's private blocks are never registered: no request can hit them.
+        What shows is the same: every block a request could hit, and the order of the free
+        queue (a block counts as cached when it is full, registered or not).
+        """
+        if request.request_id in self._preempted:
+            return request.num_tokens
+        return request.num_public_tokens // self.block_size
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Commit the request's newly full blocks (never drafts) to the prefix cache."""
-        bs = self.block_size
-        num_full = num_tokens // bs
+        num_full = num_tokens // self.block_size
         rid = request.request_id
         done = self._num_committed.get(rid, 0)
         if num_full <= done:
             return
-        hashes = request.hash_full_blocks(bs)
-        blocks = self.req_to_blocks[rid]
         self._num_committed[rid] = num_full
-        if num_full == done + 1:
-            self.prefix_cache.register_one(blocks[done], hashes[done])
+        limit = self._num_registrable(request)
+        self._register(request, done, num_full if num_full < limit else limit)
+
+    def _register(self, request: Request, start: int, stop: int) -> None:
+        """Register the request's blocks ``start .. stop-1`` in the prefix cache."""
+        if stop <= start:
+            return
+        hashes = request.hash_full_blocks(self.block_size, stop)
+        blocks = self.req_to_blocks[request.request_id]
+        if stop == start + 1:
+            self.prefix_cache.register_one(blocks[start], hashes[start])
         else:
-            self.prefix_cache.register(blocks[done:num_full], hashes[done:num_full])
+            self.prefix_cache.register(blocks[start:stop], hashes[start:stop])
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, to the LRU free queue.
 
-        Cached (hashed) blocks join the tail, to be evicted last; blocks without a hash hold
-        nothing reusable and, since vLLM 0.24, go to the head to be reused first.
+        Cached (full, committed) blocks join the tail, to be evicted last; blocks without a
+        hash hold nothing reusable and, since vLLM 0.24, go to the head to be reused first.
+        A request freed before it finished (preempted) first registers its private blocks,
+        which it may hit when it is scheduled again.
         """
         rid = request.request_id
-        if self.enable_caching and rid in self.req_to_blocks:
-            self.commit_full_blocks(request)  # what the fast path left to commit
         blocks = self.req_to_blocks.pop(rid, None)
-        self._num_committed.pop(rid, None)
         if not blocks:
+            self._num_committed.pop(rid, None)
+            if request.is_finished:
+                self._preempted.discard(rid)
             return
+        num_cached = 0
+        if self.enable_caching:
+            self.req_to_blocks[rid] = blocks  # (for the commit)
+            self.commit_full_blocks(request)  # what the fast path left to commit
+            num_cached = self._num_committed.get(rid, 0)
+            if request.is_finished:
+                self._preempted.discard(rid)
+            elif rid not in self._preempted:
+                self._register(request, self._num_registrable(request), num_cached)
+                self._preempted.add(rid)
+            del self.req_to_blocks[rid]
+        self._num_committed.pop(rid, None)
+        # Blocks num_cached.. hold no committed content; the rest do, or are shared.
         ref_cnt = self.ref_cnt
+        if not self._num_shared:  # every block has this request as its only holder
+            for block in blocks:
+                ref_cnt[block] = 0
+            cached = blocks[:num_cached]
+            cached.reverse()
+            if self.free_unhashed_first:
+                if num_cached < len(blocks):
+                    uncached = blocks[num_cached:]
+                    uncached.reverse()
+                    self.free_queue.extend_head(uncached)
+            elif num_cached < len(blocks):
+                uncached = blocks[num_cached:]
+                uncached.reverse()
+                cached = uncached + cached
+            self.free_queue.extend(cached)
+            return
         to_tail: list[int] = []
-        if self.free_unhashed_first:
-            block_hash = self.prefix_cache.block_hash
-            to_head: list[int] = []
-            for block in reversed(blocks):
-                count = ref_cnt[block] - 1
-                ref_cnt[block] = count
-                if not count:
-                    if block_hash[block] is None:
-                        to_head.append(block)
-                    else:
-                        to_tail.append(block)
-            if to_head:
-                self.free_queue.extend_head(to_head)
-        else:
-            for block in reversed(blocks):
-                count = ref_cnt[block] - 1
-                ref_cnt[block] = count
-                if not count:
-                    to_tail.append(block)
+        to_head: list[int] = []
+        head_first = self.free_unhashed_first
+        for i in range(len(blocks) - 1, -1, -1):
+            block = blocks[i]
+            count = ref_cnt[block] - 1
+            ref_cnt[block] = count
+            if count:
+                self._num_shared -= 1
+            elif head_first and i >= num_cached:
+                to_head.append(block)
+            else:
+                to_tail.append(block)
+        if to_head:
+            self.free_queue.extend_head(to_head)
         self.free_queue.extend(to_tail)
 
     def check_invariants(self) -> None:

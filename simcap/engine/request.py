@@ -7,11 +7,20 @@ conversation). Output tokens form one more segment keyed by ``output_key``, so t
 turn can quote them and a preempted request can hit its own freed blocks. Nothing quotes a
 request's output while it still runs (a client has not seen all of it yet): the fast path
 relies on that to commit a running request's output blocks when it releases them.
+
+Keys below zero are *private*: content that no other request's prompt holds (a request's own
+prompt tail, its output unless a later turn quotes it under a key >= 0). A block whose
+content reaches into a private segment can only be hit by its own request after a
+preemption, and the KV pool keeps it out of the prefix cache until then
+(``KVCacheManager._num_registrable``).
 """
 
 from __future__ import annotations
 
 import enum
+
+
+ALL_PUBLIC = 1 << 62  # num_public_tokens of a request with no private segment
 
 
 class RequestStatus(enum.IntEnum):
@@ -37,6 +46,7 @@ class Request:
         "num_spec_tokens",
         "num_preemptions",
         "num_cached_tokens",
+        "num_public_tokens",
         "block_hashes",
         "_hash_cursor",
         "scheduled_ts",
@@ -62,6 +72,16 @@ class Request:
         if sum(length for _, length in self.segments) != num_prompt_tokens:
             raise ValueError("segments must add up to num_prompt_tokens")
         self.output_key = output_key if output_key is not None else -2 * request_id - 2
+        # Tokens before the first private segment (the output's, if the prompt has none).
+        public = 0
+        for key, length in self.segments:
+            if key < 0:
+                break
+            public += length
+        else:
+            if self.output_key >= 0:
+                public = ALL_PUBLIC
+        self.num_public_tokens = public
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
@@ -90,8 +110,9 @@ class Request:
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_LENGTH_CAPPED
 
-    def hash_full_blocks(self, block_size: int) -> list[int]:
-        """Extend ``block_hashes`` over every full block of ``num_tokens``; return the list.
+    def hash_full_blocks(self, block_size: int, max_blocks: int | None = None) -> list[int]:
+        """Extend ``block_hashes`` over every full block of ``num_tokens`` (at least the first
+        ``max_blocks`` of them, when given); return the list.
 
         vLLM chains ``hash(parent_hash, block_token_ids)``, so block ``i``'s hash identifies
         all tokens up to the block's end. Here token content is a list of segments, and the
@@ -106,6 +127,8 @@ class Request:
         """
         hashes = self.block_hashes
         num_full = (self.num_prompt_tokens + self.num_output_tokens) // block_size
+        if max_blocks is not None and max_blocks < num_full:
+            num_full = max_blocks
         n = len(hashes)
         if n >= num_full:
             return hashes
