@@ -124,16 +124,23 @@ def advance_decode_stretch(
     t0 += model.per_decode_token * num_reqs
     host, asynchronous = model.host_overhead, model.async_scheduling
     per_context = model.per_context_token
+    # Periods never shrink along a stretch (the context grows), so no more than
+    # (horizon - now) / first period + 1 steps start before the horizon: price only those
+    # (+1 for rounding), not every step up to a finish far beyond it.
+    f = t0 + per_context * (context + num_reqs)
+    p1 = (f if f > host else host) if asynchronous else f + host
+    if p1 > 0 and per_context >= 0 and horizon - now < p1 * todo:
+        todo = int((horizon - now) / p1) + 2
     if per_context:
         for k in range(1, todo + 1):
             f = t0 + per_context * (context + num_reqs * k)
             periods.append((f if f > host else host) if asynchronous else f + host)
     else:
-        periods += [(t0 if t0 > host else host) if asynchronous else t0 + host] * todo
+        periods += [p1] * todo
     starts = list(accumulate(periods, initial=now))
     # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
-    m = bisect_left(starts, horizon, 1 if first is not None else 0, m_finish)
-    if m < m_finish:
+    m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
+    if m < len(periods):
         del starts[m + 1 :], periods[m:]
     m = len(periods)
     if first is None and m < MIN_STRETCH:

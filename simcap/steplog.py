@@ -115,7 +115,8 @@ class StepLog:
 
     def _reduce(self, starts: np.ndarray, usages: np.ndarray) -> None:
         weights = starts[1:] - starts[:-1]
-        self._weighted += float(np.dot(weights, usages[: len(weights)]))
+        # (a pairwise sum, not a BLAS dot: the same bits however many threads BLAS has)
+        self._weighted += float((weights * usages[: len(weights)]).sum())
         self._weight += float(weights.sum())
         self._usage_sum += float(usages.sum())
         self._max = max(self._max, float(usages.max()))

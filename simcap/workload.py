@@ -40,7 +40,7 @@ class _LengthSampler:
     def __init__(self, spec: FixedLength | UniformLength | EmpiricalLength, rng: np.random.Generator):
         self.spec = spec
         self.rng = rng
-        self.drawn = np.empty(0, dtype=np.int64)
+        self.drawn: list[int] = []
 
     def _draw(self) -> np.ndarray:
         spec = self.spec
@@ -52,8 +52,8 @@ class _LengthSampler:
 
     def __getitem__(self, i: int) -> int:
         while i >= len(self.drawn):
-            self.drawn = np.concatenate([self.drawn, self._draw()])
-        return int(self.drawn[i])
+            self.drawn += self._draw().tolist()
+        return self.drawn[i]
 
 
 class Workload:
