@@ -185,6 +185,8 @@ class PrefixCache:
     def __init__(self, num_blocks: int) -> None:
         self.block_hash: list[int | None] = [None] * num_blocks
         self._map: dict[int, int] = {}
+        self.num_hashed = 0  # blocks whose block_hash is not None
+
 
     def __len__(self) -> int:
         """How many hashes the cache can hit."""
@@ -201,7 +203,10 @@ class PrefixCache:
         return blocks
 
     def register(self, blocks: list[int], hashes: list[int]) -> None:
-        """Record that ``blocks[i]`` holds ``hashes[i]``; an existing holder keeps the entry."""
+        """Record that ``blocks[i]`` holds ``hashes[i]``; an existing holder keeps the entry.
+
+        The blocks hold no hash yet (a block is registered once, after its allocation)."""
+        self.num_hashed += len(blocks)
         block_hash = self.block_hash
         setdefault = self._map.setdefault
         for block, h in zip(blocks, hashes):
@@ -210,24 +215,29 @@ class PrefixCache:
 
     def register_one(self, block: int, h: int) -> None:
         """:meth:`register` for one block (a decode step fills one block at a time)."""
+        self.num_hashed += 1
         self.block_hash[block] = h
         self._map.setdefault(h, block)
 
     def evict(self, blocks: list[int]) -> None:
         """Forget the content of blocks taken for reuse."""
+        if not self.num_hashed:
+            return
         block_hash = self.block_hash
         pop = self._map.pop
         for block in blocks:
             h = block_hash[block]
             if h is not None:
+                self.num_hashed -= 1
                 block_hash[block] = None
                 holder = pop(h, block)
                 if holder != block:  # another block holds this hash: put its entry back
                     self._map[h] = holder
 
     def check(self) -> None:
-        """Every entry points to a block that holds its hash."""
+        """Every entry points to a block that holds its hash; the hashed blocks are counted."""
         block_hash = self.block_hash
+        assert self.num_hashed == len(block_hash) - block_hash.count(None), "hashed count"
         for h, block in self._map.items():
             assert block_hash[block] == h, "cache entry for a block that does not hold it"
 
