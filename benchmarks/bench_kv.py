@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from simcap.engine.kv_cache import KVCacheManager  # noqa: E402
-from simcap.engine.request import Request  # noqa: E402
+from simcap.engine.request import Request, RequestStatus  # noqa: E402
 from tests.kv_oracle import OracleKVCacheManager  # noqa: E402
 
 
@@ -59,6 +59,7 @@ def run_step(pool, reqs, output_len: int) -> None:
         still = []
         for req in active:
             if req.num_output_tokens >= output_len:
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 pool.free(req)
                 continue
             allocate(req, 1)
@@ -104,6 +105,7 @@ def run_stretch(pool, reqs, events) -> None:
                 req.num_output_tokens = k + 1
                 pool.commit_full_blocks(req)
             else:
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 pool.free(req)
 
 

@@ -187,7 +187,6 @@ class PrefixCache:
         self._map: dict[int, int] = {}
         self.num_hashed = 0  # blocks whose block_hash is not None
 
-
     def __len__(self) -> int:
         """How many hashes the cache can hit."""
         return len(self._map)
@@ -267,7 +266,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[int, list[int]] = {}
         self._num_committed: dict[int, int] = {}  # request id -> blocks committed to the cache
         # Requests freed unfinished (preempted) and not finished since: they may hit their
-        # own private blocks, so those are registered in the prefix cache (see _registers).
+        # own private blocks, so those are registered in the prefix cache (see _num_registrable).
         self._preempted: set[int] = set()
         # Prefix-cache counters (tokens), as vllm:prefix_cache_queries / _hits.
         self.prefix_cache_queries = 0
@@ -458,41 +457,35 @@ class KVCacheManager:
         which it may hit when it is scheduled again.
         """
         rid = request.request_id
-        blocks = self.req_to_blocks.pop(rid, None)
-        if not blocks:
-            self._num_committed.pop(rid, None)
-            if request.is_finished:
-                self._preempted.discard(rid)
-            return
-        num_cached = 0
-        if self.enable_caching:
-            self.req_to_blocks[rid] = blocks  # (for the commit)
+        blocks = self.req_to_blocks.get(rid)
+        num_cached = 0  # blocks 0 .. num_cached-1 hold committed content; the rest none
+        if blocks and self.enable_caching:
             self.commit_full_blocks(request)  # what the fast path left to commit
             num_cached = self._num_committed.get(rid, 0)
-            if request.is_finished:
-                self._preempted.discard(rid)
-            elif rid not in self._preempted:
+            if not request.is_finished and rid not in self._preempted:
                 self._register(request, self._num_registrable(request), num_cached)
-                self._preempted.add(rid)
-            del self.req_to_blocks[rid]
+        if request.is_finished:
+            self._preempted.discard(rid)
+        else:
+            self._preempted.add(rid)
+        self.req_to_blocks.pop(rid, None)
         self._num_committed.pop(rid, None)
-        # Blocks num_cached.. hold no committed content; the rest do, or are shared.
+        if not blocks:
+            return
         ref_cnt = self.ref_cnt
         if not self._num_shared:  # every block has this request as its only holder
             for block in blocks:
                 ref_cnt[block] = 0
             cached = blocks[:num_cached]
             cached.reverse()
+            uncached = blocks[num_cached:]
+            uncached.reverse()
             if self.free_unhashed_first:
-                if num_cached < len(blocks):
-                    uncached = blocks[num_cached:]
-                    uncached.reverse()
+                if uncached:
                     self.free_queue.extend_head(uncached)
-            elif num_cached < len(blocks):
-                uncached = blocks[num_cached:]
-                uncached.reverse()
-                cached = uncached + cached
-            self.free_queue.extend(cached)
+                self.free_queue.extend(cached)
+            else:
+                self.free_queue.extend(uncached + cached)
             return
         to_tail: list[int] = []
         to_head: list[int] = []
