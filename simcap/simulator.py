@@ -11,6 +11,7 @@ records and step-log rows are kept only when asked for.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -126,8 +127,8 @@ class _World:
 
     # ------------------------------------------------------------------ actors
 
-    def submit(self, spec: RequestSpec) -> None:
-        now = self.env.now
+    def submit(self, spec: RequestSpec, now: float) -> None:
+        """``spec`` arrives at ``now``."""
         if self.records is not None:
             self.records.append(
                 RequestRecord(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens)
@@ -138,20 +139,6 @@ class _World:
         if self._wakeup is not None:
             self._wakeup.succeed()
             self._wakeup = None
-
-    def open_loop(self, times: np.ndarray):
-        env = self.env
-        for i, t in enumerate(times.tolist()):
-            if t > env.now:
-                yield env.timeout(t - env.now)
-            self.submit(self.workload.spec(i))
-
-    def replay(self, trace: list[tuple[float, RequestSpec]]):
-        env = self.env
-        for t, spec in trace:
-            if t > env.now:
-                yield env.timeout(t - env.now)
-            self.submit(spec)
 
     def closed_loop(self, arrival: ClosedArrival):
         env = self.env
@@ -165,7 +152,7 @@ class _World:
                     return
                 done = env.event()
                 self._on_finish[i] = done.succeed
-                self.submit(self.workload.spec(i))
+                self.submit(self.workload.spec(i), env.now)
                 yield done
                 if arrival.think_time_s:
                     yield env.timeout(arrival.think_time_s)
@@ -261,13 +248,18 @@ class _World:
             if notify is not None:
                 notify()
 
-    def engine(self):
+    def engine(self, times: list[float] | None = None, specs: Callable[[int], RequestSpec] | None = None):
         """Step the engine; in fast mode, without a SimPy event for steps nobody waits on.
 
+        Open-loop and replayed arrivals (``times``, ``specs(i)`` the i-th request) are the
+        engine's to take: before each step it takes every request that has arrived by then,
+        and an idle engine moves on to the next arrival. Closed-loop clients are SimPy
+        processes that submit requests and wait on their completion.
+
         The reference path yields one timeout per step. The fast path keeps its own clock and
-        yields only when another event is due by the step's end (an arrival, a client's think
-        time) or a client waits on a request finishing in it: between such events the order
-        of things, and every float, is the same.
+        yields only when a client is due by the step's end (its think time over) or waits on
+        a request finishing in it: between such events the order of things, and every float,
+        is the same.
         """
         env = self.env
         scheduler = self.scheduler
@@ -276,18 +268,33 @@ class _World:
         kv = scheduler.kv
         fast = self.fast
         waiters = self._on_finish
+        clients = times is None  # closed loop: other SimPy processes share the clock
+        num_arrivals = len(times) if times is not None else 0
+        k = 0  # the next arrival
+        next_arrival = times[0] if num_arrivals else math.inf
         now = env.now
         while True:
+            while next_arrival <= now:
+                self.submit(specs(k), next_arrival)
+                k += 1
+                next_arrival = times[k] if k < num_arrivals else math.inf
             if not scheduler.has_unfinished_requests():
+                if not clients:
+                    if next_arrival == math.inf:
+                        return
+                    if not fast:
+                        yield env.timeout_at(next_arrival)
+                    now = next_arrival
+                    continue
                 self._wakeup = env.event()
                 yield self._wakeup
                 now = env.now
                 continue
-            horizon = env.peek()
+            horizon = env.peek() if clients else next_arrival
             out = schedule_admission(self) if fast else None
             if fast and (stretch := advance_decode_stretch(self, now, horizon, out)) is not None:
                 now, finishing = stretch
-                if now >= horizon or (finishing and waiters):
+                if clients and (now >= horizon or (finishing and waiters)):
                     yield env.timeout_at(now)
                 if finishing:
                     self.finish(finishing, now)
@@ -312,7 +319,7 @@ class _World:
                 now = env.now
             else:
                 now += dt
-                if now >= horizon or waiters:
+                if clients and (now >= horizon or waiters):
                     yield env.timeout_at(now)
             accepted = None
             if out.num_verify_tokens:
@@ -331,12 +338,14 @@ class _World:
     def run(self, trace: list[tuple[float, RequestSpec]] | None = None) -> Result:
         arrival = self.scenario.workload.arrival
         if trace is not None:
-            self.env.process(self.replay(trace))
+            times = list(itertools.accumulate((t for t, _ in trace), max))  # (in send order)
+            self.env.process(self.engine(times, lambda i: trace[i][1]))
         elif isinstance(arrival, ClosedArrival):
             self.closed_loop(arrival)
+            self.env.process(self.engine())
         else:
-            self.env.process(self.open_loop(self.workload.arrival_times()))
-        self.env.process(self.engine())
+            times = self.workload.arrival_times().tolist()
+            self.env.process(self.engine(times, self.workload.spec))
         self.env.run()
         if self.scheduler.has_unfinished_requests():
             raise SimulationError("simulation ended with unfinished requests")
