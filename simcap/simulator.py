@@ -1,9 +1,11 @@
-"""The SimPy world: arrivals or closed-loop clients, and one engine process.
+"""The SimPy world: one engine process, and closed-loop clients when the workload has them.
 
-The engine loops ``schedule -> timeout(step period) -> update``: on the reference path one
-SimPy event per engine step, never one per token; on the fast path whole stretches of steps
-at once, with an event only where another actor is due. Tokens a step produces reach the
-client at the end of the step, as one stream chunk per request. Clients (closed loop) wait on
+The engine loops ``take arrivals -> schedule -> timeout(step period) -> update``: on the
+reference path one SimPy event per engine step, never one per token; on the fast path whole
+stretches of steps at once, with an event only where a client is due. Open-loop and replayed
+arrivals are known in advance, so the engine takes them itself: before each step, every
+request that has arrived by then. Tokens a step produces reach the client at the end of the
+step, as one stream chunk per request. Clients (closed loop) are SimPy processes that wait on
 their request's completion. Finished requests go straight into the run's metrics; full
 records and step-log rows are kept only when asked for.
 """
