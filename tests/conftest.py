@@ -57,7 +57,7 @@ def check_step_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
     assert len(scheduler.running) <= cfg.max_num_seqs, "max_num_seqs exceeded"
     assert len(set(map(id, out.reqs))) == len(out.reqs), "request scheduled twice"
     scheduler.kv.check_invariants()
-    in_use = sum(1 for c in scheduler.kv.ref_cnt[1:] if c > 0)
+    in_use = sum(1 for c in scheduler.kv.ref_counts()[1:] if c > 0)
     assert in_use <= cfg.num_blocks - 1, "more blocks in use than the pool"
     running = set(map(id, scheduler.running))
     assert not running & set(map(id, scheduler.waiting)), "request both running and waiting"

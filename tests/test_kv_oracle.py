@@ -41,7 +41,7 @@ def compare(pool: KVCacheManager, oracle: OracleKVCacheManager, waiting=()) -> N
     assert pool.num_free_blocks == oracle.num_free_blocks
     assert pool.usage == oracle.usage
     assert pool.req_to_blocks == oracle.req_to_blocks
-    assert list(pool.ref_cnt) == oracle.ref_cnt
+    assert pool.ref_counts() == oracle.ref_cnt
     assert pool.prefix_cache_queries == oracle.prefix_cache_queries
     assert pool.prefix_cache_hits == oracle.prefix_cache_hits
     pool.check_invariants()

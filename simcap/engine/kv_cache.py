@@ -11,7 +11,12 @@ Three parts, one job each: :class:`FreeBlockQueue` (the LRU order of free blocks
 (ref counts, the blocks each request holds, and the allocation rules built on the other two).
 They are laid out for bulk work: a request gets, commits and frees dozens of blocks at once.
 
-Invariant (checked by the tests): free blocks + blocks with ref_cnt > 0 == num_blocks - 1.
+Only a block in the prefix cache (one with a hash) can be shared: a prefix hit is the only
+way a second request takes a block. So ``ref_cnt`` is kept for those blocks alone; a block
+without a hash has one holder or none, and its ``ref_cnt`` entry stays 0
+(:meth:`KVCacheManager.ref_counts` gives every block's count).
+
+Invariant (checked by the tests): free blocks + held blocks == num_blocks - 1.
 """
 
 from __future__ import annotations
@@ -259,7 +264,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.free_unhashed_first = free_unhashed_first
-        self.ref_cnt = [0] * num_blocks
+        self.ref_cnt = [0] * num_blocks  # holders of each block with a hash (see above)
         self._num_shared = 0  # references beyond a block's first: sum of max(ref_cnt - 1, 0)
         self.free_queue = FreeBlockQueue(range(1, num_blocks))
         self.prefix_cache = PrefixCache(num_blocks)
@@ -370,8 +375,6 @@ class KVCacheManager:
             else:
                 new = free_queue.popleft_many(num_new_blocks)
             self.prefix_cache.evict(new)  # the LRU blocks lose their cached content
-            for block in new:
-                ref_cnt[block] = 1
             held += new
         if self.enable_caching:
             if new_computed_blocks and rid not in self._num_committed:
@@ -394,10 +397,8 @@ class KVCacheManager:
         call for all the blocks a stretch of decode steps takes, in the order it takes them."""
         new = self.free_queue.popleft_many(len(requests))
         self.prefix_cache.evict(new)
-        ref_cnt = self.ref_cnt
         req_to_blocks = self.req_to_blocks
         for block, request in zip(new, requests):
-            ref_cnt[block] = 1
             req_to_blocks[request.request_id].append(block)
 
     def commit_full_blocks(self, request: Request) -> None:
@@ -443,10 +444,14 @@ class KVCacheManager:
             return
         hashes = request.hash_full_blocks(self.block_size, stop)
         blocks = self.req_to_blocks[request.request_id]
+        ref_cnt = self.ref_cnt
         if stop == start + 1:
             self.prefix_cache.register_one(blocks[start], hashes[start])
+            ref_cnt[blocks[start]] = 1
         else:
             self.prefix_cache.register(blocks[start:stop], hashes[start:stop])
+            for block in blocks[start:stop]:
+                ref_cnt[block] = 1
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, to the LRU free queue.
@@ -459,11 +464,15 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
         num_cached = 0  # blocks 0 .. num_cached-1 hold committed content; the rest none
+        num_tracked = 0  # blocks 0 .. num_tracked-1 are in the prefix cache (with ref counts)
         if blocks and self.enable_caching:
             self.commit_full_blocks(request)  # what the fast path left to commit
             num_cached = self._num_committed.get(rid, 0)
+            limit = self._num_registrable(request)
             if not request.is_finished and rid not in self._preempted:
-                self._register(request, self._num_registrable(request), num_cached)
+                self._register(request, limit, num_cached)  # it may hit them when rescheduled
+                limit = num_cached
+            num_tracked = num_cached if num_cached < limit else limit
         if request.is_finished:
             self._preempted.discard(rid)
         else:
@@ -472,52 +481,57 @@ class KVCacheManager:
         self._num_committed.pop(rid, None)
         if not blocks:
             return
+        # Tail first. Blocks outside the prefix cache had this request as their only holder.
         ref_cnt = self.ref_cnt
-        if not self._num_shared:  # every block has this request as its only holder
-            for block in blocks:
+        uncached = blocks[num_cached:]
+        uncached.reverse()
+        if not self._num_shared:  # nor do the others
+            for block in blocks[:num_tracked]:
                 ref_cnt[block] = 0
             cached = blocks[:num_cached]
             cached.reverse()
-            uncached = blocks[num_cached:]
-            uncached.reverse()
-            if self.free_unhashed_first:
-                if uncached:
-                    self.free_queue.extend_head(uncached)
-                self.free_queue.extend(cached)
-            else:
-                self.free_queue.extend(uncached + cached)
-            return
-        to_tail: list[int] = []
-        to_head: list[int] = []
-        head_first = self.free_unhashed_first
-        for i in range(len(blocks) - 1, -1, -1):
-            block = blocks[i]
-            count = ref_cnt[block] - 1
-            ref_cnt[block] = count
-            if count:
-                self._num_shared -= 1
-            elif head_first and i >= num_cached:
-                to_head.append(block)
-            else:
-                to_tail.append(block)
-        if to_head:
-            self.free_queue.extend_head(to_head)
-        self.free_queue.extend(to_tail)
+        else:
+            cached = blocks[num_tracked:num_cached]
+            cached.reverse()
+            for i in range(num_tracked - 1, -1, -1):
+                block = blocks[i]
+                count = ref_cnt[block] - 1
+                ref_cnt[block] = count
+                if count:
+                    self._num_shared -= 1
+                else:
+                    cached.append(block)
+        if self.free_unhashed_first:
+            if uncached:
+                self.free_queue.extend_head(uncached)
+            self.free_queue.extend(cached)
+        else:
+            self.free_queue.extend(uncached + cached)
+
+    def ref_counts(self) -> list[int]:
+        """Every block's number of holders (``ref_cnt`` as vLLM keeps it, for all blocks)."""
+        counts = [0] * self.num_blocks
+        for blocks in self.req_to_blocks.values():
+            for block in blocks:
+                counts[block] += 1
+        return counts
 
     def check_invariants(self) -> None:
-        """free + referenced == usable blocks; every referenced block is off the free queue;
-        ref counts match holders; cache entries point to blocks holding their hash."""
+        """free + held == usable blocks; no held block is on the free queue; a block with a
+        hash has ref_cnt == its holders, one without has a single holder and ref_cnt 0;
+        cache entries point to blocks holding their hash."""
         free = self.free_queue.blocks()
         assert len(free) == self.free_queue.num_free, "free count differs from the queue"
         assert len(set(free)) == len(free), "block twice on the free queue"
-        referenced = sum(1 for c in self.ref_cnt[1:] if c > 0)
-        assert referenced + len(free) == self.num_blocks - 1, "block leak"
+        counts = self.ref_counts()
+        held = sum(1 for c in counts[1:] if c > 0)
+        assert held + len(free) == self.num_blocks - 1, "block leak"
+        block_hash = self.prefix_cache.block_hash
         for block in free:
-            assert self.ref_cnt[block] == 0, "referenced block on the free queue"
-        held = {}
-        for blocks in self.req_to_blocks.values():
-            for block in blocks:
-                held[block] = held.get(block, 0) + 1
-        for block, count in held.items():
-            assert self.ref_cnt[block] == count, "ref count differs from holders"
+            assert counts[block] == 0 and self.ref_cnt[block] == 0, "held block on the free queue"
+        for block, count in enumerate(counts):
+            if block_hash[block] is not None:
+                assert self.ref_cnt[block] == count, "ref count differs from holders"
+            else:
+                assert count <= 1 and self.ref_cnt[block] == 0, "shared block without a hash"
         self.prefix_cache.check()
