@@ -8,7 +8,7 @@ The same object feeds the simulator and the live client.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,14 +25,14 @@ from simcap.scenario import (
 _CHUNK = 1024  # lengths are drawn in fixed-size chunks so request i is the same in any run
 
 
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
+class RequestSpec(NamedTuple):
     """What the i-th request asks for: its prompt (as content segments) and output length."""
 
     request_id: int
     num_prompt_tokens: int
     max_tokens: int
-    # (content key, tokens): prompts sharing a key share those tokens (prefix caching).
+    # (content key, tokens): prompts sharing a key share those tokens (prefix caching); a
+    # key below zero is the request's own (see simcap.engine.request).
     segments: tuple[tuple[int, int], ...]
 
 
