@@ -118,9 +118,11 @@ class _World:
         self.records: list[RequestRecord] | None = [] if records else None
         self.steps = StepLog(keep=steps)
         # ITL samples not yet in the metrics: single gaps (with the tokens of the later
-        # chunk), and stretch gaps that every request of a stretch saw (with that count).
+        # chunk; one token, in _single_gaps), and stretch gaps that every request of a
+        # stretch saw (with that count).
         self._gaps: list[float] = []
         self._gap_tokens: list[int] = []
+        self._single_gaps: list[float] = []
         self._stretch_times: list[float] = []  # each stretch's start, then its chunk times
         self._stretch_lens: list[int] = []
         self._stretch_sizes: list[int] = []
@@ -182,14 +184,12 @@ class _World:
         is its start)."""
         first = times[1]
         last = times[-1]
-        gaps = self._gaps
-        tokens = self._gap_tokens
+        gaps = self._single_gaps
         for req in reqs:
             if req.first_token_ts is None:
                 req.first_token_ts = first
             else:
                 gaps.append(first - req.last_token_ts)
-                tokens.append(1)
             req.last_token_ts = last
         m = len(times) - 1
         if m > 1:
@@ -210,6 +210,9 @@ class _World:
                 rec.chunk_tokens.extend(ones)
 
     def _flush_gaps(self) -> None:
+        if self._single_gaps:
+            self.metrics.add_itl(np.array(self._single_gaps))
+            self._single_gaps.clear()
         if self._gaps:
             self.metrics.add_itl(np.array(self._gaps), tokens=np.array(self._gap_tokens))
             self._gaps.clear()

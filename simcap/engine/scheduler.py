@@ -337,8 +337,8 @@ class Scheduler:
 
     def finish_requests(self, finished: list[Request]) -> None:
         """Release finished requests' blocks (in batch order) and drop them from RUNNING."""
+        running = self.running
         for req in finished:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             self.kv.free(req)
-        done = set(id(r) for r in finished)
-        self.running = [r for r in self.running if id(r) not in done]
+            running.remove(req)  # (by identity: Request defines no equality)
