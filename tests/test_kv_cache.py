@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from simcap.engine.kv_cache import KVCacheManager
+from simcap.engine.request import RequestStatus
 from tests.conftest import make_request
 
 
@@ -100,3 +101,26 @@ def test_hit_on_free_cached_block_counts_against_free_blocks():
     # needs 1 new block + 2 touched free blocks = 3 <= 3 free
     assert pool.allocate_slots(b, 4, n, hits)
     assert pool.num_free_blocks == 0
+
+
+def test_private_blocks_enter_the_prefix_cache_only_when_their_request_is_preempted():
+    pool = kv(num_blocks=9, block_size=4)
+    shared = make_request(0, 12, 4, ((5, 8), (-1, 4)))  # 2 shared blocks, then its own
+    assert pool.allocate_slots(shared, 12)
+    assert len(pool.prefix_cache) == 2  # the private third block is not in the cache
+    shared.num_computed_tokens = 12
+    shared.num_output_tokens = 1  # the prompt's step sampled a token
+    pool.free(shared)  # unfinished: a preemption, after which it may hit all three
+    assert len(pool.prefix_cache) == 3
+    shared.num_computed_tokens = 0
+    hits, n = pool.get_computed_blocks(shared)
+    assert n == 12 and len(hits) == 3
+    other = make_request(1, 16, 4, ((5, 8), (-3, 8)))
+    assert pool.allocate_slots(other, 16)
+    other.num_computed_tokens = 16
+    other.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    blocks = list(pool.req_to_blocks[1])
+    pool.free(other)  # finished: its own blocks never enter the cache, yet count as cached
+    assert len(pool.prefix_cache) == 3
+    assert pool.free_block_ids()[-4:] == blocks[::-1]  # all four full: to the tail, tail first
+    pool.check_invariants()

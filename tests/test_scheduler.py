@@ -6,6 +6,7 @@ import pytest
 
 from simcap.engine.request import RequestStatus
 from simcap.simulator import simulate
+from simcap.workload import RequestSpec
 from tests.conftest import (
     check_step_invariants,
     make_request,
@@ -184,3 +185,17 @@ def test_prefix_hit_is_capped_below_the_whole_prompt():
     out = sched.schedule()
     # 64 tokens = 4 full blocks, but the last token must be recomputed: hit 3 blocks.
     assert b.num_cached_tokens == 48 and out.num_scheduled_tokens[-1] == 16
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_request_arriving_as_a_step_ends_is_in_the_next_step(fast):
+    # 0.25 s steps (exact in binary): step 1 at 0 (A's prompt), step 2 at 0.25 (A decodes);
+    # B arrives at 0.5, exactly when step 2 ends, and step 3 at 0.5 takes its prompt.
+    scenario = make_scenario(step_time={"base": 0.25}, workload={"num_requests": 2})
+    trace = [(0.0, RequestSpec(0, 16, 10, ((-1, 16),))), (0.5, RequestSpec(1, 16, 10, ((-3, 16),)))]
+    result = simulate(scenario, trace, fast=fast, records=True, steps=True)
+    b = result.records[1]
+    assert b.arrival_time == 0.5 and b.scheduled_time == 0.5
+    steps = result.steps.as_arrays()
+    assert steps["start"][:3].tolist() == [0.0, 0.25, 0.5]
+    assert steps["num_prefill_tokens"][:3].tolist() == [16, 0, 16]
