@@ -2,10 +2,11 @@
 
 When every running request is decoding, nothing waits, no drafts are in play and the token
 budget covers the batch, each engine step computes one token per running request and the
-batch cannot change until (a) a request finishes, (b) another SimPy event (an arrival, a
-client's think time) happens, or (c) the KV pool runs out. Until then the steps differ only
-in their attended context, so their durations, the requests' chunk times, the step log and
-the KV pool's block allocations (every ``block_size`` tokens) can be computed in bulk
+batch cannot change until (a) a request finishes, (b) the horizon: the next arrival, or a
+closed-loop client's next event (its think time over), or (c) the KV pool runs out. Until
+then the steps differ only in their attended context, so their durations, the requests'
+chunk times, the step log and the KV pool's block allocations (every ``block_size``
+tokens) can be computed in bulk
 (:func:`advance_decode_stretch`). A step that admits waiting requests into such a batch is
 scheduled without walking the decoders one by one (:func:`schedule_admission`) and, when
 every admitted prompt completes in it, runs as the first step of the following stretch.
@@ -74,9 +75,10 @@ def advance_decode_stretch(
     """Run the pure-decode steps that can run at once from ``now``; None if none can.
 
     The stretch runs until the first finish (included), the last step starting before
-    ``horizon`` (the next SimPy event) or the step before the KV pool runs out, whichever
-    comes first. Returns the stretch's end time and the requests that finished in its last
-    step (already released from the scheduler; the caller reports them at that time).
+    ``horizon`` (the next arrival or client event) or the step before the KV pool runs out,
+    whichever comes first. Returns the stretch's end time and the requests that finished in
+    its last step (already released from the scheduler; the caller reports them at that
+    time).
 
     ``first``: an already scheduled step (from :func:`schedule_admission`) to run as the
     stretch's first step, when after it every running request decodes and nothing waits;

@@ -253,7 +253,9 @@ class _World:
             if notify is not None:
                 notify()
 
-    def engine(self, times: list[float] | None = None, specs: Callable[[int], RequestSpec] | None = None):
+    def engine(
+        self, times: list[float] | None = None, specs: Callable[[int], RequestSpec] | None = None
+    ):
         """Step the engine; in fast mode, without a SimPy event for steps nobody waits on.
 
         Open-loop and replayed arrivals (``times``, ``specs(i)`` the i-th request) are the

@@ -310,7 +310,8 @@ class KVCacheManager:
             max_blocks = limit
         if max_blocks <= 0:
             return [], 0
-        blocks = self.prefix_cache.longest_prefix(request.hash_full_blocks(bs, max_blocks), max_blocks)
+        hashes = request.hash_full_blocks(bs, max_blocks)
+        blocks = self.prefix_cache.longest_prefix(hashes, max_blocks)
         if drop_last_block and blocks:
             blocks.pop()
         return blocks, len(blocks) * bs
