@@ -70,8 +70,8 @@ def test_scheduler_invariants_conservation_and_fcfs(case):
     acceptance = proposer = None
     lookahead = 0
     if spec is not None:
-        rng = np.random.default_rng(0)
-        acceptance, proposer = AcceptanceModel.from_config(spec, rng), Proposer(spec, rng)
+        acceptance = AcceptanceModel.from_config(spec, np.random.default_rng(0))
+        proposer = Proposer(spec, np.random.default_rng(1))
         lookahead = spec.num_lookahead_tokens
         if engine.kv_capacity_tokens < max(r.num_prompt_tokens + r.max_tokens for r in requests) + lookahead:
             return  # the pool must also hold the lookahead slots of one request

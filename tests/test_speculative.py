@@ -80,6 +80,17 @@ def test_sampled_acceptance_has_the_configured_per_position_rates(rates):
         assert np.mean(accepted >= i + 1) == pytest.approx(r, abs=0.01)
 
 
+def test_acceptance_draws_ahead_yet_samples_what_drawing_per_call_gives():
+    rates = (0.8, 0.6, 0.45)
+    model = AcceptanceModel(rates, np.random.default_rng(7))
+    model.BLOCK = 5  # refills inside and across calls
+    rng = np.random.default_rng(7)
+    for n in [1, 3, 0, 7, 2, 12, 4]:
+        drafts = [(3, 1, 2, 0)[i % 4] for i in range(n)]
+        expected = [sum(u < r for r in rates[:d]) for u, d in zip(rng.random(n).tolist(), drafts)]
+        assert model.sample(drafts) == expected
+
+
 def test_simulated_mean_acceptance_length_matches_the_configured_one():
     scenario = make_scenario(
         engine={"max_num_batched_tokens": 2048},
@@ -111,10 +122,9 @@ def test_speculation_keeps_scheduler_invariants_and_exact_output_lengths():
     config = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, acceptance_length=2.4)
     sched = Scheduler(engine, num_lookahead_tokens=3)
     reqs = [make_request(i, 30 + 7 * i, 40 + i) for i in range(6)]
-    rng = np.random.default_rng(1)
-    emitted, order, _ = run_to_completion(
-        sched, reqs, acceptance=AcceptanceModel.from_config(config, rng), proposer=Proposer(config, rng)
-    )
+    acceptance = AcceptanceModel.from_config(config, np.random.default_rng(1))
+    proposer = Proposer(config, np.random.default_rng(2))
+    emitted, order, _ = run_to_completion(sched, reqs, acceptance=acceptance, proposer=proposer)
     assert sched.num_preemptions > 0
     for req in reqs:
         assert sum(emitted[req.request_id]) == req.max_tokens

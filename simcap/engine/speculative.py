@@ -49,11 +49,21 @@ def rates_for_length(acceptance_length: float, k: int) -> tuple[float, ...]:
 
 
 class AcceptanceModel:
-    """Samples accepted draft counts from per-position acceptance rates (seeded)."""
+    """Samples accepted draft counts from per-position acceptance rates (seeded).
+
+    The generator is the model's own: uniforms are drawn from it ahead, in blocks, and used
+    in order, so each call sees the values that drawing its own would have given (numpy's
+    ``Generator.random`` fills an array with successive draws).
+    """
+
+    BLOCK = 4096  # uniforms drawn at once
 
     def __init__(self, rates: Sequence[float], rng: np.random.Generator) -> None:
         self.rates = np.asarray(rates, dtype=float)
         self.rng = rng
+        self._rates = self.rates.tolist()
+        self._uniforms: list[float] = []
+        self._next = 0  # the next unused uniform
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
@@ -69,10 +79,15 @@ class AcceptanceModel:
         n = len(num_drafts)
         if n == 0:
             return []
-        u = self.rng.random(n)
-        rates = self.rates
+        uniforms, start = self._uniforms, self._next
+        if start + n > len(uniforms):
+            uniforms = uniforms[start:] + self.rng.random(max(self.BLOCK, n)).tolist()
+            self._uniforms = uniforms
+            start = 0
+        self._next = start + n
+        rates = self._rates
         accepted = []
-        for ui, d in zip(u.tolist(), num_drafts):
+        for ui, d in zip(uniforms[start : start + n], num_drafts):
             a = 0
             while a < d and ui < rates[a]:
                 a += 1
