@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from array import array
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import simpy
@@ -254,7 +255,7 @@ class _World:
                 notify()
 
     def engine(
-        self, times: list[float] | None = None, specs: Callable[[int], RequestSpec] | None = None
+        self, times: Sequence[float] | None = None, specs: Callable[[int], RequestSpec] | None = None
     ):
         """Step the engine; in fast mode, without a SimPy event for steps nobody waits on.
 
@@ -351,7 +352,7 @@ class _World:
             self.closed_loop(arrival)
             self.env.process(self.engine())
         else:
-            times = self.workload.arrival_times().tolist()
+            times = array("d", self.workload.arrival_times().tobytes())  # (compact)
             self.env.process(self.engine(times, self.workload.spec))
         self.env.run()
         if self.scheduler.has_unfinished_requests():

@@ -8,6 +8,7 @@ The same object feeds the simulator and the live client.
 
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple
 
 import numpy as np
@@ -40,7 +41,7 @@ class _LengthSampler:
     def __init__(self, spec: FixedLength | UniformLength | EmpiricalLength, rng: np.random.Generator):
         self.spec = spec
         self.rng = rng
-        self.drawn: list[int] = []
+        self.drawn = array("q")  # (8 bytes a request; indexing gives a Python int)
 
     def _draw(self) -> np.ndarray:
         spec = self.spec
@@ -52,7 +53,7 @@ class _LengthSampler:
 
     def __getitem__(self, i: int) -> int:
         while i >= len(self.drawn):
-            self.drawn += self._draw().tolist()
+            self.drawn.frombytes(self._draw().astype(np.int64).tobytes())
         return self.drawn[i]
 
 
