@@ -201,7 +201,8 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = req.num_tokens_with_spec - computed
+            num_tokens = req.num_prompt_tokens + req.num_output_tokens
+            n = num_tokens + req.num_spec_tokens - computed
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
@@ -220,7 +221,7 @@ class Scheduler:
                     if victim is req:
                         return budget
             # Drafts that did not fit in the budget are dropped, not delayed.
-            num_spec = computed + n - req.num_tokens
+            num_spec = computed + n - num_tokens
             if num_spec < 0:
                 num_spec = 0
             if num_spec < req.num_spec_tokens:
@@ -307,8 +308,9 @@ class Scheduler:
         counts: list[int] = []
         finished: list[Request] = []
         max_model_len = self.max_model_len
+        running = RequestStatus.RUNNING
         for idx, req in enumerate(out.reqs):
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue  # preempted later in the same step (cannot happen under FCFS)
             num_spec = out.num_scheduled_spec_tokens[idx]
             if num_spec:
@@ -317,19 +319,20 @@ class Scheduler:
                 req.num_spec_tokens = 0
             else:
                 accepted = 0
-            if req.num_computed_tokens < req.num_tokens:
+            num_tokens = req.num_prompt_tokens + req.num_output_tokens
+            if req.num_computed_tokens < num_tokens:
                 continue  # non-final prefill chunk
             new = accepted + 1
             room = req.max_tokens - req.num_output_tokens
             if new > room:
                 new = room
-            room = max_model_len - req.num_tokens
+            room = max_model_len - num_tokens
             if new > room:
                 new = room
             req.num_output_tokens += new
             reqs_out.append(req)
             counts.append(new)
-            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+            if req.num_output_tokens >= req.max_tokens or num_tokens + new >= max_model_len:
                 finished.append(req)
         if finished:
             self.finish_requests(finished)

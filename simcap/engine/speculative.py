@@ -106,16 +106,20 @@ class SpecDecodeCounters:
 
     def record(self, num_drafts: Sequence[int], accepted: Sequence[int]) -> None:
         per_pos = self.accepted_per_pos
+        drafts = draft_tokens = accepted_tokens = 0
         for d, a in zip(num_drafts, accepted):
             if d <= 0:
                 continue
-            self.num_drafts += 1
-            self.num_draft_tokens += d
-            self.num_accepted_tokens += a
+            drafts += 1
+            draft_tokens += d
+            accepted_tokens += a
             while len(per_pos) < a:
                 per_pos.append(0)
             for i in range(a):
                 per_pos[i] += 1
+        self.num_drafts += drafts
+        self.num_draft_tokens += draft_tokens
+        self.num_accepted_tokens += accepted_tokens
 
     @property
     def mean_acceptance_length(self) -> float | None:
