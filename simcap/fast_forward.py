@@ -6,10 +6,10 @@ batch cannot change until (a) a request finishes, (b) the horizon: the next arri
 closed-loop client's next event (its think time over), or (c) the KV pool runs out. Until
 then the steps differ only in their attended context, so their durations, the requests'
 chunk times, the step log and the KV pool's block allocations (every ``block_size``
-tokens) can be computed in bulk
-(:func:`advance_decode_stretch`). A step that admits waiting requests into such a batch is
-scheduled without walking the decoders one by one (:func:`schedule_admission`) and, when
-every admitted prompt completes in it, runs as the first step of the following stretch.
+tokens) can be computed in bulk (:func:`advance_decode_stretch`). A step that admits waiting
+requests into such a batch is scheduled without walking the decoders one by one
+(:func:`schedule_admission`) and, when every admitted prompt completes in it, runs as the
+first step of the following stretch.
 
 The result is the same, float for float, as stepping one by one: step times use the
 step-time model's own operations in its order; start times are accumulated one step at a

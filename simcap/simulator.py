@@ -368,6 +368,7 @@ class _World:
             provenance(self.scenario),
         )
 
+
 def simulate(
     scenario: Scenario,
     trace: list[tuple[float, RequestSpec]] | None = None,
