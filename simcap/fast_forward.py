@@ -113,32 +113,24 @@ def advance_decode_stretch(
     if first is None and (m_finish < MIN_STRETCH or now >= horizon):
         return None
 
-    # Step periods (StepTimeModel.step_period, term by term) and start times, up to the
-    # first finish; then cut after the last step that starts before the horizon. Times are
-    # accumulated one step at a time (itertools.accumulate: the same additions, in C).
+    # Step periods (the step-time model's decode_periods: step_period's float operations on
+    # integers) and start times, up to the first finish; then cut after the last step that
+    # starts before the horizon. Times are accumulated one step at a time
+    # (itertools.accumulate: the same additions, in C).
     model = world.step_model
     periods: list[float] = []
     todo = m_finish
     if first is not None:
         periods.append(model.step_period(first))
         todo -= 1
-    t0 = model.base + model.per_prefill_token * 0
-    t0 += model.per_decode_token * num_reqs
-    host, asynchronous = model.host_overhead, model.async_scheduling
-    per_context = model.per_context_token
     # Periods never shrink along a stretch (the context grows), so no more than
     # (horizon - now) / first period + 1 steps start before the horizon: price only those
     # (+1 for rounding), not every step up to a finish far beyond it.
-    f = t0 + per_context * (context + num_reqs)
-    p1 = (f if f > host else host) if asynchronous else f + host
-    if p1 > 0 and per_context >= 0 and horizon - now < p1 * todo:
-        todo = int((horizon - now) / p1) + 2
-    if per_context:
-        for k in range(1, todo + 1):
-            f = t0 + per_context * (context + num_reqs * k)
-            periods.append((f if f > host else host) if asynchronous else f + host)
-    else:
-        periods += [p1] * todo
+    if todo > 0:
+        p1 = model.decode_periods(num_reqs, context, 1)[0]
+        if p1 > 0 and model.decode_nondecreasing and horizon - now < p1 * todo:
+            todo = int((horizon - now) / p1) + 2
+        periods += model.decode_periods(num_reqs, context, todo)
     starts = list(accumulate(periods, initial=now))
     # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
     m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))

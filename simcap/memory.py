@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from simcap.errors import ScenarioError
 
@@ -83,6 +83,12 @@ def _dtype_bytes(name: str, path: str) -> int:
 
 # --------------------------------------------------------------------------- model shape
 
+_SHAPE_EXTRAS = (
+    "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+    "tie_word_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "num_shared_experts", "shared_expert_intermediate_size", "num_dense_layers",
+)
+
 
 class ModelShape(_Model):
     """What one token costs in KV: attention layers, KV heads, head size, dtype bytes.
@@ -98,6 +104,35 @@ class ModelShape(_Model):
     draft_layers: int = Field(
         0, ge=0, description="Extra KV layers of a speculative draft (EAGLE3: 1), same layout."
     )
+    # What the roofline step-time form needs besides KV (None / 0: not given; a dump leaves
+    # them out then, so a shape given for the KV pool alone prints and hashes as before).
+    hidden_size: int | None = Field(None, gt=0)
+    num_attention_heads: int | None = Field(None, gt=0, description="Query heads (before TP).")
+    intermediate_size: int | None = Field(
+        None, gt=0, description="Width of a dense MLP (gated: 3 matrices hidden x width)."
+    )
+    vocab_size: int | None = Field(None, gt=0)
+    tie_word_embeddings: bool = False
+    num_experts: int = Field(0, ge=0, description="Routed experts per MoE layer (0: dense model).")
+    num_experts_per_tok: int = Field(0, ge=0, description="Top-k routed experts per token.")
+    moe_intermediate_size: int | None = Field(
+        None, gt=0, description="Width of one routed expert; None: intermediate_size."
+    )
+    num_shared_experts: int = Field(0, ge=0, description="Always-active experts per MoE layer.")
+    shared_expert_intermediate_size: int | None = Field(
+        None, gt=0, description="Width of one shared expert; None: the routed expert's width."
+    )
+    num_dense_layers: int = Field(
+        0, ge=0, description="Layers of an MoE model with a dense MLP (first_k_dense_replace)."
+    )
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_extras(self, handler):
+        data = handler(self)
+        for name in _SHAPE_EXTRAS:
+            if name in data and data[name] == ModelShape.model_fields[name].default:
+                del data[name]
+        return data
 
     @classmethod
     def from_hf_config(
@@ -157,7 +192,99 @@ class ModelShape(_Model):
                 )
             dtype_bytes = _dtype_bytes(dtype, "model.config.torch_dtype")
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size,
-                   dtype_bytes=dtype_bytes, draft_layers=draft_layers)
+                   dtype_bytes=dtype_bytes, draft_layers=draft_layers,
+                   **_compute_fields(config, top, num_layers))
+
+    # ------------------------------------------------------------ weights (roofline form)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is routed experts (0 for a dense model)."""
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+
+    def missing_compute_field(self) -> str | None:
+        """The first field the weight and FLOP counts need that this shape lacks, or None."""
+        need = ["hidden_size", "num_attention_heads", "vocab_size"]
+        if not self.is_moe or self.num_dense_layers:
+            need.append("intermediate_size")
+        if self.is_moe:
+            if self.moe_intermediate_size is None and self.intermediate_size is None:
+                need.append("moe_intermediate_size")
+            need.append("num_experts_per_tok")
+        for name in need:
+            if not getattr(self, name):
+                return name
+        return None
+
+    def attention_params_per_layer(self) -> int:
+        """Q, K, V and O projections: hidden x head_size x (2 query heads + 2 KV heads)."""
+        assert self.hidden_size and self.num_attention_heads
+        return self.hidden_size * self.head_size * 2 * (self.num_attention_heads + self.num_kv_heads)
+
+    def dense_mlp_params(self) -> int:
+        """One gated dense MLP (gate, up, down): 3 x hidden x intermediate_size."""
+        assert self.hidden_size and self.intermediate_size
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def params_per_expert(self) -> int:
+        """One routed expert: 3 x hidden x expert width (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        width = self.moe_intermediate_size or self.intermediate_size
+        assert self.hidden_size and width
+        return 3 * self.hidden_size * width
+
+    def shared_expert_params(self) -> int:
+        """The always-active experts of one MoE layer."""
+        if not self.num_shared_experts:
+            return 0
+        assert self.hidden_size
+        width = self.shared_expert_intermediate_size or self.moe_intermediate_size \
+            or self.intermediate_size
+        assert width
+        return self.num_shared_experts * 3 * self.hidden_size * width
+
+    def lm_head_params(self) -> int:
+        """The output projection, vocab x hidden (read in full by every step)."""
+        assert self.vocab_size and self.hidden_size
+        return self.vocab_size * self.hidden_size
+
+    def _layer_dense_params(self) -> int:
+        """Non-expert parameters of all decoder layers: attention, dense MLPs, routers, shared
+        experts (norms and biases neglected)."""
+        total = self.num_layers * self.attention_params_per_layer()
+        if self.num_layers - self.num_moe_layers:
+            total += (self.num_layers - self.num_moe_layers) * self.dense_mlp_params()
+        if self.num_moe_layers:
+            assert self.hidden_size
+            router = self.hidden_size * self.num_experts
+            total += self.num_moe_layers * (router + self.shared_expert_params())
+        return total
+
+    def dense_weight_params(self) -> int:
+        """Non-expert parameters one step reads in full: every layer's attention, dense MLPs,
+        routers and shared experts, plus the LM head (the input embedding is only gathered)."""
+        return self._layer_dense_params() + self.lm_head_params()
+
+    def expert_params(self) -> int:
+        """All routed experts of all MoE layers."""
+        return self.num_moe_layers * self.num_experts * self.params_per_expert()
+
+    def total_weight_params(self) -> int:
+        """Every parameter held in memory: dense + experts + the input embedding (unless tied)."""
+        embedding = 0 if self.tie_word_embeddings else self.lm_head_params()
+        return self.dense_weight_params() + self.expert_params() + embedding
+
+    def active_params_per_token(self, include_lm_head: bool = True) -> int:
+        """Parameters one token multiplies through (2 FLOPs each): the dense part of every layer
+        plus its top-k routed experts, and the LM head (only for tokens that get logits)."""
+        body = self._layer_dense_params()
+        body += self.num_moe_layers * self.num_experts_per_tok * self.params_per_expert()
+        return body + (self.lm_head_params() if include_lm_head else 0)
 
     @property
     def kv_layers(self) -> int:
@@ -191,6 +318,53 @@ class ModelShape(_Model):
         the KV heads the cards hold replicas, and their sum exceeds this figure.
         """
         return 2 * self.num_kv_heads * self.head_size * self.dtype_bytes * self.kv_layers
+
+
+def _compute_fields(config: dict[str, Any], top: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The weight-shape fields of a config.json (absent ones left out), for the roofline form.
+
+    Routed experts: ``num_local_experts`` (Mixtral), ``n_routed_experts`` (DeepSeek) or
+    ``num_experts`` (Qwen-MoE); top-k: ``num_experts_per_tok`` (or ``experts_per_token``);
+    shared experts: ``n_shared_experts`` (DeepSeek, expert width each) or one of
+    ``shared_expert_intermediate_size`` (Qwen2-MoE); dense layers of an MoE model:
+    ``first_k_dense_replace``, or Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``.
+    """
+
+    def opt_int(*names: str) -> int | None:
+        for name in names:
+            value = config.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
+    out: dict[str, Any] = {}
+    for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                 "moe_intermediate_size", "shared_expert_intermediate_size"):
+        value = opt_int(name)
+        if value is not None:
+            out[name] = value
+    tie = config.get("tie_word_embeddings", top.get("tie_word_embeddings"))
+    if isinstance(tie, bool):
+        out["tie_word_embeddings"] = tie
+    experts = opt_int("num_local_experts", "n_routed_experts", "num_experts")
+    if experts:
+        out["num_experts"] = experts
+        top_k = opt_int("num_experts_per_tok", "experts_per_token")
+        if top_k:
+            out["num_experts_per_tok"] = top_k
+        shared = opt_int("n_shared_experts")
+        if shared:
+            out["num_shared_experts"] = shared
+        elif "shared_expert_intermediate_size" in out:
+            out["num_shared_experts"] = 1
+        dense = opt_int("first_k_dense_replace") or 0
+        step = opt_int("decoder_sparse_step") or 1
+        only = config.get("mlp_only_layers") or []
+        if step > 1 or only:
+            dense = sum(1 for i in range(num_layers) if i in only or (i + 1) % step)
+        if dense:
+            out["num_dense_layers"] = min(dense, num_layers)
+    return out
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_serializer, model_validator,
+)
 
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
@@ -108,8 +110,40 @@ class EngineConfig(_Model):
 # --------------------------------------------------------------------------- step time
 
 
+class RooflineEfficiency(_Model):
+    """Multipliers of the roofline form's physical terms: 1 = kernels at the roofline, > 1
+    slower. Calibration fits them (see engine.step_time)."""
+
+    weights: float = Field(1.0, ge=0.0)
+    experts: float = Field(1.0, ge=0.0)
+    compute: float = Field(1.0, ge=0.0)
+    attention_prefill: float = Field(1.0, ge=0.0)
+    kv_read: float = Field(1.0, ge=0.0)
+    tp_comm: float = Field(1.0, ge=0.0)
+    tp_latency: float = Field(1.0, ge=0.0)
+    draft: float = Field(1.0, ge=0.0)
+
+
+# Keys of the roofline form; a dump leaves them out at their defaults, so a linear scenario
+# prints and hashes as it did before the roofline form existed.
+ROOFLINE_KEYS = (
+    "form", "combine", "hardware", "model", "weight_dtype", "kv_dtype", "compute_dtype",
+    "tensor_parallel_size", "expert_parallel", "routing_skew", "draft_model", "efficiency",
+    "per_request",
+)
+LINEAR_KEYS = (
+    "per_prefill_token", "per_decode_token", "per_context_token", "per_verify_token",
+    "draft_per_pass", "draft_per_request",
+)
+
+
 class StepTimeConfig(_Model):
-    """Seconds for one engine step, linear in the batch's features (see engine.step_time)."""
+    """Seconds for one engine step: the linear form (default) or the roofline form (see
+    engine.step_time)."""
+
+    form: Literal["linear", "roofline"] = Field(
+        "linear", description="linear: fitted per-token costs; roofline: bytes and FLOPs."
+    )
 
     base: float = Field(0.004, ge=0.0, description="Fixed cost of a forward pass, s.")
     per_prefill_token: float = Field(1.0e-5, ge=0.0, description="s per prompt token computed.")
@@ -134,6 +168,69 @@ class StepTimeConfig(_Model):
     draft_per_request: float = Field(
         0.0, ge=0.0, description="s per drafting request per draft pass (grows with the batch)."
     )
+    # ---- roofline form
+    per_request: float = Field(0.0, ge=0.0, description="roofline: s per scheduled request.")
+    combine: Literal["sum", "max"] = Field(
+        "sum", description="roofline: add compute and memory terms, or take the larger."
+    )
+    hardware: str | dict[str, Any] | None = Field(
+        None, description="roofline: a catalog hardware name or an inline entry."
+    )
+    model: str | dict[str, Any] | None = Field(
+        None, description="roofline: a catalog model, {config: PATH} or an inline shape."
+    )
+    weight_dtype: str = Field("bf16", description="roofline: dtype of the weights.")
+    kv_dtype: str | None = Field(None, description="roofline: KV dtype; None: the model's.")
+    compute_dtype: str | None = Field(
+        None, description="roofline: peak-FLOPs entry of the matmuls; None: weight_dtype's."
+    )
+    tensor_parallel_size: int = Field(1, gt=0)
+    expert_parallel: bool = False
+    routing_skew: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="roofline: 0 uniform routing; s: top-k drawn from E*(1-s) experts (>= k).",
+    )
+    draft_model: str | dict[str, Any] | None = Field(
+        None, description="roofline: EAGLE draft shape; None: one dense layer + LM head."
+    )
+    efficiency: RooflineEfficiency = RooflineEfficiency()
+
+    _physics: Any = PrivateAttr(None)
+
+    @model_serializer(mode="wrap")
+    def _drop_roofline_defaults(self, handler):
+        data = handler(self)
+        for name in ROOFLINE_KEYS:
+            if name in data and getattr(self, name) == StepTimeConfig.model_fields[name].default:
+                del data[name]
+        return data
+
+    @model_validator(mode="after")
+    def _roofline(self) -> "StepTimeConfig":
+        given = self.model_fields_set
+        if self.form == "linear":
+            for name in ROOFLINE_KEYS:
+                if name in given and name != "form":
+                    raise ValueError(f"step_time.{name}: a roofline key; set form: roofline")
+            return self
+        for name in LINEAR_KEYS:
+            if name in given:
+                raise ValueError(
+                    f"step_time.{name}: a linear-form term; the roofline form has efficiency, "
+                    "base, per_request, mixed_step and host_overhead"
+                )
+        for name in ("hardware", "model"):
+            if getattr(self, name) is None:
+                raise ValueError(f"step_time.{name}: required with form: roofline")
+        from simcap.engine.step_time import RooflinePhysics
+
+        self._physics = RooflinePhysics.from_config(self)
+        return self
+
+    @property
+    def physics(self):
+        """The roofline form's resolved hardware, shapes and per-unit seconds (None: linear)."""
+        return self._physics
 
 
 # --------------------------------------------------------------------------- speculation
@@ -409,7 +506,8 @@ def _resolve_files(data: dict[str, Any], base_dir: Path) -> None:
     """Read files a scenario names (paths relative to it) into the data they stand for.
 
     ``{dist: empirical, file: F}`` lengths become values; ``engine.memory.model: {hf_config:
-    F, kv_cache_dtype, draft_layers}`` becomes the model shape read from a config.json.
+    F, kv_cache_dtype, draft_layers}`` becomes the model shape read from a config.json;
+    ``step_time.model: {config: F}`` (and ``draft_model``) the config.json's contents.
     """
     memory = (data.get("engine") or {}).get("memory") if isinstance(data.get("engine"), dict) else None
     model = memory.get("model") if isinstance(memory, dict) else None
@@ -426,7 +524,18 @@ def _resolve_files(data: dict[str, Any], base_dir: Path) -> None:
             kv_cache_dtype=model.get("kv_cache_dtype"),
             draft_layers=int(model.get("draft_layers", 0)),
         )
-        memory["model"] = shape.model_dump()
+        # The KV fields only: the memory plan needs no more (and its dump stays as it was).
+        memory["model"] = shape.model_dump(
+            include={"num_layers", "num_kv_heads", "head_size", "dtype_bytes", "draft_layers"}
+        )
+    step_time = data.get("step_time")
+    for key in ("model", "draft_model"):
+        spec = step_time.get(key) if isinstance(step_time, dict) else None
+        if isinstance(spec, dict) and set(spec) == {"config"}:
+            try:
+                step_time[key] = load_hf_config(base_dir / str(spec["config"]))
+            except ScenarioError as exc:
+                raise ScenarioError(f"step_time.{key}.config: {str(exc).split(': ', 1)[1]}") from None
     workload = data.get("workload")
     if not isinstance(workload, dict):
         return

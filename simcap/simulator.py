@@ -25,7 +25,7 @@ from simcap._version import __version__
 from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
-from simcap.engine.step_time import StepTimeModel
+from simcap.engine.step_time import make_step_model
 from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
@@ -103,8 +103,10 @@ class _World:
         async_scheduling = scenario.engine.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.scheduler.features.async_scheduling_default
-        self.step_model = StepTimeModel.from_config(
-            scenario.step_time, async_scheduling, spec.num_speculative_tokens if spec else 0
+        self.step_model = make_step_model(
+            scenario.step_time, async_scheduling=async_scheduling,
+            speculative_method=spec.method if spec else None,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
         # Engine randomness (acceptance, ngram matches) has its own streams, apart from the
         # workload's, so turning speculation on leaves the requests unchanged.

@@ -89,6 +89,9 @@ class SchedulerOutput:
     num_verify_tokens: int = 0
     # KV tokens the batch attends to: sum over requests of context length after the step.
     num_context_tokens: int = 0
+    # Causal (query, key) pairs of the prefill chunks: a chunk of n tokens after s computed
+    # ones attends n*s + n*(n+1)/2 pairs (the roofline form's prefill attention FLOPs).
+    num_prefill_pairs: int = 0
     # Requests admitted from WAITING this step (first scheduling or resumption).
     new_reqs: list[Request] = field(default_factory=list)
     # Requests preempted this step.
@@ -190,6 +193,7 @@ class Scheduler:
         else:
             out.num_prefill_reqs += 1
             out.num_prefill_tokens += n
+            out.num_prefill_pairs += n * req.num_computed_tokens + n * (n + 1) // 2
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, threshold: int) -> int:
         running = self.running

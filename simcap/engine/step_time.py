@@ -21,11 +21,15 @@ server, and vLLM before async scheduling) the two add up.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
 
+from simcap.catalog import HardwareSpec, dtype_info, resolve_hardware, resolve_model
 from simcap.engine.scheduler import SchedulerOutput
+from simcap.errors import ScenarioError
+from simcap.memory import GB, ModelShape
 from simcap.scenario import StepTimeConfig
 
 FEATURES = (
@@ -114,6 +118,33 @@ class StepTimeModel:
             return forward if forward > self.host_overhead else self.host_overhead
         return forward + self.host_overhead
 
+    # Periods never shrink along a pure-decode stretch (see decode_periods).
+    @property
+    def decode_nondecreasing(self) -> bool:
+        return self.per_context_token >= 0
+
+    def decode_periods(self, num_reqs: int, context: int, count: int) -> list[float]:
+        """:meth:`step_period` of ``count`` pure-decode steps of ``num_reqs`` requests (one
+        token each, no drafts in play) whose attended context is ``context + num_reqs * j``
+        at step j = 1..count: the same float operations, in the same order, as step_period
+        on those steps' SchedulerOutputs."""
+        t0 = self.base + self.per_prefill_token * 0
+        t0 += self.per_decode_token * num_reqs
+        host, asynchronous = self.host_overhead, self.async_scheduling
+        per_context = self.per_context_token
+        k = self.num_speculative_tokens
+        draft = k * (self.draft_per_pass + self.draft_per_request * num_reqs) if k else 0.0
+        if not per_context:
+            f = t0 + draft if k else t0
+            return [((f if f > host else host) if asynchronous else f + host)] * count
+        periods = []
+        for j in range(1, count + 1):
+            f = t0 + per_context * (context + num_reqs * j)
+            if k:
+                f += draft
+            periods.append((f if f > host else host) if asynchronous else f + host)
+        return periods
+
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Forward seconds for rows of ``FEATURES``."""
         return np.asarray(X, dtype=float) @ self.coef_
@@ -127,3 +158,393 @@ class StepTimeModel:
             setattr(self, name, float(value))
         self.residuals_ = y - X @ coef
         return self
+
+
+# --------------------------------------------------------------------------- roofline form
+
+ROOFLINE_FEATURES = (
+    "base",
+    "per_request",
+    "mixed_step",
+    "weights",
+    "experts",
+    "compute",
+    "attention_prefill",
+    "kv_read",
+    "tp_comm",
+    "tp_latency",
+    "draft",
+)
+# The physical terms, each multiplied by its efficiency (the rest are seconds themselves).
+ROOFLINE_TERMS = ROOFLINE_FEATURES[3:]
+
+
+def _rename(exc: ScenarioError, path: str) -> ScenarioError:
+    return ScenarioError(f"{path}: {str(exc).split(': ', 1)[1]}")
+
+
+@dataclass(frozen=True)
+class RooflinePhysics:
+    """The roofline form's inputs resolved to seconds per unit, per step and per rank, at
+    efficiency 1 (every figure below is one of them)."""
+
+    hardware: HardwareSpec
+    model: ModelShape
+    draft_model: ModelShape
+    tensor_parallel_size: int
+    weights: float  # s: the dense (non-expert) weights, read once per step
+    experts_all: float  # s: every expert of the effective pool (this rank's share), all MoE layers
+    experts_q: float  # 1 - k / E_eff: a token misses a given expert (1.0: dense model)
+    compute_per_token: float  # s: 2 x active params (LM head apart) per token
+    compute_per_logit: float  # s: 2 x LM head params per row of logits
+    attention_per_pair: float  # s: 4 x layers x heads x head_dim per (query, key) pair
+    kv_per_token: float  # s: KV bytes of one attended token (this rank's heads)
+    tp_comm_per_token: float  # s: 2 ring all-reduces per layer of one token's activations
+    tp_latency: float  # s: 2 x layers x link latency
+    draft_weights: float  # the draft model's figures, one pass
+    draft_per_token: float
+    draft_per_logit: float
+    draft_per_pair: float
+    draft_kv_per_token: float
+
+    @classmethod
+    def from_config(cls, cfg: StepTimeConfig) -> "RooflinePhysics":
+        """Resolve and check ``cfg`` (form roofline); every problem is one ScenarioError line."""
+        hw = resolve_hardware(cfg.hardware, "step_time.hardware")
+        weight_bytes, weight_key = dtype_info(cfg.weight_dtype, "step_time.weight_dtype")
+        if cfg.kv_dtype is not None:
+            kv_bytes, _ = dtype_info(cfg.kv_dtype, "step_time.kv_dtype")
+        compute_key = weight_key
+        if cfg.compute_dtype is not None:
+            _, compute_key = dtype_info(cfg.compute_dtype, "step_time.compute_dtype")
+        peak = hw.peak_flops(compute_key, "step_time.compute_dtype")
+        tp = cfg.tensor_parallel_size
+
+        def shape(value: Any, path: str) -> ModelShape:
+            m = resolve_model(value, kv_dtype=cfg.kv_dtype, path=path)
+            if cfg.kv_dtype is not None and m.dtype_bytes != kv_bytes:
+                m = m.model_copy(update={"dtype_bytes": kv_bytes})
+            if m.draft_layers:
+                m = m.model_copy(update={"draft_layers": 0})
+            missing = m.missing_compute_field()
+            if missing:
+                raise ScenarioError(f"{path}: the roofline form needs {missing} (not given)")
+            if m.is_moe and m.num_experts_per_tok > m.num_experts:
+                raise ScenarioError(
+                    f"{path}.num_experts_per_tok: top-{m.num_experts_per_tok} routing exceeds the "
+                    f"{m.num_experts} routed experts"
+                )
+            if m.num_dense_layers > m.num_layers:
+                raise ScenarioError(f"{path}.num_dense_layers: exceeds num_layers ({m.num_layers})")
+            try:
+                m.kv_heads_per_rank(tp)
+            except ScenarioError as exc:
+                raise _rename(exc, "step_time.tensor_parallel_size") from None
+            return m
+
+        model = shape(cfg.model, "step_time.model")
+        if cfg.draft_model is not None:
+            draft = shape(cfg.draft_model, "step_time.draft_model")
+        else:
+            draft = default_draft_shape(model)
+
+        held = model.total_weight_params() * weight_bytes / tp
+        if held > hw.memory_gb * GB:
+            raise ScenarioError(
+                f"step_time.model: {held / GB:.1f} GB of weights per rank (tensor_parallel_size "
+                f"{tp}) exceed the hardware's memory_gb ({hw.memory_gb:g})"
+            )
+        bandwidth = hw.memory_bandwidth_gbps * 1e9
+        flops = peak * tp
+
+        if model.is_moe:
+            k, e = model.num_experts_per_tok, model.num_experts
+            # Skewed routing: each token's top-k as if drawn from E_eff = E (1 - skew) experts.
+            e_eff = max(float(k), e * (1.0 - cfg.routing_skew))
+            experts_q = 1.0 - k / e_eff
+            # Per rank: E_eff / tp whole experts (expert parallel) or a 1/tp slice of E_eff
+            # experts (tensor parallel): the same expected bytes.
+            experts_all = (model.num_moe_layers * e_eff * model.params_per_expert()
+                           * weight_bytes / tp / bandwidth)
+        else:
+            experts_q, experts_all = 1.0, 0.0
+
+        layers = model.num_layers
+        assert model.hidden_size and model.num_attention_heads
+        tp_comm = tp_latency = 0.0
+        if tp > 1:
+            link = hw.interconnect
+            if link is None or link.bandwidth_gbps is None:
+                raise ScenarioError(
+                    "step_time.hardware.interconnect: a link bandwidth_gbps is required with "
+                    "tensor_parallel_size > 1"
+                )
+            activation_bytes = 4 if compute_key == "fp32" else 2
+            tp_comm = (2 * layers * model.hidden_size * activation_bytes * 2 * (tp - 1) / tp
+                       / (link.bandwidth_gbps * 1e9))
+            tp_latency = 2 * layers * (link.latency_us or 0.0) * 1e-6
+
+        def pair(m: ModelShape) -> float:
+            assert m.num_attention_heads
+            return 4 * m.num_layers * m.num_attention_heads * m.head_size / flops
+
+        return cls(
+            hardware=hw, model=model, draft_model=draft, tensor_parallel_size=tp,
+            weights=model.dense_weight_params() * weight_bytes / tp / bandwidth,
+            experts_all=experts_all, experts_q=experts_q,
+            compute_per_token=2 * model.active_params_per_token(False) / flops,
+            compute_per_logit=2 * model.lm_head_params() / flops,
+            attention_per_pair=pair(model),
+            kv_per_token=model.kv_bytes_per_token(tp) / bandwidth,
+            tp_comm_per_token=tp_comm, tp_latency=tp_latency,
+            draft_weights=draft.dense_weight_params() * weight_bytes / tp / bandwidth,
+            draft_per_token=2 * draft.active_params_per_token(False) / flops,
+            draft_per_logit=2 * draft.lm_head_params() / flops,
+            draft_per_pair=pair(draft),
+            draft_kv_per_token=draft.kv_bytes_per_token(tp) / bandwidth,
+        )
+
+    def experts(self, n: int) -> float:
+        """Seconds reading the distinct experts ``n`` tokens touch: all MoE layers, expected
+        ``E_eff (1 - (1 - k/E_eff)^n)`` experts per layer."""
+        return self.experts_all * (1.0 - self.experts_q**n)
+
+
+def default_draft_shape(model: ModelShape) -> ModelShape:
+    """An EAGLE/EAGLE3 head: one dense decoder layer of the target's width and attention
+    layout, plus the LM head (vocab x hidden)."""
+    return ModelShape(
+        num_layers=1, num_kv_heads=model.num_kv_heads, head_size=model.head_size,
+        dtype_bytes=model.dtype_bytes, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        intermediate_size=model.intermediate_size or model.moe_intermediate_size,
+        vocab_size=model.vocab_size, tie_word_embeddings=model.tie_word_embeddings,
+    )
+
+
+class RooflineStepTimeModel:
+    """The roofline form: a step's seconds from its bytes, FLOPs and messages.
+
+    ``forward = base + per_request * R + mixed_step * [mixed] + sum_i efficiency_i * term_i``
+    (``combine="sum"``), or with ``combine="max"`` the larger of the compute group (compute,
+    attention_prefill) and the memory group (weights, experts, kv_read) in place of their sum.
+    Everything constant is folded into a few coefficients at construction, so a step costs a
+    few float operations.
+    """
+
+    FEATURES = ROOFLINE_FEATURES
+
+    def __init__(
+        self,
+        physics: RooflinePhysics,
+        *,
+        base: float = 0.0,
+        per_request: float = 0.0,
+        mixed_step: float = 0.0,
+        host_overhead: float = 0.0,
+        efficiency: dict[str, float] | None = None,
+        combine: str = "sum",
+        async_scheduling: bool = False,
+        num_draft_passes: int = 0,
+    ) -> None:
+        self.physics = physics
+        self.base = base
+        self.per_request = per_request
+        self.mixed_step = mixed_step
+        self.host_overhead = host_overhead
+        self.efficiency = {name: 1.0 for name in ROOFLINE_TERMS}
+        self.efficiency.update(efficiency or {})
+        self.combine = combine
+        self.async_scheduling = async_scheduling
+        self.num_draft_passes = num_draft_passes  # k with an EAGLE draft, else 0
+        self._fold()
+
+    @classmethod
+    def from_config(
+        cls, config: StepTimeConfig, async_scheduling: bool = False, num_draft_passes: int = 0
+    ) -> "RooflineStepTimeModel":
+        assert config.physics is not None, "form roofline"
+        return cls(
+            config.physics, base=config.base, per_request=config.per_request,
+            mixed_step=config.mixed_step, host_overhead=config.host_overhead,
+            efficiency=config.efficiency.model_dump(), combine=config.combine,
+            async_scheduling=async_scheduling, num_draft_passes=num_draft_passes,
+        )
+
+    def _fold(self) -> None:
+        ph, e, k = self.physics, self.efficiency, self.num_draft_passes
+        ed = e["draft"]
+        self._w = e["weights"] * ph.weights
+        self._x = e["experts"] * ph.experts_all
+        self._q = ph.experts_q
+        self._c_tok = e["compute"] * ph.compute_per_token
+        self._c_logit = e["compute"] * ph.compute_per_logit
+        self._pair = e["attention_prefill"] * ph.attention_per_pair
+        self._kv = e["kv_read"] * ph.kv_per_token
+        self._comm = e["tp_comm"] * ph.tp_comm_per_token
+        self._lat = e["tp_latency"] * ph.tp_latency
+        # Draft: k passes over the requests' tokens (weights, compute, logits, KV each pass),
+        # the prefill tokens once.
+        self._d_const = ed * k * ph.draft_weights
+        self._d_req = ed * k * (ph.draft_per_token + ph.draft_per_logit)
+        self._d_prefill = ed * ph.draft_per_token if k else 0.0
+        self._d_pair = ed * ph.draft_per_pair if k else 0.0
+        self._d_ctx = ed * k * ph.draft_kv_per_token
+        # The sum form's coefficients, grouped by the count they multiply.
+        self._const = self.base + self._w + self._lat + self._d_const
+        self._per_req = self.per_request + self._d_req
+        self._per_tok = self._c_tok + self._comm
+        self._per_pair = self._pair + self._d_pair
+        self._per_ctx = self._kv + self._d_ctx
+
+    # ------------------------------------------------------------------ per step
+
+    def _head(self, n: int, reqs: int, logits: int, prefill: int, pairs: int) -> float:
+        """The sum form without its context and mixed terms."""
+        t = self._const + self._per_req * reqs
+        t += self._per_tok * n
+        t += self._c_logit * logits
+        if self._x:
+            t += self._x * (1.0 - self._q**n)
+        if pairs:
+            t += self._per_pair * pairs
+        if prefill and self._d_prefill:
+            t += self._d_prefill * prefill
+        return t
+
+    def _forward_max(
+        self, n: int, reqs: int, logits: int, prefill: int, pairs: int, context: int, mixed: bool
+    ) -> float:
+        compute = self._c_tok * n + self._c_logit * logits + self._pair * pairs
+        memory = self._w + self._x * (1.0 - self._q**n) + self._kv * context
+        t = self.base + self.per_request * reqs
+        t += compute if compute > memory else memory
+        t += self._comm * n + self._lat
+        if self.num_draft_passes:
+            t += self._d_const + self._d_req * reqs + self._d_prefill * prefill
+            t += self._d_pair * pairs + self._d_ctx * context
+        if mixed:
+            t += self.mixed_step
+        return t
+
+    def forward_time(self, out: SchedulerOutput) -> float:
+        """Seconds of the forward pass (and the draft passes) for the batch ``out``."""
+        prefill = out.num_prefill_tokens
+        n = prefill + out.num_decode_tokens + out.num_verify_tokens
+        reqs = len(out.reqs)
+        mixed = bool(prefill and out.num_decode_reqs)
+        # Logits: one row per request (its last position) plus one per verified draft.
+        logits = reqs + out.num_verify_tokens
+        if self.combine == "max":
+            return self._forward_max(
+                n, reqs, logits, prefill, out.num_prefill_pairs, out.num_context_tokens, mixed
+            )
+        t = self._head(n, reqs, logits, prefill, out.num_prefill_pairs)
+        t += self._per_ctx * out.num_context_tokens
+        if mixed:
+            t += self.mixed_step
+        return t
+
+    def step_period(self, out: SchedulerOutput) -> float:
+        """Seconds from one step's start to the next's (as :meth:`StepTimeModel.step_period`)."""
+        forward = self.forward_time(out) if out.total_num_scheduled_tokens else 0.0
+        if self.async_scheduling:
+            return forward if forward > self.host_overhead else self.host_overhead
+        return forward + self.host_overhead
+
+    decode_nondecreasing = True  # every term is non-decreasing in tokens and context
+
+    def decode_periods(self, num_reqs: int, context: int, count: int) -> list[float]:
+        """:meth:`step_period` of ``count`` pure-decode steps (see StepTimeModel's)."""
+        host, asynchronous = self.host_overhead, self.async_scheduling
+        periods = []
+        if self.combine == "max":
+            for j in range(1, count + 1):
+                f = self._forward_max(num_reqs, num_reqs, num_reqs, 0, 0, context + num_reqs * j,
+                                      False)
+                periods.append((f if f > host else host) if asynchronous else f + host)
+            return periods
+        head = self._head(num_reqs, num_reqs, num_reqs, 0, 0)
+        per_ctx = self._per_ctx
+        for j in range(1, count + 1):
+            f = head + per_ctx * (context + num_reqs * j)
+            periods.append((f if f > host else host) if asynchronous else f + host)
+        return periods
+
+    # ------------------------------------------------------------------ calibration
+
+    def features(self, out: SchedulerOutput) -> tuple[float, ...]:
+        """The step's basis in the order of ``ROOFLINE_FEATURES``: 1, requests, [mixed], then
+        each physical term in seconds at efficiency 1. With ``combine="sum"`` the forward time
+        is this row times :attr:`coef_`."""
+        ph, k = self.physics, self.num_draft_passes
+        prefill = out.num_prefill_tokens
+        n = prefill + out.num_decode_tokens + out.num_verify_tokens
+        reqs = len(out.reqs)
+        logits = reqs + out.num_verify_tokens
+        pairs, context = out.num_prefill_pairs, out.num_context_tokens
+        draft = 0.0
+        if k:
+            draft = (k * ph.draft_weights + k * (ph.draft_per_token + ph.draft_per_logit) * reqs
+                     + ph.draft_per_token * prefill + ph.draft_per_pair * pairs
+                     + k * ph.draft_kv_per_token * context)
+        return (
+            1.0,
+            float(reqs),
+            1.0 if (prefill and out.num_decode_reqs) else 0.0,
+            ph.weights,
+            ph.experts(n),
+            ph.compute_per_token * n + ph.compute_per_logit * logits,
+            ph.attention_per_pair * pairs,
+            ph.kv_per_token * context,
+            ph.tp_comm_per_token * n,
+            ph.tp_latency,
+            draft,
+        )
+
+    @property
+    def coef_(self) -> np.ndarray:
+        e = self.efficiency
+        return np.array([self.base, self.per_request, self.mixed_step,
+                         *(e[name] for name in ROOFLINE_TERMS)])
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """Forward seconds (sum form) for rows of ``ROOFLINE_FEATURES``."""
+        return np.asarray(X, dtype=float) @ self.coef_
+
+    def fit(self, X: np.ndarray, y: np.ndarray, prior_weight: float = 0.0) -> "RooflineStepTimeModel":
+        """Non-negative least squares on measured forward seconds (sum form), each efficiency
+        pulled toward its prior 1.0 with weight ``prior_weight`` (in units of the squared
+        residual seconds of one step: ``prior_weight * (e - 1)^2`` is added to the loss)."""
+        X = np.asarray(X, dtype=float)
+        y = np.asarray(y, dtype=float)
+        A, b = X, y
+        if prior_weight > 0:
+            m = len(ROOFLINE_TERMS)
+            rows = np.zeros((m, X.shape[1]))
+            rows[:, 3:] = np.eye(m) * np.sqrt(prior_weight)
+            A = np.vstack([X, rows])
+            b = np.concatenate([y, np.full(m, np.sqrt(prior_weight))])
+        coef, _ = nnls(A, b)
+        self.base, self.per_request, self.mixed_step = (float(c) for c in coef[:3])
+        self.efficiency = {name: float(c) for name, c in zip(ROOFLINE_TERMS, coef[3:])}
+        self._fold()
+        self.residuals_ = y - X @ coef
+        return self
+
+
+def make_step_model(
+    config: StepTimeConfig, *, async_scheduling: bool = False, speculative_method: str | None = None,
+    num_speculative_tokens: int = 0,
+) -> StepTimeModel | RooflineStepTimeModel:
+    """The step-time model a scenario's ``step_time`` section asks for.
+
+    The roofline form runs its draft model (k passes) for EAGLE and EAGLE3; ngram drafts cost
+    no forward of their own.
+    """
+    if config.form == "roofline":
+        drafting = speculative_method in ("eagle", "eagle3")
+        return RooflineStepTimeModel.from_config(
+            config, async_scheduling, num_speculative_tokens if drafting else 0
+        )
+    return StepTimeModel.from_config(config, async_scheduling, num_speculative_tokens)
