@@ -200,9 +200,13 @@ class StepTimeConfig(_Model):
     @model_serializer(mode="wrap")
     def _drop_roofline_defaults(self, handler):
         data = handler(self)
+        fields = StepTimeConfig.model_fields
         for name in ROOFLINE_KEYS:
-            if name in data and getattr(self, name) == StepTimeConfig.model_fields[name].default:
+            if name in data and getattr(self, name) == fields[name].default:
                 del data[name]
+        if self.form == "roofline":  # the linear terms play no part
+            for name in LINEAR_KEYS:
+                data.pop(name, None)
         return data
 
     @model_validator(mode="after")
@@ -214,7 +218,7 @@ class StepTimeConfig(_Model):
                     raise ValueError(f"step_time.{name}: a roofline key; set form: roofline")
             return self
         for name in LINEAR_KEYS:
-            if name in given:
+            if name in given and getattr(self, name) != StepTimeConfig.model_fields[name].default:
                 raise ValueError(
                     f"step_time.{name}: a linear-form term; the roofline form has efficiency, "
                     "base, per_request, mixed_step and host_overhead"

@@ -42,7 +42,8 @@ def make_scenario(**sections: Any):
         "seed": 0,
     }
     for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
+        roofline = key == "step_time" and isinstance(value, dict) and value.get("form") == "roofline"
+        if isinstance(value, dict) and isinstance(data.get(key), dict) and not roofline:
             data[key] = {**data[key], **value}
         else:
             data[key] = value

@@ -161,3 +161,52 @@ def test_a_sweep_over_memory_flags_moves_the_simulated_pool():
     # The two measured 910B4 pools come back from the estimate; less memory, fewer blocks.
     assert blocks[(32768, 0.85)] == 695_936 // 128 and blocks[(8192, 0.85)] == 767_872 // 128
     assert blocks[(32768, 0.8)] < blocks[(32768, 0.85)]
+
+
+ROOFLINE = GOOD + """
+step_time:
+  form: roofline
+  hardware: {memory_gb: 80, memory_bandwidth_gbps: 100, peak_tflops: {bf16: 50},
+             interconnect: {bandwidth_gbps: 50, latency_us: 5}}
+  model: {config: model.json}
+"""
+MODEL_JSON = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 32000,
+              "num_local_experts": 16, "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["step_time.hardware=no-such-gpu"], "step_time.hardware: unknown hardware 'no-such-gpu'; known: "),
+        (["step_time.model=no-such-model"], "step_time.model: unknown model 'no-such-model'; known: "),
+        (["step_time.hardware.memory_bandwidth_gbps=-5"], "step_time.hardware.memory_bandwidth_gbps: input should be greater than 0"),
+        (["step_time.model.config=missing.json"], "step_time.model.config: cannot read"),
+        (["step_time.hardware.memory_gb=0.01"], "step_time.model: 0.1 GB of weights per rank (tensor_parallel_size 1) exceed the hardware's memory_gb (0.01)"),
+        (["step_time.per_decode_token=0.1"], "step_time.per_decode_token: a linear-form term"),
+        (["step_time.form=linear"], "step_time.hardware: a roofline key; set form: roofline"),
+    ],
+)
+def test_bad_roofline_input_is_one_line_with_exit_code_2(tmp_path, overrides, expected):
+    (tmp_path / "model.json").write_text(json.dumps(MODEL_JSON))
+    path = write(tmp_path, ROOFLINE)
+    args = ["simulate", str(path)]
+    for item in overrides:
+        args += ["--set", item]
+    proc = run(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+
+
+def test_roofline_scenario_runs_and_top_k_is_checked(tmp_path):
+    (tmp_path / "model.json").write_text(json.dumps(MODEL_JSON))
+    path = write(tmp_path, ROOFLINE)
+    proc = run("simulate", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["completed"] == 10
+    (tmp_path / "model.json").write_text(json.dumps({**MODEL_JSON, "num_experts_per_tok": 17}))
+    proc = run("simulate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: step_time.model.num_experts_per_tok: top-17 routing exceeds the 16 routed experts")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -11,8 +12,35 @@ from simcap.simulator import simulate
 from tests.conftest import make_scenario
 
 
+ROOFLINE_HW = {"memory_gb": 80, "memory_bandwidth_gbps": 100, "peak_tflops": {"bf16": 5},
+               "interconnect": {"bandwidth_gbps": 50, "latency_us": 5}}
+ROOFLINE_MODEL = {"num_layers": 4, "num_kv_heads": 2, "head_size": 32, "dtype_bytes": 2,
+                  "hidden_size": 256, "num_attention_heads": 8, "intermediate_size": 512,
+                  "vocab_size": 32000}
+
+
+def roofline_step_time(draw) -> dict:
+    """A roofline step_time section: dense or MoE, sum or max, TP 1 or 2, skewed or not."""
+    model = dict(ROOFLINE_MODEL)
+    if draw(st.booleans()):
+        model.update(num_experts=16, num_experts_per_tok=draw(st.sampled_from([1, 2, 16])),
+                     moe_intermediate_size=512)
+    return dict(
+        form="roofline", hardware=ROOFLINE_HW, model=model,
+        base=draw(st.sampled_from([0.0, 0.004])),
+        per_request=draw(st.sampled_from([0.0, 2e-5])),
+        mixed_step=draw(st.sampled_from([0.0, 1e-3])),
+        host_overhead=draw(st.sampled_from([0.0, 0.0013])),
+        combine=draw(st.sampled_from(["sum", "max"])),
+        tensor_parallel_size=draw(st.sampled_from([1, 2])),
+        routing_skew=draw(st.sampled_from([0.0, 0.6])),
+        efficiency={"compute": draw(st.sampled_from([1.0, 3.0])),
+                    "kv_read": draw(st.sampled_from([1.0, 50.0]))},
+    )
+
+
 @st.composite
-def scenarios(draw):
+def scenarios(draw, roofline=False, speculative=False):
     block_size = draw(st.sampled_from([4, 16, 32]))
     max_in = draw(st.integers(1, 400))
     max_out = draw(st.integers(1, 300))
@@ -32,21 +60,28 @@ def scenarios(draw):
     if max_in > 40 and draw(st.booleans()):
         workload["prefix"] = {"shared_tokens": 20, "num_prefixes": 2}
         workload["input_len"] = {"dist": "uniform", "low": 21, "high": max_in}
+    spec = None
+    lookahead = 0
+    if speculative and draw(st.booleans()):
+        lookahead = draw(st.integers(1, 3))
+        spec = {"method": draw(st.sampled_from(["eagle3", "eagle", "ngram"])),
+                "num_speculative_tokens": lookahead, "acceptance_length": 1.0 + lookahead / 2}
     return make_scenario(
         engine=dict(
             vllm_version=draw(st.sampled_from(["0.11", "0.23", "0.32"])),
             block_size=block_size,
             max_model_len=need + draw(st.integers(0, 64)),
-            num_gpu_blocks=-(-need // block_size) + 1 + draw(st.integers(0, 60)),
+            num_gpu_blocks=-(-(need + lookahead) // block_size) + 1 + draw(st.integers(0, 60)),
             max_num_seqs=draw(st.integers(1, 16)),
             max_num_batched_tokens=draw(st.integers(4, 512)),
             enable_prefix_caching=draw(st.booleans()),
         ),
-        step_time=dict(
+        step_time=roofline_step_time(draw) if roofline else dict(
             base=0.004, per_prefill_token=1e-5, per_decode_token=draw(st.sampled_from([1e-4, 3e-3])),
             per_context_token=draw(st.sampled_from([0.0, 1e-7])),
             host_overhead=draw(st.sampled_from([0.0, 0.0013])),
         ),
+        speculative=spec,
         workload=workload,
         seed=draw(st.integers(0, 2**16)),
     )
@@ -55,6 +90,18 @@ def scenarios(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_fast_path_equals_reference_path(scenario):
+    check_fast_equals_reference(scenario)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(roofline=True, speculative=True))
+def test_fast_path_equals_reference_path_roofline(scenario):
+    """The roofline form (sum and max, dense and MoE, TP, skew), with and without
+    speculation: the fast path's decode_periods equal step_period step by step."""
+    check_fast_equals_reference(scenario)
+
+
+def check_fast_equals_reference(scenario):
     reference = simulate(scenario, fast=False, records=True, steps=True)
     fast = simulate(scenario, fast=True, records=True, steps=True)
     assert fast.records == reference.records
@@ -72,8 +119,11 @@ def test_fast_path_equals_reference_path(scenario):
     assert to_json(from_records.to_dict()) == to_json(fast.summary.to_dict())
 
 
-def test_fast_path_is_taken_on_long_decodes():
+@pytest.mark.parametrize("roofline", [False, True])
+def test_fast_path_is_taken_on_long_decodes(roofline):
+    step_time = dict(form="roofline", hardware=ROOFLINE_HW, model=ROOFLINE_MODEL) if roofline else {}
     scenario = make_scenario(
+        step_time=step_time,
         workload={"arrival": {"process": "closed", "concurrency": 4}, "num_requests": 8,
                   "input_len": 100, "output_len": 500},
     )
