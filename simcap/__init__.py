@@ -16,7 +16,9 @@ Reading guide, in the order data flows:
 
 Around that core:
 
-- :mod:`simcap.memory` -- the KV pool from card memory, model shape and flags.
+- :mod:`simcap.memory` -- the KV pool from card memory, model shape and flags (and the
+  shape's weights and experts, for the roofline step-time form).
+- :mod:`simcap.catalog` -- hardware figures and model shapes by name, from the package's data.
 - :mod:`simcap.profile` and :mod:`simcap.calibrate` -- fitted profiles, and fitting them from
   step samples, per-step logs or benchmark tables (with bootstrap intervals).
 - :mod:`simcap.crossover`, :mod:`simcap.capacity`, :mod:`simcap.sweep` -- studies over many

@@ -2,7 +2,8 @@
 
 - :mod:`simcap.engine.scheduler`: vLLM V1's scheduler (``schedule`` / ``update_from_output``);
 - :mod:`simcap.engine.kv_cache`: the paged KV pool with prefix caching;
-- :mod:`simcap.engine.step_time`: seconds per step from the batch's features.
+- :mod:`simcap.engine.step_time`: seconds per step from the batch's features (linear or
+  roofline form).
 
 :mod:`simcap.simulator` adds the SimPy clock around them.
 """
@@ -10,7 +11,12 @@
 from simcap.engine.kv_cache import KVCacheManager
 from simcap.engine.request import Request, RequestStatus
 from simcap.engine.scheduler import EngineOutput, Scheduler, SchedulerFeatures, SchedulerOutput
-from simcap.engine.step_time import StepTimeModel, step_features
+from simcap.engine.step_time import (
+    RooflineStepTimeModel,
+    StepTimeModel,
+    make_step_model,
+    step_features,
+)
 
 __all__ = [
     "EngineOutput",
@@ -19,7 +25,9 @@ __all__ = [
     "RequestStatus",
     "Scheduler",
     "SchedulerFeatures",
+    "RooflineStepTimeModel",
     "SchedulerOutput",
     "StepTimeModel",
+    "make_step_model",
     "step_features",
 ]

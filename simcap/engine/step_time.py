@@ -1,7 +1,9 @@
 """How long one engine step takes, from the batch it computes.
 
-A small physical, linear form, fitted like a scikit-learn estimator (``fit`` returns self,
-learned values end in ``_``)::
+Two forms, chosen by ``step_time.form``. Both are fitted like scikit-learn estimators (``fit``
+returns self, learned values end in ``_``).
+
+**linear** (default, :class:`StepTimeModel`): a small physical, linear form::
 
     forward = base
             + per_prefill_token  * prefill tokens      (prompt chunks, recomputation)
@@ -11,6 +13,44 @@ learned values end in ``_``)::
             + mixed_step         * [step mixes prefill into decodes]
             + k * (draft_per_pass + draft_per_request * requests in the batch)
                                                        (EAGLE: k sequential draft passes)
+
+**roofline** (:class:`RooflineStepTimeModel`): bytes and FLOPs of the step on named hardware
+(``simcap/catalog``), each physical term in seconds per step per rank at the roofline, times a
+fitted efficiency (1: kernels at the roofline; > 1 slower). From the step's integers: P prefill
+tokens, D decode tokens, V verified drafts, n = P + D + V, R scheduled requests, C attended
+context tokens, Q causal (query, key) pairs of the prefill chunks (``n*s + n(n+1)/2`` for a
+chunk of n after s computed tokens), k drafts::
+
+    weights           dense (non-expert) weight bytes per rank / bandwidth: attention, dense
+                      MLPs, routers, shared experts, LM head, read once per step
+    experts           MoE layers x E_eff (1 - (1 - k_route/E_eff)^n) distinct experts x bytes
+                      per expert / tp / bandwidth; E_eff = max(k_route, E (1 - routing_skew)):
+                      skewed routing as if each token's top-k came from a smaller pool.
+                      With expert parallelism a rank holds E/tp whole experts instead of a
+                      1/tp slice of each: the same expected bytes per rank
+    compute           2 x (active params per token x n + LM head x (R + V) logit rows)
+                      / (peak FLOPs of compute_dtype x tp)
+    attention_prefill 4 x layers x query heads x head_dim x Q / (peak x tp)
+    kv_read           C x KV bytes per token per rank / bandwidth
+    tp_comm           tp > 1: 2 ring all-reduces per layer of n x hidden activations (bf16):
+                      2 (tp-1)/tp x bytes / link bandwidth
+    tp_latency        tp > 1: 2 x layers x link latency
+    draft             EAGLE/EAGLE3: k passes of the draft model (weights, compute and logits of
+                      the R requests' tokens, KV over C) plus its compute over the P prefill
+                      tokens; default draft: one dense layer of the target's width + LM head
+
+    forward = base + per_request x R + mixed_step x [mixed] + sum_i efficiency_i x term_i
+
+``combine: max`` replaces the sum of the compute group (compute, attention_prefill) and the
+memory group (weights, experts, kv_read) by the larger of the two. The sum form is linear in
+``base``, ``per_request``, ``mixed_step`` and the efficiencies: :meth:`features` gives the
+basis (``ROOFLINE_FEATURES``), :meth:`RooflineStepTimeModel.fit` fits it by non-negative least
+squares with an optional pull toward efficiency 1. Every term is non-decreasing in tokens and
+context, so a pure-decode stretch's periods never shrink (the fast path relies on it).
+Constants are folded at construction: a step costs a few float operations.
+
+Both forms price a stretch of pure-decode steps with ``decode_periods`` (integers in, the
+same float operations as ``step_period`` out), which the fast path uses.
 
 The engine's step period adds ``host_overhead`` (scheduling, output processing, messaging:
 work vLLM's per-iteration log does not time). With async scheduling that host work overlaps
