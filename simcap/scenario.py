@@ -108,6 +108,51 @@ class EngineConfig(_Model):
 # --------------------------------------------------------------------------- step time
 
 
+class EmpiricalNoise(_Model):
+    """Measured/predicted forward-time ratios as evenly spaced quantiles (inverse CDF).
+
+    ``quantiles[i]`` is the factor at probability ``i / (n - 1)``; a step's factor is the
+    inverse CDF at a uniform draw, linear between neighbouring quantiles. Used as given: a fit
+    writes them scaled to mean 1 (see engine.noise), so the noise adds spread, not bias.
+    """
+
+    kind: Literal["empirical"]
+    quantiles: tuple[float, ...]
+    samples: int | None = Field(None, ge=0, description="Steps the quantiles were fitted from.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EmpiricalNoise":
+        q = self.quantiles
+        if len(q) < 2:
+            raise ValueError(f"quantiles need at least 2 values (got {len(q)})")
+        if any(not math.isfinite(x) or x <= 0.0 for x in q):
+            raise ValueError(f"quantiles must be positive and finite factors (got {list(q)})")
+        if any(b < a for a, b in zip(q, q[1:])):
+            raise ValueError(f"quantiles must be non-decreasing (got {list(q)})")
+        return self
+
+
+class LognormalNoise(_Model):
+    """Mean-one lognormal factors: ``exp(N(-sigma^2 / 2, sigma^2))``."""
+
+    kind: Literal["lognormal"]
+    sigma: float = Field(ge=0.0, description="Standard deviation of the factor's logarithm.")
+    samples: int | None = Field(None, ge=0, description="Steps sigma was fitted from.")
+
+
+NoiseDist = Annotated[Union[EmpiricalNoise, LognormalNoise], Field(discriminator="kind")]
+
+
+class StepNoiseConfig(_Model):
+    """Multiplicative noise on the forward time, per step kind (see engine.noise)."""
+
+    decode: NoiseDist | None = Field(None, description="Pure decode steps.")
+    prefill: NoiseDist | None = Field(None, description="Steps that compute prompt tokens.")
+    spec: NoiseDist | None = Field(
+        None, description="Steps that verify drafts (no prompt tokens); None: decode's."
+    )
+
+
 class StepTimeConfig(_Model):
     """Seconds for one engine step, linear in the batch's features (see engine.step_time)."""
 
@@ -133,6 +178,9 @@ class StepTimeConfig(_Model):
     )
     draft_per_request: float = Field(
         0.0, ge=0.0, description="s per drafting request per draft pass (grows with the batch)."
+    )
+    noise: StepNoiseConfig | None = Field(
+        None, description="Per-step multiplicative factors on the forward time; None: none."
     )
 
 
@@ -372,7 +420,10 @@ class Scenario(_Model):
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON form: names this exact scenario in results."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        data = self.model_dump(mode="json")
+        if data["step_time"].get("noise") is None:
+            del data["step_time"]["noise"]  # (a scenario without noise keeps its digest)
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -468,7 +519,7 @@ def _field_names(loc: tuple[Any, ...]) -> list[str] | None:
     return None
 
 
-_TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical"}
+_TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical", "lognormal"}
 
 
 def format_validation_error(exc: ValidationError) -> str:
