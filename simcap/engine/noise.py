@@ -197,14 +197,26 @@ class StepNoise:
 
 # --------------------------------------------------------------------------- fitting
 
-NUM_QUANTILES = 41  # every 2.5 %
+NUM_QUANTILES = 41  # every 2.5 % (21, every 5 %, below FEW_SAMPLES steps)
+FEW_SAMPLES = 200
 MIN_SAMPLES = 20  # fewer steps of a kind: no distribution for it
 
 
-def empirical_from_ratios(ratios: np.ndarray, num_quantiles: int = NUM_QUANTILES) -> EmpiricalNoise:
-    """Quantiles of ``ratios`` at ``i / (n - 1)``, scaled so that the inverse CDF's mean is 1."""
-    r = np.asarray(ratios, dtype=float)
-    q = np.quantile(r, np.linspace(0.0, 1.0, num_quantiles))
+def empirical_from_ratios(ratios: np.ndarray, num_quantiles: int | None = None) -> EmpiricalNoise:
+    """Quantiles of ``ratios`` at ``i / (n - 1)``, scaled so that the inverse CDF's mean is 1.
+
+    Inner quantiles are the sample's; the two ends are not its min and max (one stray step,
+    e.g. 8x the prediction, would spread the top 2.5 % evenly up to it and inflate the mean)
+    but set so that each end segment has the mean of the samples it covers: top
+    ``2 * mean(r >= q[n-2]) - q[n-2]``, bottom ``2 * mean(r <= q[1]) - q[1]`` (not below the
+    smallest ratio).
+    """
+    r = np.sort(np.asarray(ratios, dtype=float))
+    n = num_quantiles or (NUM_QUANTILES if r.size >= FEW_SAMPLES else 21)
+    q = np.quantile(r, np.linspace(0.0, 1.0, n))
+    if n > 2:
+        q[-1] = max(2.0 * r[r >= q[-2]].mean() - q[-2], q[-2])
+        q[0] = min(max(2.0 * r[r <= q[1]].mean() - q[1], r[0]), q[1])
     raw = EmpiricalNoise(kind="empirical", quantiles=tuple(float(x) for x in q))
     q = q / mean_factor(raw)
     return EmpiricalNoise(kind="empirical", quantiles=tuple(float(f"{x:.5g}") for x in q), samples=int(r.size))
