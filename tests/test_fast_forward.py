@@ -57,6 +57,8 @@ NOISES = st.sampled_from([
     {"decode": {"kind": "empirical", "quantiles": [0.3, 0.8, 1.0, 1.1, 3.0]},
      "prefill": {"kind": "lognormal", "sigma": 0.2}},
     {"prefill": {"kind": "empirical", "quantiles": [0.5, 2.0]}},
+    # steps far shorter than the noiseless period: pricing must go on past its first guess
+    {"decode": {"kind": "empirical", "quantiles": [0.1, 0.15, 0.4]}},
 ])
 
 
