@@ -279,6 +279,11 @@ def calibrate_cmd(
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the fit report as one JSON object."),
     residual_plot: Optional[Path] = typer.Option(None, "--residual-plot", help="Write fitted vs measured (PNG/SVG/PDF)."),
+    noise: str = typer.Option(
+        "empirical", "--noise",
+        help="Step samples: fit step_time.noise from the residual ratios (empirical quantiles, or "
+             "lognormal), or none (not written).",
+    ),
 ) -> None:
     """Fit a profile (step-time coefficients) to step samples or benchmark results."""
     import shlex
@@ -289,9 +294,11 @@ def calibrate_cmd(
         fixed = cal.parse_fix(fix or [])
         recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem)
         workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v}
+        family = cal.noise_family(noise)
         fit = cal.calibrate(
             inputs, recipe, form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
             num_speculative_tokens=num_speculative_tokens, bootstrap=bootstrap, warn_above=warn_above,
+            noise=family,
         )
         command = "simcap calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         cal.write_profile(cal.profile_dict(fit, recipe, command=command), out)

@@ -132,6 +132,10 @@ def advance_decode_stretch(
             todo = int((horizon - now) / p1) + 2
         periods += model.decode_periods(num_reqs, context, todo)
     starts = list(accumulate(periods, initial=now))
+    if world.noise is not None:  # per-step factors on the forward time: simcap.engine.noise
+        periods, starts = world.noise.price_stretch(
+            model, first, running, context, now, horizon, m_finish
+        )
     # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
     m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
     if m < len(periods):
@@ -186,6 +190,8 @@ def advance_decode_stretch(
         req.num_output_tokens += m
         if left == m:
             finishing.append(req)
+    if world.noise is not None:
+        world.noise.advance(len(periods))  # the draws of the steps that ran, and no more
     world.emit_stretch(running, starts)  # chunks at starts[1:]
     end = starts.pop()  # starts now holds the m steps' start times
     steps = world.steps

@@ -124,8 +124,8 @@ class RooflineEfficiency(_Model):
     draft: float = Field(1.0, ge=0.0)
 
 
-# Keys of the roofline form; a dump leaves them out at their defaults, so a linear scenario
-# prints and hashes as it did before the roofline form existed.
+# Keys of the roofline form; a dump leaves them (and an absent noise) out at their defaults,
+# so a linear scenario prints and hashes as it did before either existed.
 ROOFLINE_KEYS = (
     "form", "combine", "hardware", "model", "weight_dtype", "kv_dtype", "compute_dtype",
     "tensor_parallel_size", "expert_parallel", "routing_skew", "draft_model", "efficiency",
@@ -135,6 +135,49 @@ LINEAR_KEYS = (
     "per_prefill_token", "per_decode_token", "per_context_token", "per_verify_token",
     "draft_per_pass", "draft_per_request",
 )
+class EmpiricalNoise(_Model):
+    """Measured/predicted forward-time ratios as evenly spaced quantiles (inverse CDF).
+
+    ``quantiles[i]`` is the factor at probability ``i / (n - 1)``; a step's factor is the
+    inverse CDF at a uniform draw, linear between neighbouring quantiles. Used as given: a fit
+    writes them scaled to mean 1 (see engine.noise), so the noise adds spread, not bias.
+    """
+
+    kind: Literal["empirical"]
+    quantiles: tuple[float, ...]
+    samples: int | None = Field(None, ge=0, description="Steps the quantiles were fitted from.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EmpiricalNoise":
+        q = self.quantiles
+        if len(q) < 2:
+            raise ValueError(f"quantiles need at least 2 values (got {len(q)})")
+        if any(not math.isfinite(x) or x <= 0.0 for x in q):
+            raise ValueError(f"quantiles must be positive and finite factors (got {list(q)})")
+        if any(b < a for a, b in zip(q, q[1:])):
+            raise ValueError(f"quantiles must be non-decreasing (got {list(q)})")
+        return self
+
+
+class LognormalNoise(_Model):
+    """Mean-one lognormal factors: ``exp(N(-sigma^2 / 2, sigma^2))``."""
+
+    kind: Literal["lognormal"]
+    sigma: float = Field(ge=0.0, description="Standard deviation of the factor's logarithm.")
+    samples: int | None = Field(None, ge=0, description="Steps sigma was fitted from.")
+
+
+NoiseDist = Annotated[Union[EmpiricalNoise, LognormalNoise], Field(discriminator="kind")]
+
+
+class StepNoiseConfig(_Model):
+    """Multiplicative noise on the forward time, per step kind (see engine.noise)."""
+
+    decode: NoiseDist | None = Field(None, description="Pure decode steps.")
+    prefill: NoiseDist | None = Field(None, description="Steps that compute prompt tokens.")
+    spec: NoiseDist | None = Field(
+        None, description="Steps that verify drafts (no prompt tokens); None: decode's."
+    )
 
 
 class StepTimeConfig(_Model):
@@ -198,10 +241,10 @@ class StepTimeConfig(_Model):
     _physics: Any = PrivateAttr(None)
 
     @model_serializer(mode="wrap")
-    def _drop_roofline_defaults(self, handler):
+    def _drop_unset_extensions(self, handler):
         data = handler(self)
         fields = StepTimeConfig.model_fields
-        for name in ROOFLINE_KEYS:
+        for name in (*ROOFLINE_KEYS, "noise"):
             if name in data and getattr(self, name) == fields[name].default:
                 del data[name]
         if self.form == "roofline":  # the linear terms play no part
@@ -235,6 +278,9 @@ class StepTimeConfig(_Model):
     def physics(self):
         """The roofline form's resolved hardware, shapes and per-unit seconds (None: linear)."""
         return self._physics
+    noise: StepNoiseConfig | None = Field(
+        None, description="Per-step multiplicative factors on the forward time; None: none."
+    )
 
 
 # --------------------------------------------------------------------------- speculation
@@ -473,7 +519,8 @@ class Scenario(_Model):
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON form: names this exact scenario in results."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        data = self.model_dump(mode="json")
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -581,7 +628,7 @@ def _field_names(loc: tuple[Any, ...]) -> list[str] | None:
     return None
 
 
-_TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical"}
+_TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical", "lognormal"}
 
 
 def format_validation_error(exc: ValidationError) -> str:

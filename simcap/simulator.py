@@ -24,6 +24,7 @@ import simpy
 from simcap._version import __version__
 from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
+from simcap.engine.noise import StepNoise
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import make_step_model
 from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
@@ -116,6 +117,8 @@ class _World:
         )
         self.proposer = Proposer(spec, np.random.default_rng(propose_ss)) if spec else None
         self.spec_counters = SpecDecodeCounters() if spec else None
+        # Step-time noise (None when off): its own stream, SeedSequence([seed, 2]).
+        self.noise = StepNoise.from_config(scenario.step_time.noise, scenario.seed)
         self.workload = Workload(scenario.workload, scenario.seed)
         self.metrics = MetricsAccumulator()
         self.records: list[RequestRecord] | None = [] if records else None
@@ -274,6 +277,7 @@ class _World:
         env = self.env
         scheduler = self.scheduler
         step_model = self.step_model
+        noise = self.noise
         steps = self.steps
         kv = scheduler.kv
         fast = self.fast
@@ -319,7 +323,7 @@ class _World:
             for req in out.new_reqs:
                 if req.scheduled_ts is None:
                     req.scheduled_ts = now
-            dt = step_model.step_period(out)
+            dt = step_model.step_period(out) if noise is None else noise.step_period(step_model, out)
             steps.append(
                 now, dt, out.num_prefill_tokens, out.num_decode_tokens, len(out.reqs),
                 len(scheduler.running), len(scheduler.waiting), kv.usage, len(out.preempted_reqs),

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler, SchedulerOutput
 from simcap.scenario import EngineConfig, parse_scenario
+
+
+# CI replays the same examples on every run (a property that fails there fails for everyone,
+# with the example in the log); runs elsewhere keep exploring new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def make_engine(**overrides: Any) -> EngineConfig:

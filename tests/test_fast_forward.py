@@ -87,6 +87,24 @@ def scenarios(draw, roofline=False, speculative=False):
     )
 
 
+NOISES = st.sampled_from([
+    {"decode": {"kind": "lognormal", "sigma": 0.4}},
+    {"decode": {"kind": "empirical", "quantiles": [0.3, 0.8, 1.0, 1.1, 3.0]},
+     "prefill": {"kind": "lognormal", "sigma": 0.2}},
+    {"prefill": {"kind": "empirical", "quantiles": [0.5, 2.0]}},
+    # steps far shorter than the noiseless period: pricing must go on past its first guess
+    {"decode": {"kind": "empirical", "quantiles": [0.1, 0.15, 0.4]}},
+])
+
+
+@st.composite
+def noisy_scenarios(draw):
+    """Scenarios with step-time noise: periods that shrink and grow along a stretch."""
+    scenario = draw(scenarios())
+    step_time = {**scenario.step_time.model_dump(exclude_none=True), "noise": draw(NOISES)}
+    return scenario.model_copy(update={"step_time": type(scenario.step_time).model_validate(step_time)})
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_fast_path_equals_reference_path(scenario):
@@ -98,6 +116,9 @@ def test_fast_path_equals_reference_path(scenario):
 def test_fast_path_equals_reference_path_roofline(scenario):
     """The roofline form (sum and max, dense and MoE, TP, skew), with and without
     speculation: the fast path's decode_periods equal step_period step by step."""
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(noisy_scenarios())
+def test_fast_path_equals_reference_path_with_noise(scenario):
     check_fast_equals_reference(scenario)
 
 
@@ -180,16 +201,18 @@ def test_fast_path_equals_reference_path_at_scale():
               input_len={"dist": "uniform", "low": 1, "high": 3000},
               output_len={"dist": "uniform", "low": 1, "high": 400})),
     ]:
-        scenario = make_scenario(
-            engine={**engine, "max_model_len": 4096},
-            step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
-                           per_context_token=1e-8),
-            workload=workload,
-        )
-        reference = simulate(scenario, fast=False, records=True, steps=True)
-        fast = simulate(scenario, records=True, steps=True)
-        assert fast.records == reference.records and fast.steps == reference.steps
-        assert to_json(fast.to_dict()) == to_json(reference.to_dict())
-        assert reference.summary.completed == workload["num_requests"]
-        preemptions.append(reference.summary.preemptions)
-    assert min(preemptions) > 0  # both pools run out: the fast path meets preemptions
+        for noise in (None, {"decode": {"kind": "lognormal", "sigma": 0.3},
+                             "prefill": {"kind": "empirical", "quantiles": [0.6, 1.0, 1.5]}}):
+            scenario = make_scenario(
+                engine={**engine, "max_model_len": 4096},
+                step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
+                               per_context_token=1e-8, noise=noise),
+                workload=workload,
+            )
+            reference = simulate(scenario, fast=False, records=True, steps=True)
+            fast = simulate(scenario, records=True, steps=True)
+            assert fast.records == reference.records and fast.steps == reference.steps
+            assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+            assert reference.summary.completed == workload["num_requests"]
+            preemptions.append(reference.summary.preemptions)
+    assert min(preemptions) > 0  # every pool runs out: the fast path meets preemptions

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from simcap.calibrate.core import TERMS, TYPICAL, CalibrationError, Form
 from simcap.calibrate.fit_bench import default_benchmark_form, fit_benchmarks
-from simcap.calibrate.fit_steps import fit_step_samples
+from simcap.calibrate.fit_steps import fit_step_samples, noise_family
 from simcap.calibrate.metrics import metric_of_key, metric_value
 from simcap.calibrate.pipeline import calibrate
 from simcap.calibrate.profile_io import profile_dict, write_profile
@@ -82,6 +82,7 @@ __all__ = [
     "fit_step_samples",
     "metric_of_key",
     "metric_value",
+    "noise_family",
     "parse_fix",
     "parse_iteration_log",
     "profile_dict",

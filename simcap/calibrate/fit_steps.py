@@ -12,6 +12,7 @@ from scipy.optimize import nnls
 from simcap.calibrate.core import TERMS, CalibrationError, Form, _fmt
 from simcap.calibrate.readers import _NEEDS, StepSamples
 from simcap.calibrate.result import Fit, _percentile_ci
+from simcap.engine.noise import fit_noise
 
 
 def fit_step_samples(
@@ -24,6 +25,7 @@ def fit_step_samples(
     level: float = 0.9,
     seed: int = 0,
     warn_above: float = 0.1,
+    noise: str | None = "empirical",
 ) -> Fit:
     """Non-negative least squares of the free terms on measured step seconds.
 
@@ -31,6 +33,9 @@ def fit_step_samples(
     ``host_overhead`` (s per step, not in an iteration log's elapsed time) is written to the
     profile as given; without it, when samples carry ``start_s``, it is the median gap between
     one step's end and the next's start. Intervals: pairs bootstrap over rows.
+
+    ``noise`` (``"empirical"``, ``"lognormal"`` or None): fit ``step_time.noise`` from the ratios
+    measured / fitted per step kind (:func:`noise_of_fit`).
     """
     fixed = dict(fixed or {})
     X = np.vstack([s.X for s in samples])
@@ -123,7 +128,7 @@ def fit_step_samples(
             f"{fitted[worst]:.4g} s vs measured {y[worst]:.4g} s); 5% of the step samples are off "
             f"by more than {quality['p95_abs_rel_error']:.0%}: the form may be missing a term"
         )
-    return Fit(
+    fit = Fit(
         kind="step_samples",
         method="nnls (scipy.optimize.nnls) on measured step seconds",
         form=form, coefficients=coeffs_all, fixed=fixed,
@@ -132,3 +137,35 @@ def fit_step_samples(
         level=level, residuals=residuals, sources=[s.source for s in samples],
         warnings=warnings, notes=notes, quality=quality,
     )
+    if noise:
+        noise_of_fit(fit, X, y, fitted, noise)
+    return fit
+
+
+NOISE_FAMILIES = ("empirical", "lognormal", "none")
+
+
+def noise_family(value: str) -> str | None:
+    """``--noise`` -> the family fitted (None for ``none``)."""
+    if value not in NOISE_FAMILIES:
+        raise CalibrationError(f"--noise: must be one of {', '.join(NOISE_FAMILIES)} (got {value!r})")
+    return None if value == "none" else value
+
+
+def step_kinds(X: np.ndarray) -> np.ndarray:
+    """Each row's step kind for the noise (simcap.engine.noise.step_kind): prefill, spec, decode."""
+    pre = X[:, TERMS.index("per_prefill_token")] > 0
+    ver = X[:, TERMS.index("per_verify_token")] > 0
+    return np.where(pre, "prefill", np.where(ver, "spec", "decode"))
+
+
+def noise_of_fit(fit: Fit, X: np.ndarray, y: np.ndarray, fitted: np.ndarray, family: str) -> Fit:
+    """Set ``fit.noise`` and ``fit.noise_report`` from the ratios measured / fitted per step
+    kind (in-sample residuals of the final coefficients); returns ``fit``."""
+    section, report = fit_noise(y, fitted, step_kinds(X), family)
+    fit.noise, fit.noise_report = section, report
+    kinds = report["kinds"]
+    parts = [f"{k} n={e['samples']}" + (f" p5/p50/p95 {e['p5']:.2f}/{e['p50']:.2f}/{e['p95']:.2f}"
+                                        if e["samples"] else "") for k, e in kinds.items()]
+    fit.notes.append(f"step_time.noise ({family}, ratio measured/fitted): " + "; ".join(parts))
+    return fit

@@ -27,6 +27,7 @@ def calibrate(
     iterations: int | None = None,
     level: float = 0.9,
     warn_above: float | None = None,
+    noise: str | None = "empirical",
 ) -> Fit:
     """Read the inputs (or the recipe's datasets), pick the fit for their kind, and run it."""
     fixed = {k: v for k, v in recipe.step_time.items() if v is not None}
@@ -74,7 +75,7 @@ def calibrate(
         return fit_step_samples(step_inputs, form_obj, fixed=fixed,
                                 host_overhead=fixed.get("host_overhead"),
                                 bootstrap=200 if bootstrap is None else bootstrap, level=level,
-                                seed=recipe.seed, warn_above=warn)
+                                seed=recipe.seed, warn_above=warn, noise=noise)
     return fit_benchmarks(points, form_obj, fixed=fixed, fit_metrics=recipe.fit_metrics,
                           weights=recipe.weights,
                           bootstrap=(recipe.bootstrap or 40) if bootstrap is None else bootstrap,

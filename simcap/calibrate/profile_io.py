@@ -16,10 +16,17 @@ from simcap.calibrate.result import Fit
 from simcap.scenario import StepTimeConfig
 
 
-def profile_dict(fit: Fit, recipe: Recipe, *, command: str | None = None) -> dict[str, Any]:
-    """The profile (YAML-ready dict) of a fit: deployment, coefficients, CI, bootstrap, provenance."""
+def profile_dict(
+    fit: Fit, recipe: Recipe, *, command: str | None = None, noise: bool = True
+) -> dict[str, Any]:
+    """The profile (YAML-ready dict) of a fit: deployment, coefficients, CI, bootstrap, provenance.
+
+    ``noise``: write the fit's ``step_time.noise`` (when it has one).
+    """
     step_time = {}
     for key in StepTimeConfig.model_fields:
+        if key == "noise":
+            continue
         value = fit.coefficients.get(key)
         if value is None:
             continue
@@ -32,6 +39,8 @@ def profile_dict(fit: Fit, recipe: Recipe, *, command: str | None = None) -> dic
             out[key] = getattr(recipe, key)
     out["engine"] = dict(recipe.engine)
     out["step_time"] = step_time
+    if noise and fit.noise:
+        step_time["noise"] = fit.noise
     if recipe.speculative:
         out["speculative"] = dict(recipe.speculative)
     out["step_time_ci"] = {k: [_fmt(lo), _fmt(hi)] for k, (lo, hi) in fit.ci.items()}
@@ -50,6 +59,7 @@ def profile_dict(fit: Fit, recipe: Recipe, *, command: str | None = None) -> dic
         "notes": fit.notes,
         "warnings": fit.warnings,
         "fit_quality": fit.quality,
+        "noise": None if fit.noise_report is None else {**fit.noise_report, "written": bool(noise and fit.noise)},
         "residuals": fit.residuals if len(fit.residuals) <= 500 else fit.residuals[:500],
     }
     return out

@@ -49,6 +49,16 @@ def render_fit(fit: Fit, console: Any) -> None:
                         f"[bold red]{err}[/]" if bad else err,
                         "" if r["fitted_in_objective"] else "reported only")
         console.print(res)
+    if fit.noise_report:
+        noise = Table(title=f"step-time noise: ratio measured / fitted per step ({fit.noise_report['family']} "
+                            f"written; KS of each family against the ratios)", title_justify="left")
+        for col in ("kind", "steps", "p5", "p50", "p95", "CV", "KS empirical", "KS lognormal", "sigma"):
+            noise.add_column(col, justify="left" if col == "kind" else "right")
+        for kind, e in fit.noise_report["kinds"].items():
+            cells = [str(e.get(c, "-")) for c in ("p5", "p50", "p95", "cv", "ks_empirical", "ks_lognormal",
+                                                  "lognormal_sigma")]
+            noise.add_row(kind, str(e["samples"]), *cells)
+        console.print(noise)
     for note in fit.notes:
         console.print(f"note: {note}", highlight=False)
 

@@ -29,6 +29,10 @@ class Fit:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     quality: dict[str, Any] = field(default_factory=dict)
+    # step_time.noise fitted from the residual ratios (None: not fitted, or too few steps),
+    # and its report per step kind (simcap.engine.noise.fit_noise).
+    noise: dict[str, Any] | None = None
+    noise_report: dict[str, Any] | None = None
 
     def fitted_terms(self) -> list[str]:
         return [*self.form.free, *(t for t in self.form.tied if t not in self.form.free)]
@@ -47,6 +51,8 @@ class Fit:
             "warnings": self.warnings,
             "notes": self.notes,
             "sources": self.sources,
+            "noise": {"step_time_noise": self.noise, **(self.noise_report or {})}
+            if self.noise_report else None,
         }
 
 

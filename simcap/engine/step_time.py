@@ -122,6 +122,7 @@ class StepTimeModel:
         cls, config: StepTimeConfig, async_scheduling: bool = False, num_speculative_tokens: int = 0
     ) -> "StepTimeModel":
         values = config.model_dump()
+        values.pop("noise", None)  # per-step factors: simcap.engine.noise, not the mean model
         if values["per_verify_token"] is None:
             values["per_verify_token"] = values["per_decode_token"]
         return cls(

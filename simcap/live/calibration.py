@@ -363,12 +363,15 @@ def calibrate_live(
     command: str | None = None,
     progress: Callable[[str], None] | None = None,
     server_pids: Sequence[int] = (),
+    noise: str | None = "empirical",
 ) -> LiveCalibration:
     """Run the calibration workload (or probes) against ``base_url`` and write a profile to ``out``.
 
     ``server_pids``: the server's processes when known (a local :class:`VllmServer`), so CPU use
     of other processes during the workload is measured (:class:`~simcap.live.hostload.CpuWatch`)
     and a disturbed calibration is flagged in the notes and the provenance.
+    ``noise``: fit and write ``step_time.noise`` (``"empirical"`` or ``"lognormal"``) from the
+    logged steps' ratios measured / fitted; None: neither (probes never fit it).
     Raises :class:`LiveError` / :class:`CalibrationError` (one-line user errors) when the server
     cannot be used, the log holds no iteration lines, or the fit is impossible.
     """
@@ -479,7 +482,8 @@ def calibrate_live(
                 "the server during the calibration"
             )
         samples = read_step_samples(data_path, k)
-        fit = fit_log_samples(samples, k, host["host_overhead_s"], bootstrap=bootstrap, seed=seed)
+        fit = fit_log_samples(samples, k, host["host_overhead_s"], bootstrap=bootstrap, seed=seed,
+                              noise=noise)
         fit.notes.append(
             f"host_overhead {host['host_overhead_s']:.4g} s per step: client decode step period "
             f"{_ms(host['step_period_s'])} minus the logged forward time {_ms(host['logged_elapsed_s'])} "
@@ -497,7 +501,9 @@ def calibrate_live(
         data_path.write_text(json.dumps({"source": SOURCE_PROBES, "note": PROBE_WARNING, "samples": rows_out}, indent=1))
         samples = read_step_samples(data_path)
         fit = fit_step_samples([samples], Form.parse("base,per_prefill_token,per_decode_token"),
-                               host_overhead=0.0, bootstrap=bootstrap, seed=seed)
+                               host_overhead=0.0, bootstrap=bootstrap, seed=seed, noise=None)
+        if noise:
+            notes.append("step_time.noise not fitted: probes are medians of many steps, not single steps")
         fit.notes.append("host_overhead 0: probe periods (TTFT, time per output token) include the host work")
         host = None
 
@@ -567,7 +573,8 @@ def _spread(samples: StepSamples, term: str) -> bool:
 
 
 def fit_log_samples(
-    samples: StepSamples, k: int, host_overhead: float, *, bootstrap: int = 200, seed: int = 0
+    samples: StepSamples, k: int, host_overhead: float, *, bootstrap: int = 200, seed: int = 0,
+    noise: str | None = "empirical",
 ) -> Fit:
     """Two-stage NNLS of iteration-log steps with :func:`simcap.calibrate.fit_step_samples`.
 
@@ -579,6 +586,7 @@ def fit_log_samples(
     has mixed steps, ``mixed_step``. Intervals: each stage's pairs bootstrap (stage 2 resamples
     with stage 1's point estimates). Fit quality and residuals: all steps, final coefficients.
     With fewer than 10 decode-only or 3 prefill steps, one fit of all terms over all steps.
+    ``noise``: the step-time noise family fitted from all steps' residual ratios, or None.
     """
     pre = samples.X[:, TERMS.index("per_prefill_token")]
     decode_only = pre == 0
@@ -591,15 +599,16 @@ def fit_log_samples(
         stage2_terms.append("mixed_step")
     if decode_only.sum() < 10 or (~decode_only).sum() < 3:
         return fit_step_samples([samples], Form.parse(stage1_terms + stage2_terms),
-                                host_overhead=host_overhead, bootstrap=bootstrap, seed=seed)
+                                host_overhead=host_overhead, bootstrap=bootstrap, seed=seed, noise=noise)
     sub = StepSamples(samples.X[decode_only], samples.y[decode_only], samples.available,
                       {**samples.source, "rows": int(decode_only.sum()), "subset": "decode-only steps"})
     form1 = Form.parse(stage1_terms)
-    f1 = fit_step_samples([sub], form1, host_overhead=host_overhead, bootstrap=bootstrap, seed=seed)
+    f1 = fit_step_samples([sub], form1, host_overhead=host_overhead, bootstrap=bootstrap, seed=seed,
+                          noise=None)
     fixed = {t: f1.coefficients[t] for t in form1.free}
     form2 = Form.parse(stage2_terms)
     f2 = fit_step_samples([samples], form2, fixed=fixed, host_overhead=host_overhead,
-                          bootstrap=bootstrap, seed=seed + 1)
+                          bootstrap=bootstrap, seed=seed + 1, noise=noise)
     sets = [{**a, **b} for a, b in zip(f1.bootstrap, f2.bootstrap)]
     return Fit(
         kind="step_samples",
@@ -615,8 +624,9 @@ def fit_log_samples(
         notes=[f"stage 1: {int(decode_only.sum())} decode-only steps, R^2 {f1.quality.get('r2')}, "
                f"median |error| {f1.quality.get('median_abs_rel_error')}",
                f"stage 2: all {len(samples)} steps, R^2 {f2.quality.get('r2')}, median |error| "
-               f"{f2.quality.get('median_abs_rel_error')}"],
-        quality=dict(f2.quality),
+               f"{f2.quality.get('median_abs_rel_error')}",
+               *(n for n in f2.notes if n.startswith("step_time.noise"))],
+        quality=dict(f2.quality), noise=f2.noise, noise_report=f2.noise_report,
     )
 
 

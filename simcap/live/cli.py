@@ -258,9 +258,14 @@ def calibrate_cmd(
     api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
     api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
+    noise: str = typer.Option(
+        "empirical", "--noise",
+        help="Log source: fit step_time.noise from the logged steps' residual ratios (empirical "
+             "quantiles, or lognormal), or none (not written).",
+    ),
 ) -> None:
     """Drive a calibration workload against a live server and fit a profile from it."""
-    from simcap.calibrate import render_fit
+    from simcap.calibrate import noise_family, render_fit
     from simcap.live.calibration import calibrate_live
 
     key = _api_key(api_key, api_key_env)
@@ -272,6 +277,7 @@ def calibrate_cmd(
             max_model_len=max_model_len, log_path=log, num_requests=requests,
             speculative_method=speculative_method, api_key=key, request_timeout_s=request_timeout,
             name=name, hardware=hardware, seed=seed, bootstrap=bootstrap, command=command, progress=say,
+            noise=noise_family(noise),
         )  # fmt: skip
     except SimcapError as exc:
         _fail(str(exc))

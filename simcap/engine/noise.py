@@ -1,0 +1,278 @@
+"""Step-time noise: a random factor on each step's forward time.
+
+Steps of the same composition do not take the same time on a real server (a CPU server's
+batch-1 decode step: p5 6.5 ms, median 8.9 ms, p95 14 ms), and latency targets sit on the
+tails. ``step_time.noise`` gives, per step kind, the distribution of the factor
+``measured / predicted`` that multiplies the forward time the step-time model computes
+(whatever form computed it); the host work between steps is not scaled.
+
+Kinds: ``prefill`` (the step computes prompt tokens), ``spec`` (it verifies drafts and
+computes no prompt tokens; falls back to ``decode`` when absent) and ``decode`` (the rest).
+A kind without a distribution gets the factor 1.
+
+Distributions (see :class:`~simcap.scenario.EmpiricalNoise`, :class:`~simcap.scenario.LognormalNoise`):
+
+- ``empirical``: ``quantiles[i]`` at probability ``i / (n - 1)``; the factor is the inverse
+  CDF at a uniform ``u``, linear between neighbouring quantiles (``numpy.interp``). Its mean
+  is the trapezoid ``sum((q[i] + q[i+1]) / 2) / (n - 1)``; :func:`fit_noise` scales the
+  fitted quantiles so that this mean is exactly 1 (the step-time model keeps the mean, the
+  noise adds the spread); quantiles given by hand are used as given.
+- ``lognormal``: ``exp(sigma * z - sigma^2 / 2)`` with ``z`` the standard normal quantile of
+  ``u``: mean 1 by construction.
+
+Draws: :class:`StepNoise` has a generator of its own (the scenario's seed, stream 2: the
+workload and speculation streams are untouched) and uses one uniform per step that runs a
+forward pass, in step order, whatever the step's kind. Uniforms are drawn ahead in blocks
+and turned into factors for every configured kind at once; :meth:`StepNoise.peek` reads the
+factors of the next steps without using them and :meth:`StepNoise.advance` uses them, so the
+fast path can price a stretch, cut it at the horizon or the KV pool, and take only the steps
+it ran (:meth:`StepNoise.price_stretch`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+from scipy.special import ndtri
+
+from simcap.engine.scheduler import SchedulerOutput
+from simcap.scenario import EmpiricalNoise, LognormalNoise, StepNoiseConfig
+
+KINDS = ("decode", "prefill", "spec")
+NOISE_STREAM = 2  # SeedSequence([seed, 2]); 1 is the speculation streams'
+
+
+def step_kind(out: SchedulerOutput) -> str:
+    """``prefill`` if the step computes prompt tokens, else ``spec`` if it verifies drafts,
+    else ``decode``."""
+    if out.num_prefill_tokens:
+        return "prefill"
+    if out.num_verify_tokens:
+        return "spec"
+    return "decode"
+
+
+def inverse_cdf(dist: EmpiricalNoise | LognormalNoise, u: np.ndarray) -> np.ndarray:
+    """Factors at uniforms ``u`` (in [0, 1))."""
+    u = np.asarray(u, dtype=float)
+    if isinstance(dist, EmpiricalNoise):
+        q = np.asarray(dist.quantiles, dtype=float)
+        return np.interp(u * (len(q) - 1), np.arange(len(q), dtype=float), q)
+    s = dist.sigma
+    return np.exp(s * ndtri(u) - 0.5 * s * s)
+
+
+def mean_factor(dist: EmpiricalNoise | LognormalNoise) -> float:
+    """The distribution's mean factor (lognormal: 1; empirical: the trapezoid rule, exact)."""
+    if isinstance(dist, LognormalNoise):
+        return 1.0
+    q = np.asarray(dist.quantiles, dtype=float)
+    return float(np.sum(q[1:] + q[:-1]) / (2 * (len(q) - 1)))
+
+
+def period_of(model: Any, forward: float) -> float:
+    """The step period for a forward time: ``StepTimeModel.step_period``'s combination with the
+    host work."""
+    host = model.host_overhead
+    if model.async_scheduling:
+        return forward if forward > host else host
+    return forward + host
+
+
+class StepNoise:
+    """Per-step factors drawn from a generator of their own (see the module doc)."""
+
+    BLOCK = 4096  # uniforms drawn at once
+
+    def __init__(self, config: StepNoiseConfig, rng: np.random.Generator) -> None:
+        self.config = config
+        self.rng = rng
+        dists = {"decode": config.decode, "prefill": config.prefill, "spec": config.spec or config.decode}
+        self._dists = {k: d for k, d in dists.items() if d is not None}
+        self._factors: dict[str, list[float]] = {k: [] for k in self._dists}
+        self._size = 0  # uniforms drawn ahead
+        self._next = 0  # the next unused one
+
+    @classmethod
+    def from_config(cls, config: StepNoiseConfig | None, seed: int) -> "StepNoise | None":
+        """The scenario's noise (None when off or no kind has a distribution)."""
+        if config is None or all(getattr(config, k) is None for k in KINDS):
+            return None
+        rng = np.random.default_rng(np.random.SeedSequence([seed, NOISE_STREAM]))
+        return cls(config, rng)
+
+    def _ensure(self, n: int) -> None:
+        """At least ``n`` uniforms drawn ahead of the next unused one."""
+        start = self._next
+        if start + n <= self._size:
+            return
+        u = self.rng.random(max(self.BLOCK, n))
+        for kind, dist in self._dists.items():
+            self._factors[kind] = self._factors[kind][start:] + inverse_cdf(dist, u).tolist()
+        self._size = self._size - start + len(u)
+        self._next = 0
+
+    def peek(self, n: int, kind: str = "decode", offset: int = 0) -> list[float]:
+        """The factors of the next ``offset .. offset + n - 1`` steps, were they of ``kind``
+        (nothing is used up)."""
+        self._ensure(offset + n)
+        factors = self._factors.get(kind)
+        if factors is None:
+            return [1.0] * n
+        i = self._next + offset
+        return factors[i : i + n]
+
+    def advance(self, m: int) -> None:
+        """Use up the next ``m`` steps' draws."""
+        self._ensure(m)
+        self._next += m
+
+    def factor(self, kind: str) -> float:
+        """The next step's factor, used up."""
+        f = self.peek(1, kind)[0]
+        self._next += 1
+        return f
+
+    def step_period(self, model: Any, out: SchedulerOutput) -> float:
+        """``model.step_period(out)`` with the forward time scaled by the next factor (a step
+        that runs no forward pass draws none)."""
+        if not out.total_num_scheduled_tokens:
+            return model.step_period(out)
+        return period_of(model, model.forward_time(out) * self.factor(step_kind(out)))
+
+    def price_stretch(
+        self,
+        model: Any,
+        first: SchedulerOutput | None,
+        running: Sequence[Any],
+        context: int,
+        now: float,
+        horizon: float,
+        todo: int,
+    ) -> tuple[list[float], list[float]]:
+        """Periods and start times of a fast-path stretch with noise, nothing used up.
+
+        ``first``: an already scheduled first step, or None; then up to ``todo`` pure-decode
+        steps of the ``running`` batch (``context`` attended tokens before the first of them
+        counts its own), priced with ``model.forward_time`` on that step's counts, as the
+        reference path prices them. Periods no longer grow along a stretch, so steps are
+        priced in chunks (the first sized by the noiseless period, then doubling) until one
+        starts at or after ``horizon``. Returns ``periods`` and ``starts`` (``now`` then each
+        step's end), as the caller's noiseless code does.
+        """
+        n = len(running)
+        periods: list[float] = []
+        t = now
+        starts = [t]
+        if first is not None:
+            todo -= 1
+            p = period_of(model, model.forward_time(first) * self.peek(1, step_kind(first))[0])
+            periods.append(p)
+            t += p
+            starts.append(t)
+        out = SchedulerOutput(
+            reqs=list(running), total_num_scheduled_tokens=n, num_decode_reqs=n, num_decode_tokens=n,
+            num_context_tokens=context + n,
+        )
+        chunk = todo
+        if horizon < math.inf and todo:
+            p1 = period_of(model, model.forward_time(out))
+            if p1 > 0:
+                chunk = max(8, min(todo, int((horizon - t) / p1) + 2))
+        k = 0  # decode steps priced
+        while k < todo and t < horizon:
+            c = min(chunk, todo - k)
+            for x in self.peek(c, "decode", len(periods)):
+                k += 1
+                out.num_context_tokens = context + n * k
+                p = period_of(model, model.forward_time(out) * x)
+                periods.append(p)
+                t += p
+                starts.append(t)
+            chunk *= 2
+        return periods, starts
+
+
+# --------------------------------------------------------------------------- fitting
+
+NUM_QUANTILES = 41  # every 2.5 % (21, every 5 %, below FEW_SAMPLES steps)
+FEW_SAMPLES = 200
+MIN_SAMPLES = 20  # fewer steps of a kind: no distribution for it
+
+
+def empirical_from_ratios(ratios: np.ndarray, num_quantiles: int | None = None) -> EmpiricalNoise:
+    """Quantiles of ``ratios`` at ``i / (n - 1)``, scaled so that the inverse CDF's mean is 1.
+
+    Inner quantiles are the sample's; the two ends are not its min and max (one stray step,
+    e.g. 8x the prediction, would spread the top 2.5 % evenly up to it and inflate the mean)
+    but set so that each end segment has the mean of the samples it covers: top
+    ``2 * mean(r >= q[n-2]) - q[n-2]``, bottom ``2 * mean(r <= q[1]) - q[1]`` (not below the
+    smallest ratio).
+    """
+    r = np.sort(np.asarray(ratios, dtype=float))
+    n = num_quantiles or (NUM_QUANTILES if r.size >= FEW_SAMPLES else 21)
+    q = np.quantile(r, np.linspace(0.0, 1.0, n))
+    if n > 2:
+        q[-1] = max(2.0 * r[r >= q[-2]].mean() - q[-2], q[-2])
+        q[0] = min(max(2.0 * r[r <= q[1]].mean() - q[1], r[0]), q[1])
+    raw = EmpiricalNoise(kind="empirical", quantiles=tuple(float(x) for x in q))
+    q = q / mean_factor(raw)
+    return EmpiricalNoise(kind="empirical", quantiles=tuple(float(f"{x:.5g}") for x in q), samples=int(r.size))
+
+
+def lognormal_from_ratios(ratios: np.ndarray) -> LognormalNoise:
+    """Mean-one lognormal with the standard deviation of ``log(ratios)``."""
+    r = np.asarray(ratios, dtype=float)
+    return LognormalNoise(kind="lognormal", sigma=float(f"{np.std(np.log(r)):.5g}"), samples=int(r.size))
+
+
+def ks_distance(ratios: np.ndarray, dist: EmpiricalNoise | LognormalNoise) -> float:
+    """Kolmogorov-Smirnov distance between the ratios scaled to mean 1 and ``dist``."""
+    r = np.sort(np.asarray(ratios, dtype=float) / np.mean(ratios))
+    u = np.linspace(0.0, 1.0, 20001)[1:-1]
+    x = np.sort(inverse_cdf(dist, u))
+    model_cdf = np.searchsorted(x, r, side="right") / x.size
+    n = r.size
+    emp_hi = np.arange(1, n + 1) / n
+    emp_lo = np.arange(0, n) / n
+    return float(max(np.max(np.abs(emp_hi - model_cdf)), np.max(np.abs(emp_lo - model_cdf))))
+
+
+def fit_noise(
+    measured: np.ndarray, predicted: np.ndarray, kinds: Sequence[str], family: str = "empirical",
+    min_samples: int = MIN_SAMPLES,
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The ``step_time.noise`` section fitted from per-step measured and predicted forward
+    seconds, and a report per kind (samples, ratio spread, KS of both families).
+
+    Steps whose prediction or measurement is not positive are left out; a kind with fewer
+    than ``min_samples`` steps gets no distribution (``spec`` then falls back to ``decode``'s).
+    """
+    measured = np.asarray(measured, dtype=float)
+    predicted = np.asarray(predicted, dtype=float)
+    kinds_arr = np.asarray(kinds)
+    section: dict[str, Any] = {}
+    report: dict[str, Any] = {"family": family, "min_samples": min_samples, "kinds": {}}
+    for kind in KINDS:
+        sel = (kinds_arr == kind) & (predicted > 0) & (measured > 0)
+        r = measured[sel] / predicted[sel]
+        entry: dict[str, Any] = {"samples": int(r.size)}
+        if r.size:
+            pct = np.percentile(r, [5, 50, 95])
+            entry.update(mean_ratio=round(float(r.mean()), 4), p5=round(float(pct[0]), 4),
+                         p50=round(float(pct[1]), 4), p95=round(float(pct[2]), 4),
+                         cv=round(float(r.std() / r.mean()), 4))
+        if r.size >= min_samples:
+            emp = empirical_from_ratios(r)
+            logn = lognormal_from_ratios(r)
+            entry["ks_empirical"] = round(ks_distance(r, emp), 4)
+            entry["ks_lognormal"] = round(ks_distance(r, logn), 4)
+            entry["lognormal_sigma"] = logn.sigma
+            chosen = emp if family == "empirical" else logn
+            section[kind] = chosen.model_dump(exclude_none=True)
+        else:
+            entry["note"] = f"fewer than {min_samples} steps: no noise for this kind"
+        report["kinds"][kind] = entry
+    return (section or None), report
