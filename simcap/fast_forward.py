@@ -118,24 +118,25 @@ def advance_decode_stretch(
     # starts before the horizon. Times are accumulated one step at a time
     # (itertools.accumulate: the same additions, in C).
     model = world.step_model
-    periods: list[float] = []
-    todo = m_finish
-    if first is not None:
-        periods.append(model.step_period(first))
-        todo -= 1
-    # Periods never shrink along a stretch (the context grows), so no more than
-    # (horizon - now) / first period + 1 steps start before the horizon: price only those
-    # (+1 for rounding), not every step up to a finish far beyond it.
-    if todo > 0:
-        p1 = model.decode_periods(num_reqs, context, 1)[0]
-        if p1 > 0 and model.decode_nondecreasing and horizon - now < p1 * todo:
-            todo = int((horizon - now) / p1) + 2
-        periods += model.decode_periods(num_reqs, context, todo)
-    starts = list(accumulate(periods, initial=now))
     if world.noise is not None:  # per-step factors on the forward time: simcap.engine.noise
         periods, starts = world.noise.price_stretch(
             model, first, running, context, now, horizon, m_finish
         )
+    else:
+        periods = []
+        todo = m_finish
+        if first is not None:
+            periods.append(model.step_period(first))
+            todo -= 1
+        # Periods never shrink along a stretch (the context grows), so no more than
+        # (horizon - now) / first period + 1 steps start before the horizon: price only those
+        # (+1 for rounding), not every step up to a finish far beyond it.
+        if todo > 0:
+            p1 = model.decode_periods(num_reqs, context, 1)[0]
+            if p1 > 0 and model.decode_nondecreasing and horizon - now < p1 * todo:
+                todo = int((horizon - now) / p1) + 2
+            periods += model.decode_periods(num_reqs, context, todo)
+        starts = list(accumulate(periods, initial=now))
     # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
     m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
     if m < len(periods):

@@ -99,8 +99,9 @@ NOISES = st.sampled_from([
 
 @st.composite
 def noisy_scenarios(draw):
-    """Scenarios with step-time noise: periods that shrink and grow along a stretch."""
-    scenario = draw(scenarios())
+    """Scenarios with step-time noise (either form): periods that shrink and grow along a
+    stretch."""
+    scenario = draw(scenarios(roofline=draw(st.booleans())))
     step_time = {**scenario.step_time.model_dump(exclude_none=True), "noise": draw(NOISES)}
     return scenario.model_copy(update={"step_time": type(scenario.step_time).model_validate(step_time)})
 
@@ -116,6 +117,9 @@ def test_fast_path_equals_reference_path(scenario):
 def test_fast_path_equals_reference_path_roofline(scenario):
     """The roofline form (sum and max, dense and MoE, TP, skew), with and without
     speculation: the fast path's decode_periods equal step_period step by step."""
+    check_fast_equals_reference(scenario)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(noisy_scenarios())
 def test_fast_path_equals_reference_path_with_noise(scenario):
