@@ -125,7 +125,7 @@ def bootstrap_crossovers(scenario_path: Path, n: int) -> dict | None:
     for coef in sets[:n]:
         overrides = []
         for k, v in coef.items():
-            if k in fields:
+            if k in fields or k.startswith("efficiency."):
                 overrides.append(f"step_time.{k}={v!r}")
             else:
                 ignored.add(k)

@@ -28,6 +28,7 @@ import numpy as np
 
 import simcap
 from simcap.report import write_generated_block
+from simcap.calibrate.fit_bench import apply_coefficients
 from simcap.capacity import bootstrap_sets
 from simcap.memory import (
     GB,
@@ -241,7 +242,7 @@ def load(budget: int, profile: str | None, pool_blocks: int) -> simcap.Scenario:
 
 
 def with_coefficients(scenario: simcap.Scenario, coefs: dict[str, float]) -> simcap.Scenario:
-    values = {**scenario.step_time.model_dump(), **coefs}
+    values = apply_coefficients(scenario.step_time.model_dump(), coefs)
     return scenario.model_copy(update={"step_time": StepTimeConfig(**values)})
 
 
