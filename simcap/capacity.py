@@ -173,8 +173,10 @@ def at_rate(
     if slo is not None:
         update["slo"] = dict(slo)
     if step_time:
-        values = scenario.step_time.model_dump()
-        values.update({k: float(v) for k, v in step_time.items()})
+        from simcap.calibrate.fit_bench import apply_coefficients
+
+        values = apply_coefficients(scenario.step_time.model_dump(),
+                                    {k: float(v) for k, v in step_time.items()})
         update["step_time"] = StepTimeConfig(**values)
     return scenario.model_copy(update=update)
 
@@ -501,6 +503,14 @@ def bootstrap_sets(scenario: Scenario, with_level: bool = False):
     for entry in profile.bootstrap:
         one: dict[str, float] = {}
         for key, value in entry.items():
+            if key.startswith("efficiency."):  # the roofline form's multipliers
+                name = key.split(".", 1)[1]
+                theirs = (profile.step_time.get("efficiency") or {}).get(name, 1.0)
+                if (current.get("efficiency") or {}).get(name) != float(theirs):
+                    skipped.add(key)
+                    continue
+                one[key] = float(value)
+                continue
             if key not in fields:
                 skipped.add(key)
                 continue

@@ -125,7 +125,7 @@ def bootstrap_crossovers(scenario_path: Path, n: int) -> dict | None:
     for coef in sets[:n]:
         overrides = []
         for k, v in coef.items():
-            if k in fields:
+            if k in fields or k.startswith("efficiency."):
                 overrides.append(f"step_time.{k}={v!r}")
             else:
                 ignored.add(k)
@@ -246,9 +246,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bootstrap", type=int, default=40,
                     help="bootstrap coefficient sets to propagate (0: skip)")
-    ap.add_argument("--out", type=Path, default=HERE)
-    ap.add_argument("--scenario", type=Path, default=SCENARIO)
+    ap.add_argument("--form", choices=("linear", "roofline"), default="linear",
+                    help="step-time form of the profile: linear (scenario.yaml, results here) "
+                         "or roofline (scenario.roofline.yaml, results in roofline/)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--scenario", type=Path, default=None)
     args = ap.parse_args()
+    if args.scenario is None:
+        args.scenario = SCENARIO if args.form == "linear" else HERE / "scenario.roofline.yaml"
+    if args.out is None:
+        args.out = HERE if args.form == "linear" else HERE / "roofline"
 
     started = time.perf_counter()
     pub = published()

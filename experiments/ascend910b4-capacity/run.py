@@ -142,11 +142,19 @@ def near_boundary(result, safe_offered: float | None) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", help="profile file instead of the scenario's")
-    parser.add_argument("--out", default=str(HERE), help="folder for results.json and figures")
+    parser.add_argument("--form", choices=("linear", "roofline"), default="linear",
+                        help="step-time form: linear (the scenario's profile, results here) or "
+                             "roofline (the .roofline profile, results in roofline/)")
+    parser.add_argument("--out", default=None, help="folder for results.json and figures")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--interval-sets", type=int, default=8,
                         help="bootstrap coefficient sets for the safe-rate interval")
     args = parser.parse_args()
+    if args.form == "roofline" and not args.profile:
+        args.profile = str(HERE.parents[1] / "calibration" / "profiles"
+                           / "ascend910b4-minimax-m2.7.roofline.yaml")
+    if args.out is None:
+        args.out = str(HERE if args.form == "linear" else HERE / "roofline")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     overrides = [f"profile={Path(args.profile).resolve()}"] if args.profile else []

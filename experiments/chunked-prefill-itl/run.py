@@ -28,6 +28,7 @@ import numpy as np
 
 import simcap
 from simcap.report import write_generated_block
+from simcap.calibrate.fit_bench import apply_coefficients
 from simcap.capacity import bootstrap_sets
 from simcap.memory import (
     GB,
@@ -241,7 +242,7 @@ def load(budget: int, profile: str | None, pool_blocks: int) -> simcap.Scenario:
 
 
 def with_coefficients(scenario: simcap.Scenario, coefs: dict[str, float]) -> simcap.Scenario:
-    values = {**scenario.step_time.model_dump(), **coefs}
+    values = apply_coefficients(scenario.step_time.model_dump(), coefs)
     return scenario.model_copy(update={"step_time": StepTimeConfig(**values)})
 
 
@@ -350,9 +351,17 @@ def plot_itl_grid(runs: dict[int, object], path: Path, *, title: str, pools: dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", help="profile file instead of the scenario's")
-    parser.add_argument("--out", default=str(HERE), help="folder for results.json and figures")
+    parser.add_argument("--form", choices=("linear", "roofline"), default="linear",
+                        help="step-time form: linear (the scenario's profile, results here) or "
+                             "roofline (the .roofline profile, results in roofline/)")
+    parser.add_argument("--out", default=None, help="folder for results.json and figures")
     parser.add_argument("--max-sets", type=int, default=40, help="bootstrap sets to rerun")
     args = parser.parse_args()
+    if args.form == "roofline" and not args.profile:
+        args.profile = str(HERE.parents[1] / "calibration" / "profiles"
+                           / "ascend910b4-minimax-m2.7.roofline.yaml")
+    if args.out is None:
+        args.out = str(HERE if args.form == "linear" else HERE / "roofline")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

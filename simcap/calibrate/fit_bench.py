@@ -4,6 +4,7 @@ every point re-simulated, with a wild residual bootstrap for the intervals."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ from simcap.calibrate.core import TYPICAL, CalibrationError, Form, _fmt
 from simcap.calibrate.metrics import _is_fraction, metric_value
 from simcap.calibrate.readers import BenchmarkPoint
 from simcap.calibrate.result import Fit, _percentile_ci, _quality
+from simcap.engine.step_time import ROOFLINE_TERMS
 from simcap.errors import ScenarioError
 from simcap.scenario import StepTimeConfig, parse_scenario
 from simcap.simulator import SimulationError, simulate
@@ -25,7 +27,8 @@ class _Objective:
         self.points, self.form, self.fixed = points, form, fixed
         self.metrics = metrics  # per point: list of (metric, weight)
         self.smooth = smooth
-        self.scale = np.array([fixed.get(t) or TYPICAL[t] for t in form.free], dtype=float)
+        self.scale = np.array([fixed.get(t) or TYPICAL.get(t, 1.0) for t in form.free],
+                              dtype=float)
         self.scenarios = []
         for pt in points:
             try:
@@ -38,12 +41,15 @@ class _Objective:
     def coefficients(self, x: np.ndarray) -> dict[str, float]:
         return self.form.coefficients(np.maximum(x, 0.0) * self.scale, self.fixed)
 
+    def step_time(self, coeffs: dict[str, float]) -> StepTimeConfig:
+        return StepTimeConfig(**coeffs, host_overhead=self.fixed.get("host_overhead") or 0.0)
+
     def simulate(self, x: np.ndarray) -> list[dict[str, float]]:
         key = tuple(np.round(x, 12))
         if key in self.cache:
             return self.cache[key]
         coeffs = self.coefficients(x)
-        step_time = StepTimeConfig(**coeffs, host_overhead=self.fixed.get("host_overhead") or 0.0)
+        step_time = self.step_time(coeffs)
         out = []
         for pt, sc, mets in zip(self.points, self.scenarios, self.metrics):
             try:
@@ -218,3 +224,333 @@ def _merge_sources(points: Sequence[BenchmarkPoint]) -> list[dict[str, Any]]:
         entry["points"].append({"label": pt.label, "workload": pt.scenario["workload"],
                                 "speculative": pt.scenario.get("speculative") is not None})
     return list(merged.values())
+
+
+# --------------------------------------------------------------------------- roofline form
+#
+# The roofline form's free terms are its efficiencies (multipliers of physical terms, prior 1)
+# and the seconds terms base, per_request and mixed_step. Efficiencies are fitted in log space
+# with a Gaussian pull toward log(prior) (a log-normal prior): a term the data cannot pin stays
+# near its prior instead of wandering along a near-null direction of the Jacobian.
+
+ROOFLINE_SECONDS = ("base", "per_request", "mixed_step")
+ROOFLINE_FIT_TERMS = (*ROOFLINE_SECONDS, *(f"efficiency.{t}" for t in ROOFLINE_TERMS))
+ROOFLINE_TYPICAL = {"base": 0.01, "per_request": 1e-4, "mixed_step": 0.01}
+# Default prior: efficiency 1 with a log-space sd of 0.7 (a factor 2 is one sd), against a data
+# noise of 5% per fitted aggregate (one run per published figure). A term counts as pinned by
+# the data when its posterior sd is under half its prior sd (the data hold >= 75% of the
+# information about it).
+PRIOR_SIGMA = 0.7
+DATA_SIGMA = 0.05
+PINNED_BELOW = 0.5
+
+
+def _roofline_term(name: str) -> str:
+    name = name.strip()
+    if name in ROOFLINE_TERMS:
+        name = f"efficiency.{name}"
+    if name not in ROOFLINE_FIT_TERMS:
+        raise CalibrationError(
+            f"form: unknown roofline term {name!r}; allowed: {', '.join(ROOFLINE_FIT_TERMS)}"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class RooflineForm:
+    """Free roofline terms (``efficiency.weights`` or ``weights``, ``base``, ...) and tied ones
+    (``efficiency.experts=efficiency.weights``: one shared multiplier)."""
+
+    free: tuple[str, ...]
+    tied: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str | Sequence[str]) -> "RooflineForm":
+        items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text)]
+        free: list[str] = []
+        tied: dict[str, str] = {}
+        for item in (i for i in items if i):
+            name, sep, other = item.partition("=")
+            if sep:
+                tied[_roofline_term(name)] = _roofline_term(other)
+            elif _roofline_term(name) not in free:
+                free.append(_roofline_term(name))
+        for name, other in tied.items():
+            if other not in free or name in free:
+                raise CalibrationError(f"form: {name}={other} must tie a non-free term to a free one")
+            if (name in ROOFLINE_SECONDS) != (other in ROOFLINE_SECONDS):
+                raise CalibrationError(f"form: {name}={other} ties seconds to a multiplier")
+        if not free:
+            raise CalibrationError("form: no free term; name at least one of "
+                                   + ", ".join(ROOFLINE_FIT_TERMS))
+        return cls(tuple(free), tied)
+
+    def __str__(self) -> str:
+        return ",".join([*self.free, *(f"{a}={b}" for a, b in self.tied.items())])
+
+    def ties(self, fixed: dict[str, float] | None = None) -> dict[str, str]:
+        return dict(self.tied)
+
+
+def roofline_coefficients(step_time: dict[str, Any]) -> dict[str, float]:
+    """The flat roofline coefficients (base, per_request, mixed_step, efficiency.<term>) of a
+    step_time mapping; efficiencies absent are 1, seconds absent 0."""
+    eff = step_time.get("efficiency") or {}
+    out = {t: float(step_time.get(t) or 0.0) for t in ROOFLINE_SECONDS}
+    for t in ROOFLINE_TERMS:
+        out[f"efficiency.{t}"] = float(eff.get(t, 1.0))
+    return out
+
+
+def apply_coefficients(step_time: dict[str, Any], coeffs: dict[str, float]) -> dict[str, Any]:
+    """``step_time`` (a mapping) with flat coefficients (``efficiency.kv_read`` style keys
+    included) written in; used to re-run a scenario with a bootstrap coefficient set."""
+    out = dict(step_time)
+    eff = dict(out.get("efficiency") or {})
+    for key, value in coeffs.items():
+        if key.startswith("efficiency."):
+            eff[key.split(".", 1)[1]] = value
+        else:
+            out[key] = value
+    if eff:
+        out["efficiency"] = eff
+    return out
+
+
+class _RooflineObjective(_Objective):
+    """Data residuals as :class:`_Objective`, then one prior row per free multiplier:
+    ``(DATA_SIGMA / prior_sigma) x log(e / prior)``, and per seconds term with a prior
+    ``(DATA_SIGMA / sigma_s) x (value - prior)``. Variables: log(e) for multipliers,
+    value / scale for seconds."""
+
+    def __init__(self, points, form, step_time, metrics, smooth, priors, data_sigma):
+        self.static = {k: v for k, v in step_time.items()
+                       if k not in (*ROOFLINE_SECONDS, "efficiency", "host_overhead")}
+        self.start = roofline_coefficients(step_time)
+        self.host = float(step_time.get("host_overhead") or 0.0)
+        self.priors, self.data_sigma = priors, data_sigma
+        super().__init__(points, form, {}, metrics, smooth)
+        self.scale = np.array([
+            (self.start[t] or ROOFLINE_TYPICAL[t]) if t in ROOFLINE_SECONDS else 1.0
+            for t in form.free])
+        self.is_log = np.array([t not in ROOFLINE_SECONDS for t in form.free])
+
+    def x0(self) -> np.ndarray:
+        return np.array([math.log(max(self.start[t], 1e-6)) if log else 1.0
+                         for t, log in zip(self.form.free, self.is_log)])
+
+    def coefficients(self, x: np.ndarray) -> dict[str, float]:
+        out = dict(self.start)
+        vals = np.where(self.is_log, np.exp(np.clip(x, -8, 8)), np.maximum(x, 0.0) * self.scale)
+        for t, v in zip(self.form.free, vals):
+            out[t] = float(v)
+        for a, b in self.form.tied.items():
+            out[a] = out[b]
+        return out
+
+    def step_time(self, coeffs: dict[str, float]) -> StepTimeConfig:
+        cfg = apply_coefficients({**self.static, "form": "roofline", "host_overhead": self.host},
+                                 coeffs)
+        try:
+            return StepTimeConfig(**cfg)
+        except (ValueError, ScenarioError) as exc:
+            raise CalibrationError(f"step_time: {exc}") from None
+
+    def prior_rows(self) -> list[tuple[int, float, float, bool]]:
+        """(variable index, centre in variable units, weight, is_log) of each prior row."""
+        rows = []
+        for j, t in enumerate(self.form.free):
+            prior = self.priors.get(t)
+            if prior is None:
+                continue
+            centre, sigma = prior
+            if self.is_log[j]:
+                rows.append((j, math.log(centre), self.data_sigma / sigma, True))
+            else:
+                rows.append((j, centre / self.scale[j], self.data_sigma * self.scale[j] / sigma, False))
+        return rows
+
+    def residuals(self, x: np.ndarray) -> np.ndarray:
+        data = super().residuals(x)
+        prior = [w * (x[j] - c) for j, c, w, _ in self.prior_rows()]
+        return np.concatenate([data, np.asarray(prior, dtype=float)])
+
+
+def _roofline_priors(form: RooflineForm, prior: dict[str, Any] | None) -> tuple[dict, float]:
+    """{free term: (centre, sigma)} and the data sigma from a recipe's ``prior`` section:
+    ``{sigma: 0.7, data_sigma: 0.05, terms: {efficiency.draft: {value: 1, sigma: 1.0},
+    mixed_step: {value: 0.0, sigma: 0.1}}}`` (a multiplier's sigma is log-space; a seconds
+    term has no prior unless given one)."""
+    prior = dict(prior or {})
+    sigma = float(prior.get("sigma", PRIOR_SIGMA))
+    data_sigma = float(prior.get("data_sigma", DATA_SIGMA))
+    own = {_roofline_term(k): v for k, v in (prior.get("terms") or {}).items()}
+    out = {}
+    for t in form.free:
+        spec = own.get(t)
+        if spec is None:
+            if t not in ROOFLINE_SECONDS and sigma > 0:
+                out[t] = (1.0, sigma)
+            continue
+        if spec in (False, "none"):
+            continue
+        out[t] = (float(spec.get("value", 0.0 if t in ROOFLINE_SECONDS else 1.0)),
+                  float(spec.get("sigma", sigma)))
+        if out[t][1] <= 0 or (t not in ROOFLINE_SECONDS and out[t][0] <= 0):
+            raise CalibrationError(f"prior.terms.{t}: value > 0 (multipliers) and sigma > 0 required")
+    return out, data_sigma
+
+
+def fit_benchmarks_roofline(
+    points: Sequence[BenchmarkPoint],
+    step_time: dict[str, Any],
+    form: RooflineForm | str | Sequence[str],
+    *,
+    prior: dict[str, Any] | None = None,
+    fit_metrics: Sequence[str] | None = None,
+    weights: dict[str, float] | None = None,
+    bootstrap: int = 40,
+    iterations: int = 2,
+    level: float = 0.9,
+    seed: int = 0,
+    warn_above: float = 0.1,
+    smooth: float = 0.03,
+    max_nfev: int | None = None,
+) -> Fit:
+    """Fit the roofline form's free multipliers and seconds terms by re-simulating every point.
+
+    ``step_time``: the roofline section (form, hardware, model, dtypes, tp, ...), whose
+    efficiencies and seconds are the start values of free terms and the values of the others.
+    Objective: the data rows of :func:`fit_benchmarks` plus the prior rows of
+    :class:`_RooflineObjective`. Intervals: the wild bootstrap of :func:`fit_benchmarks` on the
+    data rows, with each prior's centre redrawn from the prior (so a term the data do not pin
+    keeps an interval as wide as its prior). ``Fit.identification`` says per free term how
+    much the data narrowed its prior (Laplace approximation at the fit) and whether it is pinned.
+    """
+    if not points:
+        raise CalibrationError("calibrate: no benchmark points")
+    if step_time.get("form") != "roofline":
+        raise CalibrationError("step_time.form: the roofline fit needs form: roofline")
+    form = form if isinstance(form, RooflineForm) else RooflineForm.parse(form)
+    priors, data_sigma = _roofline_priors(form, prior)
+    weights = dict(weights or {})
+    metrics = []
+    for pt in points:
+        names = [m for m in pt.measured if fit_metrics is None or m in fit_metrics]
+        if fit_metrics is None and "output_throughput" in names and "request_throughput" in names:
+            names.remove("request_throughput")
+        metrics.append([(m, weights.get(m, 1.0)) for m in names if weights.get(m, 1.0) > 0])
+    n = sum(len(m) for m in metrics)
+    p = len(form.free)
+    obj = _RooflineObjective(points, form, step_time, metrics, smooth, priors, data_sigma)
+    n_prior = len(obj.prior_rows())
+    if n + n_prior < p:
+        raise CalibrationError(
+            f"calibrate: {n} fitted measurements and {n_prior} priors are too few for {p} free "
+            f"terms ({', '.join(form.free)})")
+    lower = np.where(obj.is_log, -8.0, 0.0)
+    upper = np.where(obj.is_log, 8.0, np.inf)
+    x0 = np.clip(obj.x0(), lower, np.where(np.isfinite(upper), upper, 1e9))
+    res = least_squares(obj.residuals, x0, bounds=(lower, upper), method="trf", diff_step=0.02,
+                        x_scale=1.0, xtol=1e-4, ftol=1e-5, max_nfev=max_nfev or 30 * p)
+    if res.status < 0 or not np.all(np.isfinite(res.x)):
+        raise CalibrationError(f"calibrate: the fit failed: {res.message}")
+    if res.status == 0:
+        files = ", ".join(sorted({pt.source["file"] for pt in points}))
+        raise CalibrationError(
+            f"{files}: the fit did not converge within {res.nfev} evaluations (free terms "
+            f"{', '.join(form.free)}); fix a term or give better start values")
+    warnings: list[str] = []
+    notes = [f"least_squares: {res.nfev} evaluations ({obj.evaluations} distinct), {res.message}"]
+    x_hat, J = res.x, res.jac
+    coeffs = obj.coefficients(x_hat)
+    # Identification (Laplace approximation): posterior covariance (J'J)^-1 in residual units,
+    # against the prior's own variance (1 / w^2 in the same units).
+    H = J.T @ J
+    try:
+        cov = np.linalg.inv(H + 1e-12 * np.eye(p))
+    except np.linalg.LinAlgError:
+        cov = np.linalg.pinv(H)
+    post_sd = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    prior_w = {j: w for j, _, w, _ in obj.prior_rows()}
+    identification: dict[str, dict[str, Any]] = {}
+    # Wild bootstrap: data rows by random signs, prior centres redrawn from their priors.
+    r_hat = obj.residuals(x_hat)
+    dof = max(n + n_prior - p, 1)
+    pool = r_hat[:n] * math.sqrt((n + n_prior) / dof) if n else r_hat[:n]
+    rng = np.random.default_rng(seed)
+    sets = []
+    for _ in range(bootstrap):
+        e = np.concatenate([pool * rng.choice([-1.0, 1.0], size=n),
+                            data_sigma * rng.standard_normal(n_prior)])
+        x = x_hat + lsq_linear(J, e, bounds=(lower - x_hat, upper - x_hat)).x
+        best, best_cost = x, math.inf
+        for _ in range(iterations):
+            r_star = obj.residuals(x) - r_hat - e
+            cost = float(r_star @ r_star)
+            if cost < best_cost:
+                best, best_cost = x, cost
+            x = np.clip(x + lsq_linear(J, -r_star, bounds=(lower - x, upper - x)).x, lower, upper)
+        sets.append(obj.coefficients(best if iterations else x))
+    terms = [*form.free, *form.tied]
+    sets = [{t: _fmt(s[t]) for t in terms} for s in sets]
+    ci = _percentile_ci(sets, terms, level)
+    z = 1.6449 if abs(level - 0.9) < 1e-9 else float(
+        __import__("scipy.stats", fromlist=["norm"]).norm.ppf(0.5 + level / 2))
+    for j, t in enumerate(form.free):
+        entry: dict[str, Any] = {"value": _fmt(coeffs[t]), "ci": [_fmt(v) for v in ci.get(t, (0, 0))]}
+        if j in prior_w:
+            centre, sigma = priors[t]
+            shrink = float(post_sd[j] * prior_w[j])  # posterior sd / prior sd
+            entry.update({"prior": centre, "prior_sigma": sigma,
+                          "prior_interval": ([_fmt(centre * math.exp(-z * sigma)),
+                                              _fmt(centre * math.exp(z * sigma))]
+                                             if t not in ROOFLINE_SECONDS else
+                                             [_fmt(max(centre - z * sigma, 0.0)), _fmt(centre + z * sigma)]),
+                          "posterior_sd_over_prior_sd": round(shrink, 3),
+                          "data_share_of_information": round(max(0.0, 1.0 - shrink**2), 3),
+                          "pinned": bool(shrink < PINNED_BELOW)})
+        else:
+            sd = data_sigma * post_sd[j] * (obj.scale[j] if not obj.is_log[j] else 1.0)
+            entry.update({"prior": None, "posterior_sd": _fmt(sd),
+                          "pinned": bool(sd < 0.5 * max(coeffs[t], 1e-12))})
+        identification[t] = entry
+    unpinned = [t for t, e in identification.items() if not e["pinned"]]
+    if unpinned:
+        notes.append("not pinned by the data (held by the prior, or poorly identified): "
+                     + ", ".join(unpinned))
+    sims = obj.simulate(x_hat)
+    rows = []
+    for pt, sim, mets in zip(points, sims, metrics):
+        fitted_names = {m for m, _ in mets}
+        for m, meas in pt.measured.items():
+            value = sim[m]
+            rel = (value - meas) / meas if meas else None
+            rows.append({
+                "point": pt.label, "metric": m, "measured": _fmt(meas), "fitted": _fmt(value),
+                "rel_error": None if rel is None else round(rel, 4),
+                "fitted_in_objective": m in fitted_names,
+            })
+    quality = _quality(rows, warn_above, warnings)
+    quality["rms_log_error"] = round(float(np.sqrt(np.mean(r_hat[:n] ** 2))), 4) if n else None
+    st_out = apply_coefficients({k: v for k, v in step_time.items() if k != "efficiency"},
+                                {**roofline_coefficients(step_time), **coeffs})
+    st_out["efficiency"] = {k: _fmt(v) for k, v in st_out["efficiency"].items()}
+    for t in ROOFLINE_SECONDS:
+        st_out[t] = _fmt(st_out[t])
+    method = (f"refitted by up to {iterations} Gauss-Newton steps with the Jacobian frozen at the "
+              "fit, each re-simulating every point" if iterations else "one linearised step")
+    return Fit(
+        kind="benchmarks",
+        method=("simulation-based, roofline form: scipy.optimize.least_squares (trf) on "
+                "log(simulated / measured) of the fitted aggregates, every point re-simulated, "
+                f"plus a log-normal pull of each free efficiency toward its prior (data sigma "
+                f"{data_sigma:g}); efficiencies fitted in log space"),
+        form=form, coefficients={**coeffs, "host_overhead": obj.host}, fixed={},
+        ci=ci, bootstrap=sets,
+        bootstrap_method=(f"wild bootstrap (random signs) of the {n} log-ratio residuals (scaled "
+                          f"by sqrt(n/(n-p))) with the {n_prior} prior centres redrawn from their "
+                          f"priors, {bootstrap} resamples, seed {seed}: {method}"),
+        level=level, residuals=rows, sources=_merge_sources(points), warnings=warnings,
+        notes=notes, quality=quality, step_time=st_out, identification=identification,
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from simcap.calibrate.core import CalibrationError, Form
-from simcap.calibrate.fit_bench import fit_benchmarks
+from simcap.calibrate.fit_bench import fit_benchmarks, fit_benchmarks_roofline
 from simcap.calibrate.fit_steps import fit_step_samples
 from simcap.calibrate.readers import _is_step_input, read_benchmarks, read_step_samples, split_input
 from simcap.calibrate.recipe import Recipe
@@ -30,11 +30,20 @@ def calibrate(
     noise: str | None = "empirical",
 ) -> Fit:
     """Read the inputs (or the recipe's datasets), pick the fit for their kind, and run it."""
+    roofline = recipe.step_time.get("form") == "roofline"
     fixed = {k: v for k, v in recipe.step_time.items() if v is not None}
     fixed.update(fix or {})
     if host_overhead is not None:
         fixed["host_overhead"] = host_overhead
-    form_obj = Form.parse(form or recipe.form) if (form or recipe.form) else None
+    if roofline:
+        if fix:
+            raise CalibrationError("--fix: the roofline form takes its fixed values from the "
+                                   "recipe's step_time section")
+        if not (form or recipe.form):
+            raise CalibrationError("form: the roofline form needs its free terms named "
+                                   "(e.g. efficiency.weights, efficiency.experts, base)")
+    form_obj = (Form.parse(form or recipe.form) if (form or recipe.form) and not roofline
+                else None)
     warn = warn_above if warn_above is not None else recipe.warn_above
     base_dir = recipe.path.parent if recipe.path and recipe.datasets else Path(".")
     datasets = [dict(d) for d in recipe.datasets] or [
@@ -76,6 +85,17 @@ def calibrate(
                                 host_overhead=fixed.get("host_overhead"),
                                 bootstrap=200 if bootstrap is None else bootstrap, level=level,
                                 seed=recipe.seed, warn_above=warn, noise=noise)
+    if roofline:
+        if step_inputs:
+            raise CalibrationError("calibrate: the roofline form is fitted here from benchmark "
+                                   "results only")
+        return fit_benchmarks_roofline(
+            points, fixed, form or recipe.form, prior=recipe.prior, fit_metrics=recipe.fit_metrics,
+            weights=recipe.weights,
+            bootstrap=(recipe.bootstrap or 40) if bootstrap is None else bootstrap,
+            iterations=(recipe.bootstrap_iterations if recipe.bootstrap_iterations is not None
+                        else 2) if iterations is None else iterations,
+            level=level, seed=recipe.seed, warn_above=warn)
     return fit_benchmarks(points, form_obj, fixed=fixed, fit_metrics=recipe.fit_metrics,
                           weights=recipe.weights,
                           bootstrap=(recipe.bootstrap or 40) if bootstrap is None else bootstrap,

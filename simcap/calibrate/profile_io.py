@@ -38,6 +38,8 @@ def profile_dict(
         if getattr(recipe, key):
             out[key] = getattr(recipe, key)
     out["engine"] = dict(recipe.engine)
+    if fit.step_time is not None:  # the roofline form: its whole section
+        step_time = dict(fit.step_time)
     out["step_time"] = step_time
     if noise and fit.noise:
         step_time["noise"] = fit.noise
@@ -52,13 +54,15 @@ def profile_dict(
         "recipe": str(recipe.path) if recipe.path else None,
         "data": fit.sources,
         "form": {"free": list(fit.form.free), "tied": dict(fit.form.tied),
-                 "fixed": {t: _fmt(fit.coefficients[t]) for t in TERMS
-                           if t not in fit.fitted_terms() and fit.coefficients.get(t) is not None}},
+                 "fixed": {t: _fmt(v) for t, v in fit.coefficients.items()
+                           if (t in TERMS or fit.step_time is not None) and v is not None
+                           and t not in fit.fitted_terms() and t != "host_overhead"}},
         "ci": {"level": fit.level, "method": fit.bootstrap_method},
         "assumptions": list(recipe.assumptions),
         "notes": fit.notes,
         "warnings": fit.warnings,
         "fit_quality": fit.quality,
+        **({"identification": fit.identification} if fit.identification else {}),
         "noise": None if fit.noise_report is None else {**fit.noise_report, "written": bool(noise and fit.noise)},
         "residuals": fit.residuals if len(fit.residuals) <= 500 else fit.residuals[:500],
     }

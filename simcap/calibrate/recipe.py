@@ -30,6 +30,7 @@ class Recipe:
     form: str | None = None
     fit_metrics: list[str] | None = None
     weights: dict[str, float] = field(default_factory=dict)
+    prior: dict[str, Any] | None = None  # roofline form: the pull toward the efficiencies' prior
     bootstrap: int | None = None
     bootstrap_iterations: int | None = None
     seed: int = 0
@@ -38,7 +39,7 @@ class Recipe:
     datasets: list[dict[str, Any]] = field(default_factory=list)
 
     KEYS = ("name", "hardware", "model", "description", "engine", "speculative", "step_time", "form",
-            "fit_metrics", "weights", "bootstrap", "bootstrap_iterations", "seed", "warn_above",
+            "fit_metrics", "weights", "prior", "bootstrap", "bootstrap_iterations", "seed", "warn_above",
             "assumptions", "datasets")
 
     @classmethod

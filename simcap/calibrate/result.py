@@ -33,6 +33,10 @@ class Fit:
     # and its report per step kind (simcap.engine.noise.fit_noise).
     noise: dict[str, Any] | None = None
     noise_report: dict[str, Any] | None = None
+    # Roofline fits: the whole step_time section to write (form, hardware, efficiencies, ...)
+    # and, per free term, how far the data narrowed its prior (pinned or not).
+    step_time: dict[str, Any] | None = None
+    identification: dict[str, Any] | None = None
 
     def fitted_terms(self) -> list[str]:
         return [*self.form.free, *(t for t in self.form.tied if t not in self.form.free)]
@@ -53,6 +57,8 @@ class Fit:
             "sources": self.sources,
             "noise": {"step_time_noise": self.noise, **(self.noise_report or {})}
             if self.noise_report else None,
+            **({"step_time": self.step_time} if self.step_time else {}),
+            **({"identification": self.identification} if self.identification else {}),
         }
 
 

@@ -53,6 +53,13 @@ def simulate_with_ci(
     for coeffs in sets:
         st = dict(own)
         for key, value in coeffs.items():
+            if key.startswith("efficiency."):  # the roofline form's multipliers
+                name = key.split(".", 1)[1]
+                mine = (st.get("efficiency") or {}).get(name)
+                theirs = (profile.step_time.get("efficiency") or {}).get(name, 1.0)
+                if mine is None or math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=1e-15):
+                    st["efficiency"] = {**(st.get("efficiency") or {}), name: value}
+                continue
             from_profile = profile.step_time.get(key)
             if key in st and (from_profile is None or st[key] is None
                               or math.isclose(st[key], from_profile, rel_tol=1e-9, abs_tol=1e-15)):

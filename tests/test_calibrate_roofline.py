@@ -1,0 +1,115 @@
+"""The simulation-based fit of the roofline form (simcap.calibrate.fit_bench)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from simcap import simulate
+from simcap.calibrate import read_benchmarks
+from simcap.calibrate.fit_bench import RooflineForm, apply_coefficients, fit_benchmarks_roofline
+from simcap.calibrate.core import CalibrationError
+from simcap.scenario import parse_scenario
+
+ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=1024, block_size=16, num_gpu_blocks=4000,
+              max_model_len=1024, vllm_version="0.26")
+PHYSICS = dict(form="roofline", hardware="h100-sxm", model="qwen3-30b-a3b", weight_dtype="bf16",
+               tensor_parallel_size=1)
+TRUE = {"base": 0.004, "efficiency.weights": 1.0, "efficiency.experts": 1.8,
+        "efficiency.compute": 2.5}
+
+
+def synthetic_table(path: Path, concurrencies=(1, 4, 16, 64)) -> Path:
+    """A closed-loop table measured on simcap itself with the TRUE roofline coefficients."""
+    st = apply_coefficients(PHYSICS, TRUE)
+    rows = []
+    for c in concurrencies:
+        sc = parse_scenario({"engine": ENGINE, "step_time": st, "seed": 0,
+                             "workload": {"arrival": {"process": "closed", "concurrency": c},
+                                          "num_requests": 2 * c, "input_len": 256,
+                                          "output_len": 32}})
+        s = simulate(sc).summary
+        rows.append({"concurrency": c, "num_prompts": 2 * c, "input_len": 256, "output_len": 32,
+                     "throughput": s.throughput["output_tokens_per_s"],
+                     "latency_mean": s.e2e_s.mean})
+    path.write_text(json.dumps({"runs": rows}))
+    return path
+
+
+def points(tmp_path):
+    return read_benchmarks(synthetic_table(tmp_path / "t.json"), "runs", engine=ENGINE,
+                           speculative=None, label="syn")
+
+
+def start(**over):
+    return {**PHYSICS, "base": 0.01, "efficiency": {"experts": 1.0, "compute": 1.0}, **over}
+
+
+def test_roofline_fit_recovers_known_efficiencies(tmp_path):
+    # A weak prior (sd 3 in log space): the data decide.
+    fit = fit_benchmarks_roofline(
+        points(tmp_path), start(), "base,experts,compute", prior={"sigma": 3.0},
+        bootstrap=4, iterations=0)
+    for term in ("base", "efficiency.experts", "efficiency.compute"):
+        assert fit.coefficients[term] == pytest.approx(TRUE[term], rel=0.05), term
+    assert fit.quality["max_rel_error"] < 0.01
+    assert fit.step_time["efficiency"]["experts"] == pytest.approx(1.8, rel=0.05)
+    assert fit.identification["efficiency.experts"]["pinned"]
+    assert fit.identification["efficiency.compute"]["pinned"]
+    assert len(fit.bootstrap) == 4 and set(fit.ci) == {"base", "efficiency.experts",
+                                                       "efficiency.compute"}
+
+
+def test_unpinned_efficiency_stays_at_its_prior(tmp_path):
+    # weights is a constant per step, like base (free, no prior): the data pin only their sum,
+    # so the multiplier stays at its prior 1 and is reported as not pinned; experts is pinned.
+    fit = fit_benchmarks_roofline(
+        points(tmp_path), start(base=0.002, efficiency={"weights": 1.0, "experts": 1.0}),
+        "base,weights,experts", prior={"sigma": 0.7}, bootstrap=10, iterations=0)
+    ident = fit.identification
+    assert fit.coefficients["efficiency.weights"] == pytest.approx(1.0, abs=0.1)
+    assert not ident["efficiency.weights"]["pinned"]
+    assert ident["efficiency.weights"]["data_share_of_information"] < 0.25
+    assert ident["efficiency.experts"]["pinned"]
+    assert fit.coefficients["efficiency.experts"] == pytest.approx(1.8, rel=0.1)
+    # its bootstrap interval is about as wide as the prior's (0.32-3.2), not narrowed
+    lo, hi = fit.ci["efficiency.weights"]
+    assert lo < 0.6 and hi > 1.6
+
+
+def test_roofline_form_names_and_ties():
+    form = RooflineForm.parse("base, weights, efficiency.experts=efficiency.weights")
+    assert form.free == ("base", "efficiency.weights")
+    assert form.tied == {"efficiency.experts": "efficiency.weights"}
+    with pytest.raises(CalibrationError):
+        RooflineForm.parse("per_decode_token")
+    with pytest.raises(CalibrationError):
+        RooflineForm.parse("base,efficiency.experts=base")
+
+
+def test_roofline_recipe_through_the_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from simcap.cli import app
+
+    table = synthetic_table(tmp_path / "t.json", (1, 16))
+    recipe = {"name": "syn", "engine": ENGINE, "step_time": start(),
+              "form": ["base", "efficiency.experts"], "bootstrap": 2,
+              "bootstrap_iterations": 0,
+              "datasets": [{"file": table.name, "select": "runs", "label": "syn"}]}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "p.yaml"
+    res = CliRunner().invoke(app, ["calibrate", str(path), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    prof = yaml.safe_load(out.read_text())
+    assert prof["step_time"]["form"] == "roofline"
+    assert set(prof["provenance"]["identification"]) == {"base", "efficiency.experts"}
+    assert all("efficiency.experts" in s for s in prof["bootstrap"])
+    # the profile loads as a scenario and its bootstrap sets apply
+    sc = parse_scenario({"profile": str(out), "workload": {"arrival": {"process": "closed",
+                         "concurrency": 2}, "num_requests": 4, "input_len": 16, "output_len": 4}})
+    assert sc.step_time.form == "roofline"
