@@ -28,8 +28,21 @@ def calibrate(
     level: float = 0.9,
     warn_above: float | None = None,
     noise: str | None = "empirical",
+    roofline: dict[str, Any] | None = None,
 ) -> Fit:
-    """Read the inputs (or the recipe's datasets), pick the fit for their kind, and run it."""
+    """Read the inputs (or the recipe's datasets), pick the fit for their kind, and run it.
+
+    ``form="roofline"``: fit the roofline form to step samples
+    (:func:`simcap.calibrate.fit_roofline.fit_roofline_samples`); ``roofline`` holds its
+    arguments: ``hardware``, ``model`` (required), ``combine``, ``routing_skew``, ``prior_sd``,
+    ``records`` (client record files of the same run, for the attended context) and the rest of
+    that function's keywords. The workload's ``input_len`` and ``output_len`` (means) stand in
+    for records.
+    """
+    if form == "roofline":
+        return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
+                                   workload=workload, num_speculative_tokens=num_speculative_tokens,
+                                   bootstrap=bootstrap, level=level, warn_above=warn_above, noise=noise)
     fixed = {k: v for k, v in recipe.step_time.items() if v is not None}
     fixed.update(fix or {})
     if host_overhead is not None:
@@ -82,3 +95,66 @@ def calibrate(
                           iterations=(recipe.bootstrap_iterations if recipe.bootstrap_iterations
                                       is not None else 2) if iterations is None else iterations,
                           level=level, seed=recipe.seed, warn_above=warn)
+
+
+def read_records(path: str | Path) -> list:
+    """Client request records (``RequestRecord.to_dict()`` per line; JSONL, optionally gzipped,
+    or a JSON list)."""
+    import gzip
+    import json
+
+    from simcap.records import RequestRecord
+
+    path = Path(path)
+    try:
+        raw = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.strip()
+        rows = json.loads(text) if text.startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        return [RequestRecord.from_dict(r) for r in rows]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CalibrationError(f"{path}: not client request records: {exc}") from None
+
+
+def _calibrate_roofline(inputs, recipe, opts, *, host_overhead, workload, num_speculative_tokens,
+                        bootstrap, level, warn_above, noise) -> Fit:
+    from simcap.calibrate.fit_roofline import (
+        ContextSource, decode_context_of_means, decode_context_of_records, fit_roofline_samples)
+
+    opts = dict(opts)
+    for key in ("hardware", "model"):
+        if not opts.get(key):
+            raise CalibrationError(f"--form roofline: give --{key} (a catalog name or a file)")
+    if recipe.datasets:
+        raise CalibrationError("--form roofline: give step-sample files, not a recipe")
+    if not inputs:
+        raise CalibrationError("calibrate: no input files")
+    samples = []
+    for i in inputs:
+        file, selector = split_input(i)
+        path = Path(file)
+        if not path.exists():
+            raise CalibrationError(f"{path}: cannot read: No such file or directory")
+        if selector is not None or not _is_step_input(path):
+            raise CalibrationError(f"{path}: --form roofline fits step samples (an iteration log, "
+                                   "CSV or JSON step rows), not benchmark results")
+        samples.append(read_step_samples(path, num_speculative_tokens))
+    records = opts.pop("records", None) or []
+    context = None
+    wl = workload or {}
+    if records:
+        recs = [r for f in records for r in read_records(f)]
+        context = ContextSource(decode_context_of_records(recs),
+                                f"client records {', '.join(Path(f).name for f in records)}: mean over "
+                                "decode request-steps of prompt + tokens generated so far")
+    elif wl.get("input_len") and wl.get("output_len"):
+        context = ContextSource(decode_context_of_means(wl["input_len"], wl["output_len"]),
+                                f"workload means: input {wl['input_len']} + output {wl['output_len']} / 2")
+    skew = opts.pop("routing_skew", 0.0)
+    return fit_roofline_samples(
+        samples, opts.pop("hardware"), opts.pop("model"), routing_skew=skew, context=context,
+        host_overhead=host_overhead, bootstrap=200 if bootstrap is None else bootstrap, level=level,
+        seed=recipe.seed, warn_above=warn_above if warn_above is not None else recipe.warn_above,
+        noise=noise, **opts)

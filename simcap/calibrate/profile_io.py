@@ -24,7 +24,7 @@ def profile_dict(
     ``noise``: write the fit's ``step_time.noise`` (when it has one).
     """
     step_time = {}
-    for key in StepTimeConfig.model_fields:
+    for key in StepTimeConfig.model_fields if fit.step_time is None else ():
         if key == "noise":
             continue
         value = fit.coefficients.get(key)
@@ -33,6 +33,8 @@ def profile_dict(
         if key == "per_verify_token" and key not in fit.fitted_terms() and fit.fixed.get(key) is None:
             continue  # None: the decode token's cost, as StepTimeConfig says
         step_time[key] = _fmt(value)
+    if fit.step_time is not None:
+        step_time = dict(fit.step_time)
     out: dict[str, Any] = {"name": recipe.name}
     for key in ("hardware", "model", "description"):
         if getattr(recipe, key):
@@ -62,6 +64,8 @@ def profile_dict(
         "noise": None if fit.noise_report is None else {**fit.noise_report, "written": bool(noise and fit.noise)},
         "residuals": fit.residuals if len(fit.residuals) <= 500 else fit.residuals[:500],
     }
+    if "roofline" in fit.extra:
+        out["provenance"]["roofline"] = fit.extra["roofline"]
     return out
 
 

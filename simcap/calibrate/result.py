@@ -33,12 +33,16 @@ class Fit:
     # and its report per step kind (simcap.engine.noise.fit_noise).
     noise: dict[str, Any] | None = None
     noise_report: dict[str, Any] | None = None
+    # The roofline form: the profile's whole step_time section (None: the linear form's keys
+    # from ``coefficients``), and what else its provenance records.
+    step_time: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def fitted_terms(self) -> list[str]:
         return [*self.form.free, *(t for t in self.form.tied if t not in self.form.free)]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "kind": self.kind,
             "method": self.method,
             "form": str(self.form),
@@ -54,6 +58,10 @@ class Fit:
             "noise": {"step_time_noise": self.noise, **(self.noise_report or {})}
             if self.noise_report else None,
         }
+        if self.step_time is not None:
+            out["step_time"] = self.step_time
+            out.update(self.extra)
+        return out
 
 
 def _percentile_ci(

@@ -53,6 +53,15 @@ def simulate_with_ci(
     for coeffs in sets:
         st = dict(own)
         for key, value in coeffs.items():
+            section, _, sub = key.partition(".")
+            if sub:  # the roofline form's efficiency.<term>
+                own_sec = st.get(section)
+                prof_sec = profile.step_time.get(section) or {}
+                if isinstance(own_sec, dict) and sub in own_sec and (
+                        prof_sec.get(sub) is None or math.isclose(
+                            own_sec[sub], prof_sec[sub], rel_tol=1e-9, abs_tol=1e-15)):
+                    st[section] = {**own_sec, sub: value}
+                continue
             from_profile = profile.step_time.get(key)
             if key in st and (from_profile is None or st[key] is None
                               or math.isclose(st[key], from_profile, rel_tol=1e-9, abs_tol=1e-15)):
