@@ -372,10 +372,12 @@ def fit_roofline_samples(
             top = 1.0 - k_route / e
             grid = [round(g, 2) for g in np.arange(0.0, top + 1e-9, 0.05)]
             losses = {}
+            sigma0 = _fit_once(system(0.0))[2]  # one residual spread for every skew
             for g in grid:
                 sy = system(g)
-                c, w, sig = _fit_once(sy)
-                losses[g] = _objective(sy, c, w, sig) / max(sig, 1e-3) ** 2
+                c, _, _ = _fit_once(sy, sigma0)
+                w = np.maximum(roofline_forward(sy.X, c, combine), 1e-9)
+                losses[g] = _objective(sy, c, w, sigma0)
             skew = min(losses, key=losses.get)
             skew_report = {"grid": grid, "objective": {str(g): round(v, 3) for g, v in losses.items()},
                            "chosen": skew}
