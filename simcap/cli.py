@@ -262,7 +262,27 @@ def calibrate_cmd(
     ),
     name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: the base's, or --out's stem)."),
     form: Optional[str] = typer.Option(
-        None, "--form", help="Free terms, comma-separated; a=b ties a to free term b (default: by data)."
+        None, "--form",
+        help="Free terms, comma-separated; a=b ties a to free term b (default: by data). 'roofline': "
+             "fit the roofline form's efficiencies (needs --hardware and --model).",
+    ),
+    hardware: Optional[str] = typer.Option(
+        None, "--hardware", help="--form roofline: catalog hardware name, or a YAML file of one entry."
+    ),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="--form roofline: catalog model name, or a config.json file."
+    ),
+    combine: str = typer.Option("sum", "--combine", help="--form roofline: sum or max of compute and memory."),
+    routing_skew: str = typer.Option(
+        "0", "--routing-skew", help="--form roofline, MoE: routing skew in [0, 1), or 'fit' (grid)."
+    ),
+    prior_sd: float = typer.Option(
+        1.0, "--prior-sd", help="--form roofline: prior sd of each efficiency around 1."
+    ),
+    records: Optional[List[Path]] = typer.Option(
+        None, "--records",
+        help="--form roofline: client request records of the logged run (JSONL, .gz ok; repeatable): "
+             "the attended context of the steps. Else --input-len/--output-len (means).",
     ),
     fix: Optional[List[str]] = typer.Option(None, "--fix", help="Fixed term value TERM=SECONDS (repeatable)."),
     host_overhead: Optional[float] = typer.Option(
@@ -295,10 +315,18 @@ def calibrate_cmd(
         recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem)
         workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v}
         family = cal.noise_family(noise)
+        roofline = None
+        if form == "roofline":
+            from simcap.calibrate.fit_roofline import roofline_options
+
+            roofline = roofline_options(hardware, model, combine=combine, routing_skew=routing_skew,
+                                        prior_sd=prior_sd, records=records)
+        elif hardware or model or records:
+            raise cal.CalibrationError("--hardware, --model, --records: only with --form roofline")
         fit = cal.calibrate(
             inputs, recipe, form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
             num_speculative_tokens=num_speculative_tokens, bootstrap=bootstrap, warn_above=warn_above,
-            noise=family,
+            noise=family, roofline=roofline,
         )
         command = "simcap calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         cal.write_profile(cal.profile_dict(fit, recipe, command=command), out)

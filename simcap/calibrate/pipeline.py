@@ -28,21 +28,38 @@ def calibrate(
     level: float = 0.9,
     warn_above: float | None = None,
     noise: str | None = "empirical",
+    roofline: dict[str, Any] | None = None,
 ) -> Fit:
-    """Read the inputs (or the recipe's datasets), pick the fit for their kind, and run it."""
-    roofline = recipe.step_time.get("form") == "roofline"
+    """Read the inputs (or the recipe's datasets), pick the fit for their kind, and run it.
+
+    ``form="roofline"``: fit the roofline form to step samples
+    (:func:`simcap.calibrate.fit_roofline.fit_roofline_samples`); ``roofline`` holds its
+    arguments: ``hardware``, ``model`` (required), ``combine``, ``routing_skew``, ``prior_sd``,
+    ``records`` (client record files of the same run, for the attended context) and the rest of
+    that function's keywords. The workload's ``input_len`` and ``output_len`` (means) stand in
+    for records.
+
+    A recipe whose ``step_time`` says ``form: roofline`` is fitted to benchmark results by
+    simulation (:func:`simcap.calibrate.fit_bench.fit_benchmarks_roofline`); its ``form``
+    names the free terms.
+    """
+    if form == "roofline":
+        return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
+                                   workload=workload, num_speculative_tokens=num_speculative_tokens,
+                                   bootstrap=bootstrap, level=level, warn_above=warn_above, noise=noise)
+    roofline_recipe = recipe.step_time.get("form") == "roofline"
     fixed = {k: v for k, v in recipe.step_time.items() if v is not None}
     fixed.update(fix or {})
     if host_overhead is not None:
         fixed["host_overhead"] = host_overhead
-    if roofline:
+    if roofline_recipe:
         if fix:
             raise CalibrationError("--fix: the roofline form takes its fixed values from the "
                                    "recipe's step_time section")
         if not (form or recipe.form):
             raise CalibrationError("form: the roofline form needs its free terms named "
                                    "(e.g. efficiency.weights, efficiency.experts, base)")
-    form_obj = (Form.parse(form or recipe.form) if (form or recipe.form) and not roofline
+    form_obj = (Form.parse(form or recipe.form) if (form or recipe.form) and not roofline_recipe
                 else None)
     warn = warn_above if warn_above is not None else recipe.warn_above
     base_dir = recipe.path.parent if recipe.path and recipe.datasets else Path(".")
@@ -80,15 +97,15 @@ def calibrate(
                                   workload=wl, seed=recipe.seed, label=d.get("label"))
     if step_inputs and points:
         raise CalibrationError("calibrate: give step samples or benchmark results, not both")
+    if step_inputs and roofline_recipe:
+        raise CalibrationError("calibrate: a roofline recipe is fitted to benchmark results; "
+                               "fit step samples with --form roofline")
     if step_inputs:
         return fit_step_samples(step_inputs, form_obj, fixed=fixed,
                                 host_overhead=fixed.get("host_overhead"),
                                 bootstrap=200 if bootstrap is None else bootstrap, level=level,
                                 seed=recipe.seed, warn_above=warn, noise=noise)
-    if roofline:
-        if step_inputs:
-            raise CalibrationError("calibrate: the roofline form is fitted here from benchmark "
-                                   "results only")
+    if roofline_recipe:
         return fit_benchmarks_roofline(
             points, fixed, form or recipe.form, prior=recipe.prior, fit_metrics=recipe.fit_metrics,
             weights=recipe.weights,
@@ -102,3 +119,66 @@ def calibrate(
                           iterations=(recipe.bootstrap_iterations if recipe.bootstrap_iterations
                                       is not None else 2) if iterations is None else iterations,
                           level=level, seed=recipe.seed, warn_above=warn)
+
+
+def read_records(path: str | Path) -> list:
+    """Client request records (``RequestRecord.to_dict()`` per line; JSONL, optionally gzipped,
+    or a JSON list)."""
+    import gzip
+    import json
+
+    from simcap.records import RequestRecord
+
+    path = Path(path)
+    try:
+        raw = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.strip()
+        rows = json.loads(text) if text.startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        return [RequestRecord.from_dict(r) for r in rows]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CalibrationError(f"{path}: not client request records: {exc}") from None
+
+
+def _calibrate_roofline(inputs, recipe, opts, *, host_overhead, workload, num_speculative_tokens,
+                        bootstrap, level, warn_above, noise) -> Fit:
+    from simcap.calibrate.fit_roofline import (
+        ContextSource, decode_context_of_means, decode_context_of_records, fit_roofline_samples)
+
+    opts = dict(opts)
+    for key in ("hardware", "model"):
+        if not opts.get(key):
+            raise CalibrationError(f"--form roofline: give --{key} (a catalog name or a file)")
+    if recipe.datasets:
+        raise CalibrationError("--form roofline: give step-sample files, not a recipe")
+    if not inputs:
+        raise CalibrationError("calibrate: no input files")
+    samples = []
+    for i in inputs:
+        file, selector = split_input(i)
+        path = Path(file)
+        if not path.exists():
+            raise CalibrationError(f"{path}: cannot read: No such file or directory")
+        if selector is not None or not _is_step_input(path):
+            raise CalibrationError(f"{path}: --form roofline fits step samples (an iteration log, "
+                                   "CSV or JSON step rows), not benchmark results")
+        samples.append(read_step_samples(path, num_speculative_tokens))
+    records = opts.pop("records", None) or []
+    context = None
+    wl = workload or {}
+    if records:
+        recs = [r for f in records for r in read_records(f)]
+        context = ContextSource(decode_context_of_records(recs),
+                                f"client records {', '.join(Path(f).name for f in records)}: mean over "
+                                "decode request-steps of prompt + tokens generated so far")
+    elif wl.get("input_len") and wl.get("output_len"):
+        context = ContextSource(decode_context_of_means(wl["input_len"], wl["output_len"]),
+                                f"workload means: input {wl['input_len']} + output {wl['output_len']} / 2")
+    skew = opts.pop("routing_skew", 0.0)
+    return fit_roofline_samples(
+        samples, opts.pop("hardware"), opts.pop("model"), routing_skew=skew, context=context,
+        host_overhead=host_overhead, bootstrap=200 if bootstrap is None else bootstrap, level=level,
+        seed=recipe.seed, warn_above=warn_above if warn_above is not None else recipe.warn_above,
+        noise=noise, **opts)

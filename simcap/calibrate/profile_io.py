@@ -24,7 +24,7 @@ def profile_dict(
     ``noise``: write the fit's ``step_time.noise`` (when it has one).
     """
     step_time = {}
-    for key in StepTimeConfig.model_fields:
+    for key in StepTimeConfig.model_fields if fit.step_time is None else ():
         if key == "noise":
             continue
         value = fit.coefficients.get(key)
@@ -66,6 +66,8 @@ def profile_dict(
         "noise": None if fit.noise_report is None else {**fit.noise_report, "written": bool(noise and fit.noise)},
         "residuals": fit.residuals if len(fit.residuals) <= 500 else fit.residuals[:500],
     }
+    if "roofline" in fit.extra:
+        out["provenance"]["roofline"] = fit.extra["roofline"]
     return out
 
 

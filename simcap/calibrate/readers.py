@@ -24,6 +24,7 @@ _COLUMNS = {
     "num_decode_tokens": ("num_decode_tokens", "decode_tokens"),
     "num_verify_tokens": ("num_verify_tokens", "verify_tokens"),
     "num_context_tokens": ("num_context_tokens", "attended_tokens"),
+    "num_prefill_pairs": ("num_prefill_pairs", "prefill_pairs"),
     "num_prefill_reqs": ("num_prefill_reqs", "prefill_reqs"),
     "num_decode_reqs": ("num_decode_reqs", "decode_reqs"),
     "num_reqs": ("num_reqs", "reqs"),
@@ -83,6 +84,10 @@ class StepSamples:
     available: set[str]
     source: dict[str, Any]
     start_s: np.ndarray | None = None
+    # Per-step counts by column name (num_reqs, num_prefill_reqs, num_decode_reqs, ...; the
+    # columns the data has, and num_reqs, num_decode_reqs, mixed derived): the roofline fit's
+    # inputs (simcap.calibrate.fit_roofline).
+    counts: dict[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.y)
@@ -129,7 +134,10 @@ def _rows_to_samples(rows: list[dict[str, Any]], where: str, source: dict[str, A
     }
     available = {t for t, needs in _NEEDS.items() if all(any(c in cols for c in alt) for alt in needs)}
     X = np.column_stack([feats[t] for t in TERMS])
-    return StepSamples(X, y, available, {**source, "rows": n}, cols.get("start_s"))
+    counts = {**cols, "num_prefill_tokens": prefill, "num_decode_tokens": decode,
+              "num_verify_tokens": cols.get("num_verify_tokens", zero),
+              "num_decode_reqs": decode_reqs, "num_reqs": reqs, "mixed": mixed}
+    return StepSamples(X, y, available, {**source, "rows": n}, cols.get("start_s"), counts)
 
 
 def read_step_samples(path: str | Path, num_speculative_tokens: int = 0) -> StepSamples:

@@ -33,16 +33,18 @@ class Fit:
     # and its report per step kind (simcap.engine.noise.fit_noise).
     noise: dict[str, Any] | None = None
     noise_report: dict[str, Any] | None = None
-    # Roofline fits: the whole step_time section to write (form, hardware, efficiencies, ...)
-    # and, per free term, how far the data narrowed its prior (pinned or not).
+    # The roofline form: the profile's whole step_time section (None: the linear form's keys
+    # from ``coefficients``), what else its provenance records (step-sample fits), and per
+    # free term how far the data narrowed its prior (simulation-based fits).
     step_time: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
     identification: dict[str, Any] | None = None
 
     def fitted_terms(self) -> list[str]:
         return [*self.form.free, *(t for t in self.form.tied if t not in self.form.free)]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "kind": self.kind,
             "method": self.method,
             "form": str(self.form),
@@ -57,9 +59,12 @@ class Fit:
             "sources": self.sources,
             "noise": {"step_time_noise": self.noise, **(self.noise_report or {})}
             if self.noise_report else None,
-            **({"step_time": self.step_time} if self.step_time else {}),
             **({"identification": self.identification} if self.identification else {}),
         }
+        if self.step_time is not None:
+            out["step_time"] = self.step_time
+            out.update(self.extra)
+        return out
 
 
 def _percentile_ci(

@@ -574,6 +574,55 @@ class RooflineStepTimeModel:
         return self
 
 
+def roofline_basis(
+    physics: RooflinePhysics,
+    *,
+    prefill: np.ndarray,
+    decode: np.ndarray,
+    verify: np.ndarray,
+    reqs: np.ndarray,
+    mixed: np.ndarray,
+    context: np.ndarray,
+    pairs: np.ndarray,
+    num_draft_passes: int = 0,
+) -> np.ndarray:
+    """:meth:`RooflineStepTimeModel.features` of many steps at once, from per-step counts
+    (arrays of equal length): one row per step in the order of ``ROOFLINE_FEATURES``."""
+    ph, k = physics, num_draft_passes
+    prefill, decode, verify, reqs, mixed, context, pairs = (
+        np.asarray(a, dtype=float) for a in (prefill, decode, verify, reqs, mixed, context, pairs))
+    n = prefill + decode + verify
+    logits = reqs + verify
+    m = len(n)
+    draft = np.zeros(m)
+    if k:
+        draft = (k * ph.draft_weights + k * (ph.draft_per_token + ph.draft_per_logit) * reqs
+                 + ph.draft_per_token * prefill + ph.draft_per_pair * pairs
+                 + k * ph.draft_kv_per_token * context)
+    return np.column_stack([
+        np.ones(m), reqs, mixed, np.full(m, ph.weights),
+        ph.experts_all * (1.0 - ph.experts_q**n),
+        ph.compute_per_token * n + ph.compute_per_logit * logits,
+        ph.attention_per_pair * pairs, ph.kv_per_token * context,
+        ph.tp_comm_per_token * n, np.full(m, ph.tp_latency), draft,
+    ])
+
+
+def roofline_forward(X: np.ndarray, coef: np.ndarray, combine: str = "sum") -> np.ndarray:
+    """Forward seconds of rows of ``ROOFLINE_FEATURES`` for coefficients in that order (base,
+    per_request, mixed_step, then the efficiencies): the sum form, or with ``combine="max"``
+    the larger of the compute group (compute, attention_prefill) and the memory group
+    (weights, experts, kv_read), as :class:`RooflineStepTimeModel` computes a step."""
+    X = np.asarray(X, dtype=float)
+    coef = np.asarray(coef, dtype=float)
+    if combine != "max":
+        return X @ coef
+    parts = X * coef
+    compute = parts[:, 5] + parts[:, 6]
+    memory = parts[:, 3] + parts[:, 4] + parts[:, 7]
+    return parts[:, [0, 1, 2, 8, 9, 10]].sum(axis=1) + np.maximum(compute, memory)
+
+
 def make_step_model(
     config: StepTimeConfig, *, async_scheduling: bool = False, speculative_method: str | None = None,
     num_speculative_tokens: int = 0,

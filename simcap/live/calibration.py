@@ -363,6 +363,7 @@ def calibrate_live(
     command: str | None = None,
     progress: Callable[[str], None] | None = None,
     server_pids: Sequence[int] = (),
+    roofline: dict[str, Any] | None = None,
     noise: str | None = "empirical",
 ) -> LiveCalibration:
     """Run the calibration workload (or probes) against ``base_url`` and write a profile to ``out``.
@@ -482,8 +483,12 @@ def calibrate_live(
                 "the server during the calibration"
             )
         samples = read_step_samples(data_path, k)
-        fit = fit_log_samples(samples, k, host["host_overhead_s"], bootstrap=bootstrap, seed=seed,
-                              noise=noise)
+        if roofline is not None:
+            fit = fit_log_roofline(samples, records, host["host_overhead_s"], roofline,
+                                   bootstrap=bootstrap, seed=seed, noise=noise)
+        else:
+            fit = fit_log_samples(samples, k, host["host_overhead_s"], bootstrap=bootstrap, seed=seed,
+                                  noise=noise)
         fit.notes.append(
             f"host_overhead {host['host_overhead_s']:.4g} s per step: client decode step period "
             f"{_ms(host['step_period_s'])} minus the logged forward time {_ms(host['logged_elapsed_s'])} "
@@ -491,6 +496,8 @@ def calibrate_live(
         )
     else:
         source = SOURCE_PROBES
+        if roofline is not None:
+            raise LiveError("--form roofline: fits the server's iteration log; give --log")
         notes.append(PROBE_WARNING)
         rows_out, probe_phases = _probe(base_url, model, engine, max_num_seqs, max_num_batched_tokens,
                                         max_model_len, seed, live_kw, say)
@@ -630,6 +637,27 @@ def fit_log_samples(
     )
 
 
+def fit_log_roofline(
+    samples: StepSamples, records: Sequence[RequestRecord], host_overhead: float,
+    roofline: dict[str, Any], *, bootstrap: int = 200, seed: int = 0, noise: str | None = "empirical",
+) -> Fit:
+    """The roofline form fitted to iteration-log steps
+    (:func:`simcap.calibrate.fit_roofline.fit_roofline_samples`), the attended context of each
+    step derived from the client's records of the same workload (mean over decode request-steps
+    of prompt + tokens generated so far). ``roofline``: ``hardware``, ``model`` and optionally
+    ``combine``, ``routing_skew``, ``prior_sd``."""
+    from simcap.calibrate.fit_roofline import ContextSource, decode_context_of_records, fit_roofline_samples
+
+    opts = dict(roofline)
+    opts.pop("records", None)
+    context = ContextSource(decode_context_of_records(records),
+                            "the calibration workload's client records: mean over decode "
+                            "request-steps of prompt + tokens generated so far")
+    return fit_roofline_samples([samples], opts.pop("hardware"), opts.pop("model"), context=context,
+                                host_overhead=host_overhead, bootstrap=bootstrap, seed=seed,
+                                noise=noise, **opts)
+
+
 def _probe(base_url, model, engine, max_num_seqs, budget, max_model_len, seed, live_kw, say):
     """Isolated prefills (TTFT) and simultaneous decode groups (time per output token)."""
     rows: list[dict[str, Any]] = []
@@ -670,6 +698,7 @@ __all__ = [
     "SOURCE_PROBES",
     "calibrate_live",
     "default_phases",
+    "fit_log_roofline",
     "fit_log_samples",
     "host_overhead_from_itl",
     "prompt_lengths",

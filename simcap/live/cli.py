@@ -251,7 +251,22 @@ def calibrate_cmd(
         None, "--speculative-method", help="ngram, eagle or eagle3, when the server drafts and does not say."
     ),
     name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: --out's stem)."),
-    hardware: Optional[str] = typer.Option(None, "--hardware", help="Hardware description for the profile."),
+    hardware: Optional[str] = typer.Option(
+        None, "--hardware",
+        help="Hardware description for the profile; with --form roofline a catalog hardware name "
+             "(or a YAML file of one entry).",
+    ),
+    form: str = typer.Option(
+        "linear", "--form",
+        help="Step-time form fitted from the log: linear (two-stage fit) or roofline (efficiencies "
+             "on --hardware and --roofline-model).",
+    ),
+    roofline_model: Optional[str] = typer.Option(
+        None, "--roofline-model", help="--form roofline: catalog model name or config.json of the served model."
+    ),
+    combine: str = typer.Option("sum", "--combine", help="--form roofline: sum or max of compute and memory."),
+    routing_skew: str = typer.Option("0", "--routing-skew", help="--form roofline, MoE: skew in [0, 1) or 'fit'."),
+    prior_sd: float = typer.Option(1.0, "--prior-sd", help="--form roofline: prior sd of each efficiency around 1."),
     seed: int = typer.Option(0, "--seed", help="Seed of the calibration prompts and the bootstrap."),
     bootstrap: int = typer.Option(200, "--bootstrap", min=0, help="Bootstrap resamples for the intervals."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
@@ -272,12 +287,22 @@ def calibrate_cmd(
     command = _command_line(ctx, "simcap live calibrate", secret=frozenset({"api_key"}))
     say = None if json_out else (lambda msg: typer.echo(f"calibrate: {msg}", err=True))
     try:
+        roofline = None
+        if form == "roofline":
+            from simcap.calibrate.fit_roofline import roofline_options
+
+            roofline = roofline_options(hardware, roofline_model, combine=combine,
+                                        routing_skew=routing_skew, prior_sd=prior_sd)
+        elif form != "linear":
+            from simcap.live.client import LiveError
+
+            raise LiveError(f"--form: linear or roofline (got {form!r})")
         result = calibrate_live(
             base_url, model, out, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, log_path=log, num_requests=requests,
             speculative_method=speculative_method, api_key=key, request_timeout_s=request_timeout,
             name=name, hardware=hardware, seed=seed, bootstrap=bootstrap, command=command, progress=say,
-            noise=noise_family(noise),
+            noise=noise_family(noise), roofline=roofline,
         )  # fmt: skip
     except SimcapError as exc:
         _fail(str(exc))

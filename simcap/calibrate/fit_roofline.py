@@ -1,0 +1,513 @@
+"""Fitting the roofline step-time form to step samples: efficiencies pulled toward 1.
+
+The roofline form (:class:`simcap.engine.step_time.RooflineStepTimeModel`) prices a step from
+its bytes and FLOPs on named hardware; calibration fits how far the real kernels fall short
+of that roofline (``efficiency``, 1 = at the roofline) plus ``base``, ``per_request`` and
+``mixed_step`` (seconds). :func:`fit_roofline_samples` does it:
+
+- **Basis.** Each step's physical terms in seconds at efficiency 1
+  (:func:`simcap.engine.step_time.roofline_basis`) from its counts: prefill, decode and
+  verified tokens, requests, mixed flag, attended context and prefill (query, key) pairs.
+  vLLM's iteration log has no context and no pairs; :func:`step_inputs` derives them (see
+  there) and says how in the fit's notes and the profile's provenance.
+- **Objective.** Relative residuals ``(predicted - measured) / w`` with ``w`` the previous
+  iteration's prediction (iteratively reweighted, 3 passes; the first divides by the
+  measured time): step-time noise is multiplicative, so long prefill steps would otherwise
+  drown the short decode steps. Plus a Gaussian prior per regularised coefficient,
+  ``sigma^2 * ((c - prior) / sd)^2``, with ``sigma`` the steps' relative residual spread
+  (1.4826 x MAD of log(measured / predicted) after an unregularised pass): each efficiency
+  toward 1 with ``sd = prior_sd`` (default 1), ``per_request`` toward 0 with ``sd = prior_sd x``
+  one token's roofline compute seconds. ``base`` and ``mixed_step`` are free. Solved by
+  non-negative least squares (``combine: sum``) or bounded ``scipy.optimize.least_squares``
+  from the sum solution (``combine: max``, not linear).
+- **Pinned or not.** Per regularised term the *prior share*
+  ``lambda_j [(J^T J + Lambda)^-1]_jj`` (``J``: the weighted data Jacobian at the fit,
+  ``Lambda``: the prior precisions): how much of the estimate's precision comes from the prior.
+  0: the data alone decide it; 1: the prior alone (a term whose column is constant beside
+  ``base``, or zero, e.g. the dense weights' read on one model, tensor parallel terms at
+  tp 1). A term is **pinned** when its prior share is below 0.5 (the data weigh more than the
+  prior). Collinearity counts: two terms the data cannot tell apart share the prior's pull.
+  Terms whose column is zero in every step are left at their prior and reported so.
+- **Intervals.** Pairs bootstrap over steps (weights and prior fixed at the fit), as the
+  linear form's fit.
+- ``routing_skew="fit"``: the skew is chosen on a grid (0 to the largest that keeps top-k
+  within E_eff, step 0.05) by the regularised objective; otherwise it is given (default 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from scipy.optimize import least_squares, nnls
+
+from simcap.calibrate.core import CalibrationError, Form, _fmt
+from simcap.calibrate.readers import StepSamples
+from simcap.calibrate.result import Fit, _percentile_ci
+from simcap.engine.step_time import ROOFLINE_FEATURES, ROOFLINE_TERMS, roofline_basis, roofline_forward
+from simcap.errors import ScenarioError
+from simcap.records import RequestRecord
+from simcap.scenario import StepTimeConfig
+
+PIN_THRESHOLD = 0.5  # prior share below which a term counts as pinned by the data
+SCALAR_TERMS = ("base", "per_request", "mixed_step")
+
+
+def coef_names() -> list[str]:
+    """Coefficient names in ``ROOFLINE_FEATURES`` order: base, per_request, mixed_step, then
+    ``efficiency.<term>``."""
+    return [*SCALAR_TERMS, *(f"efficiency.{t}" for t in ROOFLINE_TERMS)]
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def decode_context_of_lengths(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> float:
+    """Mean attended context of a decoding request, over all its decode steps: the decode step
+    that produces token ``j + 1`` attends ``prompt + j`` tokens (j = 1 .. output - 1; the first
+    token comes from the prefill), so a request contributes ``(o - 1) p + (o - 1) o / 2``
+    token-steps over ``o - 1`` steps. Longer requests weigh more, as they decode in more steps."""
+    p = np.asarray(prompt_lens, dtype=float)
+    o = np.asarray(output_lens, dtype=float)
+    steps = np.maximum(o - 1.0, 0.0)
+    if steps.sum() <= 0:
+        raise CalibrationError("decode context: no request decoded more than one token")
+    return float((steps * p + steps * o / 2.0).sum() / steps.sum())
+
+
+def decode_context_of_records(records: Sequence[RequestRecord]) -> float:
+    """:func:`decode_context_of_lengths` of the succeeded requests' prompt and output tokens."""
+    ok = [r for r in records if r.succeeded]
+    if not ok:
+        raise CalibrationError("decode context: no succeeded request in the records")
+    return decode_context_of_lengths([r.num_prompt_tokens for r in ok], [r.num_output_tokens for r in ok])
+
+
+def decode_context_of_means(input_len: float, output_len: float) -> float:
+    """``input + output / 2``: :func:`decode_context_of_lengths` for fixed lengths (for
+    lengths that vary it understates by ``var(output) / (2 mean(output))``)."""
+    return float(input_len) + float(output_len) / 2.0
+
+
+@dataclass(frozen=True)
+class ContextSource:
+    """Where the attended context comes from when the samples lack it: the mean context of a
+    decoding request (tokens) and a sentence saying how it was obtained."""
+
+    per_decode_request: float
+    how: str
+
+
+def step_inputs(samples: StepSamples, context: ContextSource | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The roofline basis' per-step counts of ``samples`` and notes saying how each was obtained.
+
+    - Tokens, requests, mixed: the samples (an iteration log: its prefill and generation
+      requests and tokens).
+    - Attended context: the samples' ``num_context_tokens`` column when present; else each
+      decoding request attends ``context.per_decode_request`` tokens and each prefill chunk its
+      own tokens (``C = decode requests x c + prefill tokens + verified drafts``).
+    - Prefill (query, key) pairs: the ``num_prefill_pairs`` column when present; else each
+      prefill request's chunk is taken as a whole prompt from position 0 (no earlier chunk, no
+      prefix-cache hit), the step's prefill tokens split evenly over its prefill requests:
+      ``a m (m + 1) / 2`` with ``m = tokens / a`` (a lower bound when chunks continue earlier ones).
+    """
+    c = samples.counts
+    if c is None:
+        raise CalibrationError(f"{samples.source.get('file')}: step samples without per-step counts")
+    n = len(samples)
+    zero = np.zeros(n)
+    prefill, decode = c["num_prefill_tokens"], c["num_decode_tokens"]
+    verify, decode_reqs = c.get("num_verify_tokens", zero), c["num_decode_reqs"]
+    notes = []
+    if "num_context_tokens" in c:
+        ctx = c["num_context_tokens"]
+        notes.append("attended context: the samples' num_context_tokens column")
+    elif context is not None:
+        ctx = decode_reqs * context.per_decode_request + prefill + verify
+        notes.append(f"attended context: not in the samples; derived as decode requests x "
+                     f"{context.per_decode_request:.1f} tokens ({context.how}) + prefill tokens + "
+                     "verified drafts")
+    else:
+        raise CalibrationError(
+            f"{samples.source.get('file')}: the roofline form's kv_read term needs each step's "
+            "attended context, which these samples lack (a vLLM iteration log has none): give the "
+            "client records of the same run (--records) or the workload's mean lengths "
+            "(--input-len and --output-len)"
+        )
+    if "num_prefill_pairs" in c:
+        pairs = c["num_prefill_pairs"]
+        notes.append("prefill (query, key) pairs: the samples' num_prefill_pairs column")
+    else:
+        a = c.get("num_prefill_reqs", (prefill > 0).astype(float))
+        a = np.where((prefill > 0) & (a <= 0), 1.0, a)
+        m = np.divide(prefill, a, out=np.zeros(n), where=a > 0)
+        pairs = a * m * (m + 1.0) / 2.0
+        notes.append("prefill (query, key) pairs: not in the samples; each prefill request's chunk "
+                     "taken as a whole prompt from position 0, the step's prefill tokens split "
+                     "evenly over its prefill requests (a lower bound for continued chunks)")
+    counts = {"prefill": prefill, "decode": decode, "verify": verify, "reqs": c["num_reqs"],
+              "mixed": c["mixed"], "context": ctx, "pairs": pairs}
+    return counts, notes
+
+
+def hardware_arg(value: str) -> Any:
+    """``--hardware``: a catalog name, or a YAML file of one hardware entry (inlined, so the
+    profile does not depend on the file's place)."""
+    from pathlib import Path
+
+    from simcap.yaml_files import read_yaml_mapping
+
+    if Path(value).is_file():
+        data, _ = read_yaml_mapping(value, "hardware", "memory_bandwidth_gbps, peak_tflops, ...")
+        return data
+    return value
+
+
+def model_arg(value: str) -> Any:
+    """``--model``: a catalog name, or a config.json file (inlined, keys starting with ``_``
+    dropped)."""
+    import json
+    from pathlib import Path
+
+    path = Path(value)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CalibrationError(f"--model {value}: cannot read a config.json: {exc}") from None
+        return {k: v for k, v in data.items() if not str(k).startswith("_")}
+    return value
+
+
+def roofline_options(hardware: str | None, model: str | None, *, combine: str = "sum",
+                     routing_skew: str | float = 0.0, prior_sd: float = 1.0,
+                     records: Sequence[Any] | None = None) -> dict[str, Any]:
+    """The ``roofline`` arguments of :func:`simcap.calibrate.calibrate` from command-line values."""
+    if not hardware or not model:
+        raise CalibrationError("--form roofline: give --hardware and --model (catalog names or files)")
+    if routing_skew != "fit":
+        try:
+            routing_skew = float(routing_skew)
+        except ValueError:
+            raise CalibrationError(f"--routing-skew: a number in [0, 1) or 'fit' (got {routing_skew!r})") from None
+    return {"hardware": hardware_arg(hardware), "model": model_arg(model), "combine": combine,
+            "routing_skew": routing_skew, "prior_sd": prior_sd,
+            "records": [str(r) for r in records or []]}
+
+
+# --------------------------------------------------------------------------- the fit
+
+
+def roofline_config(
+    hardware: Any, model: Any, *, combine: str = "sum", routing_skew: float = 0.0,
+    **extra: Any,
+) -> StepTimeConfig:
+    """A roofline ``StepTimeConfig`` (efficiencies 1) for the physics; errors as CalibrationError."""
+    try:
+        return StepTimeConfig(form="roofline", hardware=hardware, model=model, combine=combine,
+                              routing_skew=routing_skew, **extra)
+    except (ScenarioError, ValueError) as exc:
+        msg = str(exc).strip().splitlines()
+        raise CalibrationError(f"roofline form: {msg[-1] if msg else exc}") from None
+
+
+@dataclass
+class _System:
+    X: np.ndarray  # basis rows (all columns)
+    y: np.ndarray
+    free: np.ndarray  # column indices fitted
+    prior: np.ndarray  # prior value per column (all columns)
+    sd: np.ndarray  # prior sd per column (inf: unregularised)
+    combine: str
+
+
+def _solve(sys: _System, rows: np.ndarray, w: np.ndarray, sigma: float,
+           x0: np.ndarray | None = None) -> np.ndarray:
+    """Coefficients (all columns; unfitted at their prior) minimising the weighted relative
+    residuals of ``rows`` plus the prior."""
+    f = sys.free
+    X, y, wr = sys.X[rows], sys.y[rows], w[rows]
+    reg = f[np.isfinite(sys.sd[f])]
+    fixed = np.array(sys.prior, dtype=float)
+    fixed[f] = 0.0
+    scale = sigma / sys.sd[reg] if len(reg) else np.zeros(0)
+    if sys.combine != "max":
+        A = np.vstack([X[:, f] / wr[:, None], np.zeros((len(reg), len(f)))])
+        b = np.concatenate([(y - X @ fixed) / wr, scale * sys.prior[reg]])
+        for i, j in enumerate(reg):
+            A[len(y) + i, list(f).index(j)] = scale[i]
+        try:
+            sol = nnls(A, b, maxiter=100 * len(f))[0]
+        except RuntimeError as exc:
+            raise CalibrationError(f"roofline fit: NNLS did not converge: {exc}") from None
+        out = np.array(sys.prior, dtype=float)
+        out[f] = sol
+        return out
+
+    def resid(v: np.ndarray) -> np.ndarray:
+        c = np.array(sys.prior, dtype=float)
+        c[f] = v
+        return np.concatenate([(roofline_forward(X, c, "max") - y) / wr, scale * (c[reg] - sys.prior[reg])])
+
+    start = np.maximum((x0 if x0 is not None else sys.prior)[f], 1e-12)
+    r = least_squares(resid, start, bounds=(0.0, np.inf), method="trf", x_scale="jac", max_nfev=200)
+    out = np.array(sys.prior, dtype=float)
+    out[f] = r.x
+    return out
+
+
+def _objective(sys: _System, c: np.ndarray, w: np.ndarray, sigma: float) -> float:
+    reg = sys.free[np.isfinite(sys.sd[sys.free])]
+    r = (roofline_forward(sys.X, c, sys.combine) - sys.y) / w
+    return float(r @ r + np.sum((sigma * (c[reg] - sys.prior[reg]) / sys.sd[reg]) ** 2))
+
+
+def _jacobian(sys: _System, c: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """d(weighted prediction)/d(coefficient), all columns (the max form: its active branch)."""
+    X = sys.X
+    if sys.combine != "max":
+        return X / w[:, None]
+    J = X.copy()
+    parts = X * c
+    compute_wins = (parts[:, 5] + parts[:, 6]) > (parts[:, 3] + parts[:, 4] + parts[:, 7])
+    J[:, [3, 4, 7]] *= (~compute_wins)[:, None]
+    J[:, [5, 6]] *= compute_wins[:, None]
+    return J / w[:, None]
+
+
+def _fit_once(sys: _System, sigma_fixed: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+    """IRLS: (coefficients, weights, sigma)."""
+    rows = np.arange(len(sys.y))
+    w = np.maximum(sys.y, 1e-9)
+    # Unregularised pass for the residual spread (sigma), then the regularised passes.
+    c = _solve(sys, rows, w, 0.0)
+    sigma = sigma_fixed
+    for _ in range(3):
+        pred = roofline_forward(sys.X, c, sys.combine)
+        if sigma_fixed is None:
+            ok = (pred > 0) & (sys.y > 0)
+            lr = np.log(sys.y[ok] / pred[ok])
+            sigma = float(1.4826 * np.median(np.abs(lr - np.median(lr)))) if ok.any() else 1.0
+            sigma = max(sigma, 1e-3)
+        w = np.maximum(pred, 1e-9)
+        c = _solve(sys, rows, w, sigma, c)
+    return c, w, float(sigma)
+
+
+def fit_roofline_samples(
+    samples: Sequence[StepSamples],
+    hardware: Any,
+    model: Any,
+    *,
+    combine: str = "sum",
+    routing_skew: float | str = 0.0,
+    context: ContextSource | None = None,
+    prior_sd: float = 1.0,
+    num_draft_passes: int = 0,
+    host_overhead: float | None = None,
+    bootstrap: int = 200,
+    level: float = 0.9,
+    seed: int = 0,
+    warn_above: float = 0.1,
+    noise: str | None = "empirical",
+    config: dict[str, Any] | None = None,
+) -> Fit:
+    """Fit the roofline form's efficiencies (and base, per_request, mixed_step) to step samples.
+
+    ``hardware``, ``model``: catalog names, ``{config: PATH}`` or inline entries (as in a
+    scenario's ``step_time``); ``config``: further roofline keys (weight_dtype, kv_dtype,
+    compute_dtype, tensor_parallel_size, draft_model). ``context``: the attended context per
+    decoding request where the samples lack it (:func:`step_inputs`). ``routing_skew``: a value,
+    or ``"fit"`` (grid). ``num_draft_passes``: k of an EAGLE draft (0 otherwise). The rest as
+    :func:`simcap.calibrate.fit_step_samples`. The returned :class:`Fit` carries the profile's
+    ``step_time`` section (``Fit.step_time``) and per-term pinning (``Fit.extra['roofline']``).
+    """
+    from simcap.calibrate.fit_steps import noise_of_fit
+
+    if combine not in ("sum", "max"):
+        raise CalibrationError(f"--combine: sum or max (got {combine!r})")
+    if not prior_sd > 0:
+        raise CalibrationError(f"prior sd: must be positive (got {prior_sd})")
+    samples = list(samples)
+    where = ", ".join(str(s.source.get("file")) for s in samples)
+    parts, notes = [], []
+    for s in samples:
+        counts, how = step_inputs(s, context)
+        parts.append(counts)
+        notes += [h for h in how if h not in notes]
+    counts = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    y = np.concatenate([s.y for s in samples])
+    X_linear = np.vstack([s.X for s in samples])
+    extra = dict(config or {})
+    base_cfg = roofline_config(hardware, model, combine=combine, **extra)
+    phys = base_cfg.physics
+    names = coef_names()
+    m = len(names)
+    if len(y) < 4:
+        raise CalibrationError(f"{where}: {len(y)} step samples are too few for the roofline fit")
+
+    def system(skew: float) -> _System:
+        ph = roofline_config(hardware, model, combine=combine, routing_skew=skew, **extra).physics
+        X = roofline_basis(ph, prefill=counts["prefill"], decode=counts["decode"], verify=counts["verify"],
+                           reqs=counts["reqs"], mixed=counts["mixed"], context=counts["context"],
+                           pairs=counts["pairs"], num_draft_passes=num_draft_passes)
+        prior = np.array([0.0, 0.0, 0.0, *([1.0] * len(ROOFLINE_TERMS))])
+        tok = ph.compute_per_token + ph.compute_per_logit
+        sd = np.array([np.inf, prior_sd * tok, np.inf, *([prior_sd] * len(ROOFLINE_TERMS))])
+        varies = np.array([np.any(X[:, j] != 0) for j in range(m)])
+        varies[0] = True
+        return _System(X, y, np.flatnonzero(varies), prior, sd, combine)
+
+    skew_report = None
+    if routing_skew == "fit":
+        if not phys.model.is_moe:
+            skew = 0.0
+            notes.append("routing_skew 0: a dense model (nothing to fit)")
+        else:
+            k_route, e = phys.model.num_experts_per_tok, phys.model.num_experts
+            top = 1.0 - k_route / e
+            grid = [round(g, 2) for g in np.arange(0.0, top + 1e-9, 0.05)]
+            losses = {}
+            sigma0 = _fit_once(system(0.0))[2]  # one residual spread for every skew
+            for g in grid:
+                sy = system(g)
+                c, _, _ = _fit_once(sy, sigma0)
+                w = np.maximum(roofline_forward(sy.X, c, combine), 1e-9)
+                losses[g] = _objective(sy, c, w, sigma0)
+            skew = min(losses, key=losses.get)
+            skew_report = {"grid": grid, "objective": {str(g): round(v, 3) for g, v in losses.items()},
+                           "chosen": skew}
+            notes.append(f"routing_skew {skew:g}: fitted on a grid of {len(grid)} values (0 to "
+                         f"{grid[-1]:g}) by the regularised objective")
+    else:
+        skew = float(routing_skew)
+    sys_ = system(skew)
+    coef, w, sigma = _fit_once(sys_)
+    fitted = roofline_forward(sys_.X, coef, combine)
+
+    # Pinning: the prior's share of each regularised term's precision.
+    J = _jacobian(sys_, coef, w)[:, sys_.free]
+    lam = np.zeros(len(sys_.free))
+    fin = np.isfinite(sys_.sd[sys_.free])
+    lam[fin] = (sigma / sys_.sd[sys_.free][fin]) ** 2
+    H = J.T @ J + np.diag(lam)
+    Hinv = np.linalg.pinv(H)
+    pinning: dict[str, dict[str, Any]] = {}
+    for j, name in enumerate(names):
+        entry: dict[str, Any] = {"value": _fmt(coef[j])}
+        if j not in sys_.free:
+            entry.update(in_data=False, prior_share=1.0 if np.isfinite(sys_.sd[j]) else None, pinned=False,
+                         note="zero in every step: left at its prior")
+        elif not np.isfinite(sys_.sd[j]):
+            entry.update(in_data=True, prior_share=None, pinned=None, note="free (no prior)")
+        else:
+            i = list(sys_.free).index(j)
+            share = float(min(max(lam[i] * Hinv[i, i], 0.0), 1.0))
+            entry.update(in_data=True, prior_share=round(share, 4), pinned=share < PIN_THRESHOLD,
+                         prior=_fmt(sys_.prior[j]), prior_sd=_fmt(sys_.sd[j]))
+        pinning[name] = entry
+
+    # Bootstrap: pairs over steps, weights and sigma held at the fit.
+    rng = np.random.default_rng(seed)
+    sets = []
+    for _ in range(bootstrap):
+        rows = rng.integers(0, len(y), len(y))
+        c = _solve(sys_, rows, w, sigma, coef)
+        sets.append({nm: _fmt(v) for nm, v in zip(names, c) if names.index(nm) in sys_.free})
+    terms = [names[j] for j in sys_.free]
+    ci = _percentile_ci(sets, terms, level) if sets else {}
+    for name, (lo, hi) in ci.items():
+        e = pinning[name]
+        if e.get("prior_sd") and np.isfinite(sys_.sd[names.index(name)]):
+            e["ci_width_over_prior_sd"] = round((hi - lo) / sys_.sd[names.index(name)], 4)
+
+    # Host overhead as the linear fit does it.
+    if host_overhead is None:
+        host = 0.0
+        starts = [s for s in samples if s.start_s is not None]
+        if starts:
+            gaps = np.concatenate([np.diff(s.start_s) - s.y[:-1] for s in starts])
+            host = float(max(np.median(gaps), 0.0))
+            notes.append(f"host_overhead {host:.4g} s: median gap between a step's end and the next "
+                         "step's start (start_s column)")
+        else:
+            notes.append("host_overhead 0: the samples time the forward pass only and no "
+                         "host overhead was given; the engine's real step period is longer")
+    else:
+        host = float(host_overhead)
+        notes.append(f"host_overhead {host:.4g} s per step: given, not fitted")
+
+    coeffs = {nm: float(coef[j]) for j, nm in enumerate(names)}
+    coeffs["host_overhead"] = host
+    step_time: dict[str, Any] = {
+        "form": "roofline", "hardware": hardware, "model": model, **extra,
+        "combine": combine, "routing_skew": skew,
+        "base": _fmt(coeffs["base"]), "per_request": _fmt(coeffs["per_request"]),
+        "mixed_step": _fmt(coeffs["mixed_step"]), "host_overhead": _fmt(host),
+        "efficiency": {t: _fmt(coeffs[f"efficiency.{t}"]) for t in ROOFLINE_TERMS},
+    }
+    if combine == "sum":
+        del step_time["combine"]
+    if not phys.model.is_moe or skew == 0.0:
+        step_time.pop("routing_skew")
+    rel = (fitted - y) / np.where(y > 0, y, np.nan)
+    residuals = [
+        {"point": f"row {i}", "metric": "step_time_s", "measured": _fmt(y[i]), "fitted": _fmt(fitted[i]),
+         "rel_error": None if math.isnan(rel[i]) else round(float(rel[i]), 4), "fitted_in_objective": True}
+        for i in range(len(y))
+    ]
+    ok = ~np.isnan(rel)
+    quality = {
+        "n": int(len(y)),
+        "rmse_s": _fmt(float(np.sqrt(np.mean((fitted - y) ** 2)))),
+        "r2": round(float(1 - np.sum((fitted - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-300)), 4),
+        "median_abs_rel_error": round(float(np.median(np.abs(rel[ok]))), 4) if ok.any() else None,
+        "p95_abs_rel_error": round(float(np.percentile(np.abs(rel[ok]), 95)), 4) if ok.any() else None,
+        "max_rel_error": round(float(np.max(np.abs(rel[ok]))), 4) if ok.any() else None,
+        "relative_spread_sigma": round(sigma, 4),
+        "warn_above": warn_above,
+    }
+    warnings: list[str] = []
+    if ok.any() and quality["p95_abs_rel_error"] > warn_above:
+        worst = int(np.nanargmax(np.abs(rel)))
+        warnings.append(
+            f"WARNING: max relative error {abs(rel[worst]):.0%} at row {worst} of {where} (fitted "
+            f"{fitted[worst]:.4g} s vs measured {y[worst]:.4g} s); 5% of the step samples are off "
+            f"by more than {quality['p95_abs_rel_error']:.0%}: the form may be missing a term"
+        )
+    pinned = [n for n, e in pinning.items() if e.get("pinned")]
+    unpinned = [n for n, e in pinning.items() if e.get("pinned") is False]
+    notes.append(f"pinned by the data (prior share < {PIN_THRESHOLD}): {', '.join(pinned) or 'none'}; "
+                 f"held by the prior: {', '.join(unpinned) or 'none'}")
+    fit = Fit(
+        kind="step_samples",
+        method=(f"roofline form ({combine}): "
+                + ("nnls (scipy.optimize.nnls)" if combine == "sum" else "bounded least squares "
+                   "(scipy.optimize.least_squares, trf) from the sum form's solution")
+                + " on relative step residuals (iteratively reweighted by the prediction), each "
+                  f"efficiency pulled toward 1 (sd {prior_sd:g}) and per_request toward 0"),
+        form=Form(tuple(terms), {}), coefficients=coeffs, fixed={},
+        ci=ci, bootstrap=sets,
+        bootstrap_method=f"pairs bootstrap over step rows ({bootstrap} resamples, seed {seed}; "
+                         "weights and prior held at the fit)",
+        level=level, residuals=residuals, sources=[s.source for s in samples],
+        warnings=warnings, notes=notes, quality=quality,
+    )
+    fit.step_time = step_time
+    fit.extra = {"roofline": {
+        "prior": {"efficiency": 1.0, "efficiency_sd": prior_sd, "per_request": 0.0,
+                  "per_request_sd_s": _fmt(prior_sd * (phys.compute_per_token + phys.compute_per_logit)),
+                  "weight": "sigma^2 / sd^2 per coefficient, sigma the relative residual spread "
+                            f"({sigma:.4g})"},
+        "pinned_rule": f"prior share lambda_j [(J^T J + Lambda)^-1]_jj < {PIN_THRESHOLD}",
+        "terms": pinning,
+        "inputs": [n for n in notes if n.startswith(("attended context", "prefill (query"))],
+        "routing_skew": skew_report or {"given": skew},
+    }}
+    if noise:
+        noise_of_fit(fit, X_linear, y, fitted, noise)
+    return fit
