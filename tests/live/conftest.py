@@ -13,16 +13,21 @@ once per machine), starts the server with the settings the scenarios below mirro
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from simcap.calibrate.readers import parse_iteration_log
+from simcap.live.machine import describe_cpu
 from simcap.live.prom import parse_metrics
 from simcap.live.server import VllmServer, tiny_model_dir, vllm_python
 from simcap.scenario import parse_scenario
@@ -50,8 +55,55 @@ ENGINE = dict(
     enable_prefix_caching=True,
     async_scheduling=False,  # the CPU platform forces it off
 )
-# Rough step-time fit (iteration log) of the tiny bf16 model on a 2-core AVX2 machine.
+# Rough step-time fit (iteration log) of the tiny bf16 model on a 2-core AVX2 machine. Only
+# scenarios whose predictions no test compares with a measurement use it; tests that depend on
+# the server's speed measure it (``server_speed``) or calibrate a profile first.
 STEP_TIME = dict(base=0.005, per_prefill_token=2.9e-3, per_decode_token=2.8e-3, host_overhead=0.002)
+PREFILL_PROBE_TOKENS = 512  # one full step budget
+
+
+@dataclass(frozen=True)
+class ServerSpeed:
+    """The live server's speed, measured once per session on this machine (seconds)."""
+
+    prefill_s: float  # time to first token of a PREFILL_PROBE_TOKENS prompt, median of 3
+    decode_step_s: float  # inter-token gap at batch 1, median
+    decode_step_p95_s: float
+    decode_steps: int
+
+    def describe(self) -> str:
+        return (f"prefill of {PREFILL_PROBE_TOKENS} tokens {self.prefill_s * 1e3:.1f} ms (median of 3); "
+                f"decode step at batch 1 {self.decode_step_s * 1e3:.2f} ms p50, "
+                f"{self.decode_step_p95_s * 1e3:.2f} ms p95 ({self.decode_steps} steps)")
+
+
+def measure_speed(base_url: str, api_key: str | None = None) -> ServerSpeed:
+    """One client: 3 prompts of a full budget (1 output token), then one 64-token decode."""
+    from simcap.live.client import run_live
+
+    httpx.post(base_url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    prefill = run_live(live_scenario(dict(arrival={"process": "closed", "concurrency": 1}, num_requests=3,
+                                          input_len=PREFILL_PROBE_TOKENS, output_len=1), seed=777),
+                       base_url, "tiny", progress=False, api_key=api_key)
+    decode = run_live(live_scenario(dict(arrival={"process": "closed", "concurrency": 1}, num_requests=1,
+                                         input_len=16, output_len=64), seed=778),
+                      base_url, "tiny", progress=False, api_key=api_key)
+    httpx.post(base_url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    for rec in (*prefill.records, *decode.records):
+        assert rec.succeeded, f"speed probe failed: {rec.error}"
+    ttfts = [r.chunk_times[0] - r.arrival_time for r in prefill.records]
+    times = decode.records[0].chunk_times
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return ServerSpeed(prefill_s=statistics.median(ttfts), decode_step_s=statistics.median(gaps),
+                       decode_step_p95_s=gaps[min(len(gaps) - 1, int(0.95 * len(gaps)))],
+                       decode_steps=len(gaps))
+
+
+def _say(config, text: str) -> None:
+    """Print past pytest's capture: the live step's log shows the machine a failure ran on."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(text, file=sys.stderr, flush=True)
 
 
 def live_scenario(workload: dict, seed: int = 0, **extra):
@@ -69,7 +121,7 @@ def _ensure_installed() -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_server():
+def vllm_server(pytestconfig):
     _ensure_installed()
     # Eager mode starts in ~50 s instead of 90-200 s (compiling) on 2 cores; VllmServer requests
     # AMX permission first, without which eager dies on AMX machines. SIMCAP_LIVE_COMPILED=1
@@ -78,10 +130,18 @@ def vllm_server():
     eager = os.environ.get("SIMCAP_LIVE_COMPILED") != "1"
     server = VllmServer(extra_args=SERVER_ARGS, eager=eager, startup_timeout=420)
     with server:
-        print(f"\nvLLM server up in {server.startup_seconds:.1f} s at {server.base_url}; log {server.log_path}",
-              file=sys.stderr)
         _warm_up(server.base_url)
+        server.speed = measure_speed(server.base_url)  # type: ignore[attr-defined]
+        _say(pytestconfig, f"\nvLLM server up in {server.startup_seconds:.1f} s at {server.base_url} "
+                           f"(log {server.log_path})\nlive machine: {describe_cpu()}\n"
+                           f"live server speed: {server.speed.describe()}")
         yield server
+
+
+@pytest.fixture(scope="session")
+def server_speed(vllm_server) -> ServerSpeed:
+    """The plain server's measured speed (see :func:`measure_speed`)."""
+    return vllm_server.speed
 
 
 @pytest.fixture(scope="session")
@@ -184,3 +244,40 @@ def wait_idle(base_url: str, timeout: float = 30.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"server still busy after {timeout:g} s")
+
+
+def assert_decode_fit_matches_the_log(st: dict, ci: dict, log: Path, k: int = 0) -> None:
+    """A fitted profile agrees with the logged decode-only steps, batch size by batch size.
+
+    What one more decoding request (or verified draft) costs the tiny model depends on the CPU:
+    on an AVX2-only machine it is a clear slope; with AVX-512 BF16 it is a fraction of a
+    millisecond, inside the step-to-step noise (CV ~25 %), and a non-negative fit may set it
+    to 0. So no test asks for a positive slope. This asks that the fitted decode-only time
+    (``base + per_decode_token * b + per_verify_token * v``, step by step) averages to the
+    logged mean at every batch size b the log has 10+ decode-only steps of: within 3 standard
+    errors of that mean, plus 10 % for the form's straightness. A wrong base, or a slope the data
+    contradicts (too steep, or 0 where the steps clearly grow), fails it on any machine.
+    """
+    rows = [r for r in parse_iteration_log(log.read_text().splitlines(), k) if r["num_prefill_tokens"] == 0]
+    verify = st.get("per_verify_token") or 0.0
+    groups: dict[int, list[tuple[float, float]]] = {}
+    for r in rows:
+        fitted = st["base"] + st["per_decode_token"] * r["num_decode_reqs"] + verify * r["num_verify_tokens"]
+        groups.setdefault(int(r["num_decode_reqs"]), []).append((r["step_time_s"], fitted))
+    terms = ["per_decode_token"] + (["per_verify_token"] if k else [])
+    for term in terms:
+        lo, hi = ci[term]
+        assert 0 <= lo <= hi and st[term] >= 0, (term, st[term], lo, hi)
+    checked = []
+    for b, pairs in sorted(groups.items()):
+        if len(pairs) < 10:
+            continue
+        logged = [t for t, _ in pairs]
+        mean, sem = statistics.fmean(logged), statistics.stdev(logged) / math.sqrt(len(logged))
+        predicted = statistics.fmean(f for _, f in pairs)
+        checked.append(f"b={b}: {mean * 1e3:.2f}+-{sem * 1e3:.2f} ms logged, {predicted * 1e3:.2f} fitted")
+        assert abs(predicted - mean) <= 3 * sem + 0.10 * mean, checked[-1]
+    print(f"\ndecode-only steps, mean vs fitted ({len(rows)} steps; "
+          + ", ".join(f"{t} {st[t]:.3g} s, interval {ci[t][0]:.3g}-{ci[t][1]:.3g}" for t in terms) + "): "
+          + "; ".join(checked))
+    assert len(checked) >= 2  # every calibration decodes at batch 1 and at larger batches
