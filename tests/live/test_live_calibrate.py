@@ -154,7 +154,7 @@ def test_request_timeout_is_recorded_as_a_failed_request(vllm_server, server_spe
                                                          write_yaml):
     # The timeout comes from this server's measured speed: two requests of 1,200 output tokens
     # need at least 1,200 decode steps each (steps at batch 2 are no shorter than at batch 1),
-    # and the client gives up after a quarter of that at the measured median step, after the
+    # and the client gives up after a quarter of that at the measured step period, after the
     # prefill of the 64-token prompt: mid-stream on a fast CPU or a slow one, with a margin of 4x
     # against steps running faster than they were measured.
     out_len = 1200
