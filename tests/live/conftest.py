@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from simcap.calibrate.readers import parse_iteration_log
@@ -247,37 +248,42 @@ def wait_idle(base_url: str, timeout: float = 30.0) -> None:
 
 
 def assert_decode_fit_matches_the_log(st: dict, ci: dict, log: Path, k: int = 0) -> None:
-    """A fitted profile agrees with the logged decode-only steps, batch size by batch size.
+    """A fitted profile's decode terms are consistent with the logged decode-only steps.
 
     What one more decoding request (or verified draft) costs the tiny model depends on the CPU:
     on an AVX2-only machine it is a clear slope; with AVX-512 BF16 it is a fraction of a
     millisecond, inside the step-to-step noise (CV ~25 %), and a non-negative fit may set it
-    to 0. So no test asks for a positive slope. This asks that the fitted decode-only time
-    (``base + per_decode_token * b + per_verify_token * v``, step by step) averages to the
-    logged mean at every batch size b the log has 10+ decode-only steps of: within 3 standard
-    errors of that mean, plus 10 % for the form's straightness. A wrong base, or a slope the data
-    contradicts (too steep, or 0 where the steps clearly grow), fails it on any machine.
+    to 0. So no test asks for a positive slope. Nor can each batch size's mean be held to a
+    line: the calibration's phases (1, 2, 4, 7 clients) run one after another on a shared
+    machine, and the load moves between them (seen: 7.2, 7.4, 6.2, 6.3 ms at batch 1-4, then
+    10.7 at 6). What holds on any machine:
+    - each decode term and its bootstrap interval are non-negative;
+    - the fitted decode-only time averages to the logged mean (3 standard errors + 5 %): a wrong
+      base, unit or row selection fails this;
+    - without drafts: the fitted slope is the data's own least-squares slope on the batch size,
+      or 0 where that slope is negative (within 3 of its standard errors), however small.
     """
     rows = [r for r in parse_iteration_log(log.read_text().splitlines(), k) if r["num_prefill_tokens"] == 0]
-    verify = st.get("per_verify_token") or 0.0
-    groups: dict[int, list[tuple[float, float]]] = {}
-    for r in rows:
-        fitted = st["base"] + st["per_decode_token"] * r["num_decode_reqs"] + verify * r["num_verify_tokens"]
-        groups.setdefault(int(r["num_decode_reqs"]), []).append((r["step_time_s"], fitted))
     terms = ["per_decode_token"] + (["per_verify_token"] if k else [])
     for term in terms:
         lo, hi = ci[term]
         assert 0 <= lo <= hi and st[term] >= 0, (term, st[term], lo, hi)
-    checked = []
-    for b, pairs in sorted(groups.items()):
-        if len(pairs) < 10:
-            continue
-        logged = [t for t, _ in pairs]
-        mean, sem = statistics.fmean(logged), statistics.stdev(logged) / math.sqrt(len(logged))
-        predicted = statistics.fmean(f for _, f in pairs)
-        checked.append(f"b={b}: {mean * 1e3:.2f}+-{sem * 1e3:.2f} ms logged, {predicted * 1e3:.2f} fitted")
-        assert abs(predicted - mean) <= 3 * sem + 0.10 * mean, checked[-1]
-    print(f"\ndecode-only steps, mean vs fitted ({len(rows)} steps; "
-          + ", ".join(f"{t} {st[t]:.3g} s, interval {ci[t][0]:.3g}-{ci[t][1]:.3g}" for t in terms) + "): "
-          + "; ".join(checked))
-    assert len(checked) >= 2  # every calibration decodes at batch 1 and at larger batches
+    verify = st.get("per_verify_token") or 0.0
+    logged = np.array([r["step_time_s"] for r in rows])
+    batch = np.array([r["num_decode_reqs"] for r in rows], dtype=float)
+    fitted = st["base"] + st["per_decode_token"] * batch + verify * np.array([r["num_verify_tokens"] for r in rows])
+    sem = logged.std(ddof=1) / math.sqrt(len(logged))
+    groups = {b: logged[batch == b] for b in sorted(set(batch))}
+    table = "; ".join(f"b={int(b)}: {t.mean() * 1e3:.2f} ms ({len(t)})" for b, t in groups.items())
+    print(f"\ndecode-only steps: {len(rows)}, mean {logged.mean() * 1e3:.2f} ms logged, "
+          f"{fitted.mean() * 1e3:.2f} fitted; "
+          + ", ".join(f"{t} {st[t]:.3g} s [{ci[t][0]:.3g}, {ci[t][1]:.3g}]" for t in terms) + "; " + table)
+    assert len(groups) >= 2 and len(rows) >= 30  # batch 1 and larger batches, enough steps
+    assert abs(fitted.mean() - logged.mean()) <= 3 * sem + 0.05 * logged.mean()
+    if not k:
+        X = np.column_stack([np.ones_like(batch), batch])
+        coef, *_ = np.linalg.lstsq(X, logged, rcond=None)
+        resid = logged - X @ coef
+        cov = np.linalg.inv(X.T @ X) * (resid @ resid) / (len(rows) - 2)
+        slope, se = coef[1], math.sqrt(cov[1, 1])
+        assert abs(st["per_decode_token"] - max(0.0, slope)) <= 3 * se, (st["per_decode_token"], slope, se)
