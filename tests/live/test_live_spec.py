@@ -16,6 +16,8 @@ import math
 import pytest
 import yaml
 
+from tests.live.conftest import assert_decode_fit_matches_the_log
+
 pytestmark = pytest.mark.live
 
 OUT = 48
@@ -92,7 +94,11 @@ def test_ngram_calibrate_then_validate_an_unseen_workload(spec_server, tmp_path,
     counters = profile["provenance"]["live"]["server_counters"]
     assert spec["acceptance_length"] == pytest.approx(counters["spec_decode_mean_acceptance_length"], abs=1e-3)
     assert 0 < spec["proposal_rate"] <= 1
-    assert profile["step_time"]["per_verify_token"] > 0  # verified drafts fitted from the log
+    # Verified drafts fitted from the log: the line through the logged decode steps, however
+    # small a draft's cost is on this CPU.
+    assert "per_verify_token" in profile["step_time_ci"]
+    assert_decode_fit_matches_the_log(profile["step_time"], profile["step_time_ci"],
+                                      out.with_name("cpu-tiny-ngram.iterations.log"), k=3)
     assert cal["host_overhead"]["log_decode_request_steps"] > 50
     print(f"\nlive calibrate (ngram log): step_time {profile['step_time']}; speculative {spec}")
 
