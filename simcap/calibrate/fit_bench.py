@@ -184,18 +184,7 @@ def fit_benchmarks(
     method = (f"refitted by up to {iterations} Gauss-Newton steps with the Jacobian frozen at the "
               "fit, each re-simulating every point" if iterations else "one linearised "
               "Gauss-Newton step with the simulator's finite-difference Jacobian at the fit")
-    sims = obj.simulate(x_hat)
-    rows = []
-    for pt, sim, mets in zip(points, sims, metrics):
-        fitted_names = {m for m, _ in mets}
-        for m, meas in pt.measured.items():
-            value = sim[m]
-            rel = (value - meas) / meas if meas else None
-            rows.append({
-                "point": pt.label, "metric": m, "measured": _fmt(meas), "fitted": _fmt(value),
-                "rel_error": None if rel is None else round(rel, 4),
-                "fitted_in_objective": m in fitted_names,
-            })
+    rows = _residual_rows(points, obj.simulate(x_hat), metrics)
     quality = _quality(rows, warn_above, warnings)
     quality["rms_log_error"] = round(float(np.sqrt(np.mean(r_hat**2))), 4) if n else None
     coeffs_all = {**coeffs, "host_overhead": float(fixed.get("host_overhead") or 0.0)}
@@ -519,18 +508,7 @@ def fit_benchmarks_roofline(
     if unpinned:
         notes.append("not pinned by the data (held by the prior, or poorly identified): "
                      + ", ".join(unpinned))
-    sims = obj.simulate(x_hat)
-    rows = []
-    for pt, sim, mets in zip(points, sims, metrics):
-        fitted_names = {m for m, _ in mets}
-        for m, meas in pt.measured.items():
-            value = sim[m]
-            rel = (value - meas) / meas if meas else None
-            rows.append({
-                "point": pt.label, "metric": m, "measured": _fmt(meas), "fitted": _fmt(value),
-                "rel_error": None if rel is None else round(rel, 4),
-                "fitted_in_objective": m in fitted_names,
-            })
+    rows = _residual_rows(points, obj.simulate(x_hat), metrics)
     quality = _quality(rows, warn_above, warnings)
     quality["rms_log_error"] = round(float(np.sqrt(np.mean(r_hat[:n] ** 2))), 4) if n else None
     st_out = apply_coefficients({k: v for k, v in step_time.items() if k != "efficiency"},
@@ -554,3 +532,19 @@ def fit_benchmarks_roofline(
         level=level, residuals=rows, sources=_merge_sources(points), warnings=warnings,
         notes=notes, quality=quality, step_time=st_out, identification=identification,
     )
+
+
+def _residual_rows(points, sims, metrics) -> list[dict[str, Any]]:
+    """One row per published figure: measured, simulated at the fit, relative error."""
+    rows = []
+    for pt, sim, mets in zip(points, sims, metrics):
+        fitted_names = {m for m, _ in mets}
+        for m, meas in pt.measured.items():
+            value = sim[m]
+            rel = (value - meas) / meas if meas else None
+            rows.append({
+                "point": pt.label, "metric": m, "measured": _fmt(meas), "fitted": _fmt(value),
+                "rel_error": None if rel is None else round(rel, 4),
+                "fitted_in_objective": m in fitted_names,
+            })
+    return rows

@@ -46,6 +46,7 @@ from scipy.optimize import least_squares, nnls
 from simcap.calibrate.core import CalibrationError, Form, _fmt
 from simcap.calibrate.readers import StepSamples
 from simcap.calibrate.result import Fit, _percentile_ci
+from simcap.calibrate.fit_steps import host_overhead_of
 from simcap.engine.step_time import ROOFLINE_FEATURES, ROOFLINE_TERMS, roofline_basis, roofline_forward
 from simcap.errors import ScenarioError
 from simcap.records import RequestRecord
@@ -425,21 +426,7 @@ def fit_roofline_samples(
         if e.get("prior_sd") and np.isfinite(sys_.sd[names.index(name)]):
             e["ci_width_over_prior_sd"] = round((hi - lo) / sys_.sd[names.index(name)], 4)
 
-    # Host overhead as the linear fit does it.
-    if host_overhead is None:
-        host = 0.0
-        starts = [s for s in samples if s.start_s is not None]
-        if starts:
-            gaps = np.concatenate([np.diff(s.start_s) - s.y[:-1] for s in starts])
-            host = float(max(np.median(gaps), 0.0))
-            notes.append(f"host_overhead {host:.4g} s: median gap between a step's end and the next "
-                         "step's start (start_s column)")
-        else:
-            notes.append("host_overhead 0: the samples time the forward pass only and no "
-                         "host overhead was given; the engine's real step period is longer")
-    else:
-        host = float(host_overhead)
-        notes.append(f"host_overhead {host:.4g} s per step: given, not fitted")
+    host = host_overhead_of(samples, host_overhead, notes)  # as the linear fit does it
 
     coeffs = {nm: float(coef[j]) for j, nm in enumerate(names)}
     coeffs["host_overhead"] = host

@@ -88,20 +88,7 @@ def fit_step_samples(
     terms = [*form.free, *form.tied]
     sets = [{t: _fmt(s[t]) for t in terms} for s in sets]
     notes = []
-    if host_overhead is None:
-        host = 0.0
-        starts = [s for s in samples if s.start_s is not None]
-        if starts:
-            gaps = np.concatenate([np.diff(s.start_s) - s.y[:-1] for s in starts])
-            host = float(max(np.median(gaps), 0.0))
-            notes.append(f"host_overhead {host:.4g} s: median gap between a step's end and the next "
-                         "step's start (start_s column)")
-        else:
-            notes.append("host_overhead 0: the samples time the forward pass only and no "
-                         "--host-overhead was given; the engine's real step period is longer")
-    else:
-        host = float(host_overhead)
-        notes.append(f"host_overhead {host:.4g} s per step: given (--host-overhead), not fitted")
+    host = host_overhead_of(samples, host_overhead, notes)
     coeffs_all = {**coeffs, "host_overhead": host}
     rel = (fitted - y) / np.where(y > 0, y, np.nan)
     residuals = [
@@ -169,3 +156,21 @@ def noise_of_fit(fit: Fit, X: np.ndarray, y: np.ndarray, fitted: np.ndarray, fam
                                         if e["samples"] else "") for k, e in kinds.items()]
     fit.notes.append(f"step_time.noise ({family}, ratio measured/fitted): " + "; ".join(parts))
     return fit
+
+
+def host_overhead_of(samples: Sequence[StepSamples], given: float | None, notes: list[str]) -> float:
+    """Host seconds per step between forwards: ``given``, else the median gap between a step's
+    end and the next one's start (``start_s`` column), else 0; says which in ``notes``."""
+    if given is not None:
+        notes.append(f"host_overhead {float(given):.4g} s per step: given (--host-overhead), not fitted")
+        return float(given)
+    starts = [s for s in samples if s.start_s is not None]
+    if not starts:
+        notes.append("host_overhead 0: the samples time the forward pass only and no "
+                     "--host-overhead was given; the engine's real step period is longer")
+        return 0.0
+    gaps = np.concatenate([np.diff(s.start_s) - s.y[:-1] for s in starts])
+    host = float(max(np.median(gaps), 0.0))
+    notes.append(f"host_overhead {host:.4g} s: median gap between a step's end and the next "
+                 "step's start (start_s column)")
+    return host
