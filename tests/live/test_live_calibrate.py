@@ -107,8 +107,11 @@ def test_validate_the_profile_on_a_workload_it_never_saw(log_profile, vllm_serve
     for rep in data["repeats"]:
         assert rep["completed"] == 16 and rep["failed"] == 0
     # The prediction is of the right size; how close it is (noisy, shared 2-core machine) is
-    # printed above and recorded, not asserted tightly.
-    for key in ("ttft_p50", "tpot_p50", "itl_p50", "e2e_p50", "output_throughput"):
+    # printed above and recorded, not asserted tightly. Not ITL p50: a client that shares two
+    # cores with the server reads chunks in pairs when it is starved, and then half its gaps
+    # are ~0 (one repeat measured a median of 0.0 ms); TPOT (a request's decode span over its
+    # tokens) is immune to that and stands for the decode step.
+    for key in ("ttft_p50", "tpot_p50", "e2e_p50", "output_throughput"):
         assert errors[key] is not None and abs(math.log1p(errors[key])) < math.log(2.5), (key, errors[key])
 
 
