@@ -46,7 +46,7 @@ from scipy.optimize import least_squares, nnls
 from simcap.calibrate.core import CalibrationError, Form, _fmt
 from simcap.calibrate.readers import StepSamples
 from simcap.calibrate.result import Fit, _percentile_ci
-from simcap.calibrate.fit_steps import host_overhead_of
+from simcap.calibrate.fit_steps import host_overhead_of, step_residuals
 from simcap.engine.step_time import ROOFLINE_FEATURES, ROOFLINE_TERMS, roofline_basis, roofline_forward
 from simcap.errors import ScenarioError
 from simcap.records import RequestRecord
@@ -441,23 +441,9 @@ def fit_roofline_samples(
         del step_time["combine"]
     if not phys.model.is_moe or skew == 0.0:
         step_time.pop("routing_skew")
-    rel = (fitted - y) / np.where(y > 0, y, np.nan)
-    residuals = [
-        {"point": f"row {i}", "metric": "step_time_s", "measured": _fmt(y[i]), "fitted": _fmt(fitted[i]),
-         "rel_error": None if math.isnan(rel[i]) else round(float(rel[i]), 4), "fitted_in_objective": True}
-        for i in range(len(y))
-    ]
+    rel, residuals, quality = step_residuals(y, fitted, warn_above)
+    quality["relative_spread_sigma"] = round(sigma, 4)
     ok = ~np.isnan(rel)
-    quality = {
-        "n": int(len(y)),
-        "rmse_s": _fmt(float(np.sqrt(np.mean((fitted - y) ** 2)))),
-        "r2": round(float(1 - np.sum((fitted - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-300)), 4),
-        "median_abs_rel_error": round(float(np.median(np.abs(rel[ok]))), 4) if ok.any() else None,
-        "p95_abs_rel_error": round(float(np.percentile(np.abs(rel[ok]), 95)), 4) if ok.any() else None,
-        "max_rel_error": round(float(np.max(np.abs(rel[ok]))), 4) if ok.any() else None,
-        "relative_spread_sigma": round(sigma, 4),
-        "warn_above": warn_above,
-    }
     warnings: list[str] = []
     if ok.any() and quality["p95_abs_rel_error"] > warn_above:
         worst = int(np.nanargmax(np.abs(rel)))
