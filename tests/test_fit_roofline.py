@@ -67,9 +67,13 @@ def _samples(tmp_path, lines, name="steps.log"):
     return read_step_samples(path)
 
 
-def test_basis_matches_the_model_features():
+def test_basis_priced_equals_the_models_folded_forward_time():
+    """The fit's basis (one implementation) times the coefficients equals the engine's folded
+    per-step arithmetic (another), for the sum and max forms and efficiencies away from 1."""
     cfg = roofline_config(HW, MOE)
-    model = RooflineStepTimeModel(cfg.physics)
+    eff = {"weights": 1.3, "experts": 2.1, "compute": 1.7, "attention_prefill": 0.8, "kv_read": 1.1}
+    models = [RooflineStepTimeModel(cfg.physics, base=0.002, per_request=1e-4, mixed_step=0.003,
+                                    efficiency=eff, combine=c) for c in ("sum", "max")]
     outs = [
         SimpleNamespace(num_prefill_tokens=0, num_decode_tokens=8, num_verify_tokens=0, reqs=[0] * 8,
                         num_decode_reqs=8, num_prefill_pairs=0, num_context_tokens=1200),
@@ -78,9 +82,10 @@ def test_basis_matches_the_model_features():
     ]
     X = roofline_basis(cfg.physics, prefill=[0, 100], decode=[8, 3], verify=[0, 0], reqs=[8, 4],
                        mixed=[0, 1], context=[1200, 550], pairs=[0, 5050])
-    for row, out in zip(X, outs):
-        assert np.allclose(row, model.features(out), rtol=1e-12, atol=0)
-        assert roofline_forward(row[None], model.coef_)[0] == pytest.approx(model.forward_time(out), rel=1e-12)
+    for model in models:
+        for row, out in zip(X, outs):
+            priced = roofline_forward(row[None], model.coef_, model.combine)[0]
+            assert priced == pytest.approx(model.forward_time(out), rel=1e-12)
 
 
 def test_decode_context_by_hand():

@@ -516,32 +516,16 @@ class RooflineStepTimeModel:
 
     def features(self, out: SchedulerOutput) -> tuple[float, ...]:
         """The step's basis in the order of ``ROOFLINE_FEATURES``: 1, requests, [mixed], then
-        each physical term in seconds at efficiency 1. With ``combine="sum"`` the forward time
-        is this row times :attr:`coef_`."""
-        ph, k = self.physics, self.num_draft_passes
-        prefill = out.num_prefill_tokens
-        n = prefill + out.num_decode_tokens + out.num_verify_tokens
-        reqs = len(out.reqs)
-        logits = reqs + out.num_verify_tokens
-        pairs, context = out.num_prefill_pairs, out.num_context_tokens
-        draft = 0.0
-        if k:
-            draft = (k * ph.draft_weights + k * (ph.draft_per_token + ph.draft_per_logit) * reqs
-                     + ph.draft_per_token * prefill + ph.draft_per_pair * pairs
-                     + k * ph.draft_kv_per_token * context)
-        return (
-            1.0,
-            float(reqs),
-            1.0 if (prefill and out.num_decode_reqs) else 0.0,
-            ph.weights,
-            ph.experts(n),
-            ph.compute_per_token * n + ph.compute_per_logit * logits,
-            ph.attention_per_pair * pairs,
-            ph.kv_per_token * context,
-            ph.tp_comm_per_token * n,
-            ph.tp_latency,
-            draft,
-        )
+        each physical term in seconds at efficiency 1 (:func:`roofline_basis` of one step).
+        With ``combine="sum"`` the forward time is this row times :attr:`coef_`."""
+        row = roofline_basis(
+            self.physics, prefill=[out.num_prefill_tokens], decode=[out.num_decode_tokens],
+            verify=[out.num_verify_tokens], reqs=[len(out.reqs)],
+            mixed=[1.0 if (out.num_prefill_tokens and out.num_decode_reqs) else 0.0],
+            context=[out.num_context_tokens], pairs=[out.num_prefill_pairs],
+            num_draft_passes=self.num_draft_passes,
+        )[0]
+        return tuple(float(x) for x in row)
 
     @property
     def coef_(self) -> np.ndarray:
