@@ -156,10 +156,11 @@ def test_wrong_model_fails_fast_with_one_line(vllm_server, tmp_path, live_cli, w
 def test_request_timeout_is_recorded_as_a_failed_request(vllm_server, server_speed, tmp_path, live_cli,
                                                          write_yaml):
     # The timeout comes from this server's measured speed: two requests of 1,200 output tokens
-    # need at least 1,200 decode steps each (steps at batch 2 are no shorter than at batch 1),
-    # and the client gives up after a quarter of that at the measured step period, after the
-    # prefill of the 64-token prompt: mid-stream on a fast CPU or a slow one, with a margin of 4x
-    # against steps running faster than they were measured.
+    # need at least 1,200 decode steps each (steps at batch 2 are no shorter than at batch 1,
+    # and a step's period is its logged forward time plus host work), and the client gives up
+    # after a quarter of that at the logged forward time, after the prefill of the 64-token
+    # prompt: mid-stream on a fast CPU or a slow one, with a margin of 4x against steps running
+    # faster than they were measured.
     out_len = 1200
     timeout = round(server_speed.prefill_s * 64 / 512 + 0.25 * out_len * server_speed.decode_step_s, 3)
     scenario = write_yaml(tmp_path / "slow.yaml", {
