@@ -46,7 +46,7 @@ from scipy.optimize import least_squares, nnls
 from simcap.calibrate.core import CalibrationError, Form, _fmt
 from simcap.calibrate.readers import StepSamples
 from simcap.calibrate.result import Fit, _percentile_ci
-from simcap.calibrate.fit_steps import host_overhead_of, step_residuals
+from simcap.calibrate.fit_steps import host_overhead_of, noise_of_fit, step_residuals
 from simcap.engine.step_time import ROOFLINE_FEATURES, ROOFLINE_TERMS, roofline_basis, roofline_forward
 from simcap.errors import ScenarioError
 from simcap.records import RequestRecord
@@ -169,17 +169,18 @@ def hardware_arg(value: str) -> Any:
 def model_arg(value: str) -> Any:
     """``--model``: a catalog name, or a config.json file (inlined, keys starting with ``_``
     dropped)."""
-    import json
     from pathlib import Path
+
+    from simcap.memory import load_hf_config
 
     path = Path(value)
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"
     if path.is_file():
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise CalibrationError(f"--model {value}: cannot read a config.json: {exc}") from None
+            data = load_hf_config(path)
+        except ScenarioError as exc:
+            raise CalibrationError(f"--model {value}: {str(exc).removeprefix('model.config: ')}") from None
         return {k: v for k, v in data.items() if not str(k).startswith("_")}
     return value
 
@@ -327,7 +328,6 @@ def fit_roofline_samples(
     :func:`simcap.calibrate.fit_step_samples`. The returned :class:`Fit` carries the profile's
     ``step_time`` section (``Fit.step_time``) and per-term pinning (``Fit.extra['roofline']``).
     """
-    from simcap.calibrate.fit_steps import noise_of_fit
 
     if combine not in ("sum", "max"):
         raise CalibrationError(f"--combine: sum or max (got {combine!r})")
@@ -441,17 +441,8 @@ def fit_roofline_samples(
         del step_time["combine"]
     if not phys.model.is_moe or skew == 0.0:
         step_time.pop("routing_skew")
-    rel, residuals, quality = step_residuals(y, fitted, warn_above)
+    residuals, quality, warnings = step_residuals(y, fitted, warn_above, where)
     quality["relative_spread_sigma"] = round(sigma, 4)
-    ok = ~np.isnan(rel)
-    warnings: list[str] = []
-    if ok.any() and quality["p95_abs_rel_error"] > warn_above:
-        worst = int(np.nanargmax(np.abs(rel)))
-        warnings.append(
-            f"WARNING: max relative error {abs(rel[worst]):.0%} at row {worst} of {where} (fitted "
-            f"{fitted[worst]:.4g} s vs measured {y[worst]:.4g} s); 5% of the step samples are off "
-            f"by more than {quality['p95_abs_rel_error']:.0%}: the form may be missing a term"
-        )
     pinned = [n for n, e in pinning.items() if e.get("pinned")]
     unpinned = [n for n, e in pinning.items() if e.get("pinned") is False]
     notes.append(f"pinned by the data (prior share < {PIN_THRESHOLD}): {', '.join(pinned) or 'none'}; "

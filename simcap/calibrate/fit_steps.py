@@ -4,7 +4,7 @@ pairs bootstrap over rows for the intervals."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from scipy.optimize import nnls
@@ -90,17 +90,7 @@ def fit_step_samples(
     notes = []
     host = host_overhead_of(samples, host_overhead, notes)
     coeffs_all = {**coeffs, "host_overhead": host}
-    rel, residuals, quality = step_residuals(y, fitted, warn_above)
-    warnings: list[str] = []
-    # Single steps are noisy: judge the fit by the spread of errors, warn on the worst rows.
-    ok = ~np.isnan(rel)
-    if ok.any() and quality["p95_abs_rel_error"] > warn_above:
-        worst = int(np.nanargmax(np.abs(rel)))
-        warnings.append(
-            f"WARNING: max relative error {abs(rel[worst]):.0%} at row {worst} of {where} (fitted "
-            f"{fitted[worst]:.4g} s vs measured {y[worst]:.4g} s); 5% of the step samples are off "
-            f"by more than {quality['p95_abs_rel_error']:.0%}: the form may be missing a term"
-        )
+    residuals, quality, warnings = step_residuals(y, fitted, warn_above, where)
     fit = Fit(
         kind="step_samples",
         method="nnls (scipy.optimize.nnls) on measured step seconds",
@@ -162,83 +152,10 @@ def host_overhead_of(samples: Sequence[StepSamples], given: float | None, notes:
     return host
 
 
-def step_residuals(y: np.ndarray, fitted: np.ndarray, warn_above: float):
-    """Relative errors, residual rows and fit quality of a step-sample fit."""
-    coeffs_all = {**coeffs, "host_overhead": host}
-    rel, residuals, quality = step_residuals(y, fitted, warn_above)
-    warnings: list[str] = []
-    # Single steps are noisy: judge the fit by the spread of errors, warn on the worst rows.
-    ok = ~np.isnan(rel)
-    if ok.any() and quality["p95_abs_rel_error"] > warn_above:
-        worst = int(np.nanargmax(np.abs(rel)))
-        warnings.append(
-            f"WARNING: max relative error {abs(rel[worst]):.0%} at row {worst} of {where} (fitted "
-            f"{fitted[worst]:.4g} s vs measured {y[worst]:.4g} s); 5% of the step samples are off "
-            f"by more than {quality['p95_abs_rel_error']:.0%}: the form may be missing a term"
-        )
-    fit = Fit(
-        kind="step_samples",
-        method="nnls (scipy.optimize.nnls) on measured step seconds",
-        form=form, coefficients=coeffs_all, fixed=fixed,
-        ci=_percentile_ci(sets, terms, level), bootstrap=sets,
-        bootstrap_method=f"pairs bootstrap over step rows ({bootstrap} resamples, seed {seed})",
-        level=level, residuals=residuals, sources=[s.source for s in samples],
-        warnings=warnings, notes=notes, quality=quality,
-    )
-    if noise:
-        noise_of_fit(fit, X, y, fitted, noise)
-    return fit
-
-
-NOISE_FAMILIES = ("empirical", "lognormal", "none")
-
-
-def noise_family(value: str) -> str | None:
-    """``--noise`` -> the family fitted (None for ``none``)."""
-    if value not in NOISE_FAMILIES:
-        raise CalibrationError(f"--noise: must be one of {', '.join(NOISE_FAMILIES)} (got {value!r})")
-    return None if value == "none" else value
-
-
-def step_kinds(X: np.ndarray) -> np.ndarray:
-    """Each row's step kind for the noise (simcap.engine.noise.step_kind): prefill, spec, decode."""
-    pre = X[:, TERMS.index("per_prefill_token")] > 0
-    ver = X[:, TERMS.index("per_verify_token")] > 0
-    return np.where(pre, "prefill", np.where(ver, "spec", "decode"))
-
-
-def noise_of_fit(fit: Fit, X: np.ndarray, y: np.ndarray, fitted: np.ndarray, family: str) -> Fit:
-    """Set ``fit.noise`` and ``fit.noise_report`` from the ratios measured / fitted per step
-    kind (in-sample residuals of the final coefficients); returns ``fit``."""
-    section, report = fit_noise(y, fitted, step_kinds(X), family)
-    fit.noise, fit.noise_report = section, report
-    kinds = report["kinds"]
-    parts = [f"{k} n={e['samples']}" + (f" p5/p50/p95 {e['p5']:.2f}/{e['p50']:.2f}/{e['p95']:.2f}"
-                                        if e["samples"] else "") for k, e in kinds.items()]
-    fit.notes.append(f"step_time.noise ({family}, ratio measured/fitted): " + "; ".join(parts))
-    return fit
-
-
-def host_overhead_of(samples: Sequence[StepSamples], given: float | None, notes: list[str]) -> float:
-    """Host seconds per step between forwards: ``given``, else the median gap between a step's
-    end and the next one's start (``start_s`` column), else 0; says which in ``notes``."""
-    if given is not None:
-        notes.append(f"host_overhead {float(given):.4g} s per step: given (--host-overhead), not fitted")
-        return float(given)
-    starts = [s for s in samples if s.start_s is not None]
-    if not starts:
-        notes.append("host_overhead 0: the samples time the forward pass only and no "
-                     "--host-overhead was given; the engine's real step period is longer")
-        return 0.0
-    gaps = np.concatenate([np.diff(s.start_s) - s.y[:-1] for s in starts])
-    host = float(max(np.median(gaps), 0.0))
-    notes.append(f"host_overhead {host:.4g} s: median gap between a step's end and the next "
-                 "step's start (start_s column)")
-    return host
-
-
-def step_residuals(y: np.ndarray, fitted: np.ndarray, warn_above: float):
-    """Relative errors, residual rows and fit quality of a step-sample fit."""
+def step_residuals(
+    y: np.ndarray, fitted: np.ndarray, warn_above: float, where: str
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    """Residual rows, fit quality and warnings of a step-sample fit (either form)."""
     rel = (fitted - y) / np.where(y > 0, y, np.nan)
     residuals = [
         {"point": f"row {i}", "metric": "step_time_s", "measured": _fmt(y[i]), "fitted": _fmt(fitted[i]),
@@ -255,4 +172,13 @@ def step_residuals(y: np.ndarray, fitted: np.ndarray, warn_above: float):
         "max_rel_error": round(float(np.max(np.abs(rel[ok]))), 4) if ok.any() else None,
         "warn_above": warn_above,
     }
-    return rel, residuals, quality
+    warnings: list[str] = []
+    # Single steps are noisy: judge the fit by the spread of errors, warn on the worst rows.
+    if ok.any() and quality["p95_abs_rel_error"] > warn_above:
+        worst = int(np.nanargmax(np.abs(rel)))
+        warnings.append(
+            f"WARNING: max relative error {abs(rel[worst]):.0%} at row {worst} of {where} (fitted "
+            f"{fitted[worst]:.4g} s vs measured {y[worst]:.4g} s); 5% of the step samples are off "
+            f"by more than {quality['p95_abs_rel_error']:.0%}: the form may be missing a term"
+        )
+    return residuals, quality, warnings
