@@ -30,11 +30,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simcap.calibrate import Recipe, calibrate  # noqa: E402
-from simcap.calibrate.fit_bench import apply_coefficients  # noqa: E402
+from simcap.calibrate import Recipe  # noqa: E402
 from simcap.calibrate.metrics import metric_value  # noqa: E402
 from simcap.calibrate.readers import read_benchmarks  # noqa: E402
-from simcap.scenario import StepTimeConfig, parse_scenario  # noqa: E402
+from simcap.scenario import parse_scenario  # noqa: E402
 from simcap.simulator import simulate  # noqa: E402
 
 RECIPES = ROOT / "calibration" / "recipes"

@@ -14,7 +14,7 @@ from simcap.calibrate.core import TYPICAL, CalibrationError, Form, _fmt
 from simcap.calibrate.metrics import _is_fraction, metric_value
 from simcap.calibrate.readers import BenchmarkPoint
 from simcap.calibrate.result import Fit, _percentile_ci, _quality
-from simcap.engine.step_time import ROOFLINE_TERMS
+from simcap.engine.step_time import ROOFLINE_COEFFICIENTS, ROOFLINE_SECONDS, ROOFLINE_TERMS
 from simcap.errors import ScenarioError
 from simcap.scenario import StepTimeConfig, parse_scenario
 from simcap.simulator import SimulationError, simulate
@@ -115,13 +115,7 @@ def fit_benchmarks(
         raise CalibrationError("calibrate: no benchmark points")
     fixed = dict(fixed or {})
     form = form or default_benchmark_form(points)
-    weights = dict(weights or {})
-    metrics = []
-    for pt in points:
-        names = [m for m in pt.measured if fit_metrics is None or m in fit_metrics]
-        if fit_metrics is None and "output_throughput" in names and "request_throughput" in names:
-            names.remove("request_throughput")
-        metrics.append([(m, weights.get(m, 1.0)) for m in names if weights.get(m, 1.0) > 0])
+    metrics = _fitted_metrics(points, fit_metrics, weights)
     n = sum(len(m) for m in metrics)
     p = len(form.free)
     if n < p:
@@ -222,8 +216,6 @@ def _merge_sources(points: Sequence[BenchmarkPoint]) -> list[dict[str, Any]]:
 # with a Gaussian pull toward log(prior) (a log-normal prior): a term the data cannot pin stays
 # near its prior instead of wandering along a near-null direction of the Jacobian.
 
-ROOFLINE_SECONDS = ("base", "per_request", "mixed_step")
-ROOFLINE_FIT_TERMS = (*ROOFLINE_SECONDS, *(f"efficiency.{t}" for t in ROOFLINE_TERMS))
 ROOFLINE_TYPICAL = {"base": 0.01, "per_request": 1e-4, "mixed_step": 0.01}
 # Default prior: efficiency 1 with a log-space sd of 0.7 (a factor 2 is one sd), against a data
 # noise of 5% per fitted aggregate (one run per published figure). A term counts as pinned by
@@ -238,9 +230,9 @@ def _roofline_term(name: str) -> str:
     name = name.strip()
     if name in ROOFLINE_TERMS:
         name = f"efficiency.{name}"
-    if name not in ROOFLINE_FIT_TERMS:
+    if name not in ROOFLINE_COEFFICIENTS:
         raise CalibrationError(
-            f"form: unknown roofline term {name!r}; allowed: {', '.join(ROOFLINE_FIT_TERMS)}"
+            f"form: unknown roofline term {name!r}; allowed: {', '.join(ROOFLINE_COEFFICIENTS)}"
         )
     return name
 
@@ -271,7 +263,7 @@ class RooflineForm:
                 raise CalibrationError(f"form: {name}={other} ties seconds to a multiplier")
         if not free:
             raise CalibrationError("form: no free term; name at least one of "
-                                   + ", ".join(ROOFLINE_FIT_TERMS))
+                                   + ", ".join(ROOFLINE_COEFFICIENTS))
         return cls(tuple(free), tied)
 
     def __str__(self) -> str:
@@ -422,13 +414,7 @@ def fit_benchmarks_roofline(
         raise CalibrationError("step_time.form: the roofline fit needs form: roofline")
     form = form if isinstance(form, RooflineForm) else RooflineForm.parse(form)
     priors, data_sigma = _roofline_priors(form, prior)
-    weights = dict(weights or {})
-    metrics = []
-    for pt in points:
-        names = [m for m in pt.measured if fit_metrics is None or m in fit_metrics]
-        if fit_metrics is None and "output_throughput" in names and "request_throughput" in names:
-            names.remove("request_throughput")
-        metrics.append([(m, weights.get(m, 1.0)) for m in names if weights.get(m, 1.0) > 0])
+    metrics = _fitted_metrics(points, fit_metrics, weights)
     n = sum(len(m) for m in metrics)
     p = len(form.free)
     obj = _RooflineObjective(points, form, step_time, metrics, smooth, priors, data_sigma)
@@ -484,8 +470,12 @@ def fit_benchmarks_roofline(
     terms = [*form.free, *form.tied]
     sets = [{t: _fmt(s[t]) for t in terms} for s in sets]
     ci = _percentile_ci(sets, terms, level)
-    z = 1.6449 if abs(level - 0.9) < 1e-9 else float(
-        __import__("scipy.stats", fromlist=["norm"]).norm.ppf(0.5 + level / 2))
+    if abs(level - 0.9) < 1e-9:
+        z = 1.6449
+    else:
+        from scipy.stats import norm
+
+        z = float(norm.ppf(0.5 + level / 2))
     for j, t in enumerate(form.free):
         entry: dict[str, Any] = {"value": _fmt(coeffs[t]), "ci": [_fmt(v) for v in ci.get(t, (0, 0))]}
         if j in prior_w:
@@ -532,6 +522,22 @@ def fit_benchmarks_roofline(
         level=level, residuals=rows, sources=_merge_sources(points), warnings=warnings,
         notes=notes, quality=quality, step_time=st_out, identification=identification,
     )
+
+
+def _fitted_metrics(
+    points: Sequence[BenchmarkPoint], fit_metrics: Sequence[str] | None, weights: dict[str, float] | None
+) -> list[list[tuple[str, float]]]:
+    """Per point, the (metric, weight) pairs the objective fits: ``fit_metrics`` (default every
+    measured one but ``request_throughput`` where ``output_throughput`` is measured too),
+    those of weight 0 left out."""
+    weights = dict(weights or {})
+    metrics = []
+    for pt in points:
+        names = [m for m in pt.measured if fit_metrics is None or m in fit_metrics]
+        if fit_metrics is None and "output_throughput" in names and "request_throughput" in names:
+            names.remove("request_throughput")
+        metrics.append([(m, weights.get(m, 1.0)) for m in names if weights.get(m, 1.0) > 0])
+    return metrics
 
 
 def _residual_rows(points, sims, metrics) -> list[dict[str, Any]]:

@@ -36,7 +36,6 @@ of that roofline (``efficiency``, 1 = at the roofline) plus ``base``, ``per_requ
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -47,19 +46,19 @@ from simcap.calibrate.core import CalibrationError, Form, _fmt
 from simcap.calibrate.readers import StepSamples
 from simcap.calibrate.result import Fit, _percentile_ci
 from simcap.calibrate.fit_steps import host_overhead_of, noise_of_fit, step_residuals
-from simcap.engine.step_time import ROOFLINE_FEATURES, ROOFLINE_TERMS, roofline_basis, roofline_forward
+from simcap.engine.step_time import (
+    ROOFLINE_COEFFICIENTS, ROOFLINE_TERMS, roofline_basis, roofline_forward)
 from simcap.errors import ScenarioError
 from simcap.records import RequestRecord
 from simcap.scenario import StepTimeConfig
 
 PIN_THRESHOLD = 0.5  # prior share below which a term counts as pinned by the data
-SCALAR_TERMS = ("base", "per_request", "mixed_step")
 
 
 def coef_names() -> list[str]:
     """Coefficient names in ``ROOFLINE_FEATURES`` order: base, per_request, mixed_step, then
     ``efficiency.<term>``."""
-    return [*SCALAR_TERMS, *(f"efficiency.{t}" for t in ROOFLINE_TERMS)]
+    return list(ROOFLINE_COEFFICIENTS)
 
 
 # --------------------------------------------------------------------------- inputs

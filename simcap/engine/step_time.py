@@ -218,6 +218,9 @@ ROOFLINE_FEATURES = (
 )
 # The physical terms, each multiplied by its efficiency (the rest are seconds themselves).
 ROOFLINE_TERMS = ROOFLINE_FEATURES[3:]
+ROOFLINE_SECONDS = ROOFLINE_FEATURES[:3]
+# The coefficients in ROOFLINE_FEATURES order, as calibration names them.
+ROOFLINE_COEFFICIENTS = (*ROOFLINE_SECONDS, *(f"efficiency.{t}" for t in ROOFLINE_TERMS))
 
 
 def _rename(exc: ScenarioError, path: str) -> ScenarioError:
