@@ -237,6 +237,10 @@ class StepTimeConfig(_Model):
         None, description="roofline: EAGLE draft shape; None: one dense layer + LM head."
     )
     efficiency: RooflineEfficiency = RooflineEfficiency()
+    # ---- either form
+    noise: StepNoiseConfig | None = Field(
+        None, description="Per-step multiplicative factors on the forward time; None: none."
+    )
 
     _physics: Any = PrivateAttr(None)
 
@@ -278,9 +282,6 @@ class StepTimeConfig(_Model):
     def physics(self):
         """The roofline form's resolved hardware, shapes and per-unit seconds (None: linear)."""
         return self._physics
-    noise: StepNoiseConfig | None = Field(
-        None, description="Per-step multiplicative factors on the forward time; None: none."
-    )
 
 
 # --------------------------------------------------------------------------- speculation
@@ -519,8 +520,7 @@ class Scenario(_Model):
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON form: names this exact scenario in results."""
-        data = self.model_dump(mode="json")
-        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
 

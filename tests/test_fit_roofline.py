@@ -212,3 +212,20 @@ def test_cli_calibrate_roofline(tmp_path):
     assert res.exit_code != 0 and "attended context" in res.output
     res = runner.invoke(app, ["calibrate", str(log), "--form", "roofline", "--model", MOE, "--out", str(out)])
     assert res.exit_code != 0 and "--hardware" in res.output
+
+
+def test_cli_roofline_bad_names_are_one_line(tmp_path):
+    from simcap.cli import app
+
+    log = tmp_path / "s.log"
+    log.write_text("Iteration(1): 0 context requests, 0 context tokens, 2 generation requests, "
+                   "2 generation tokens, iteration elapsed time: 5.0 ms\n")
+    for flag, value, field in (("--hardware", "nope", "step_time.hardware: unknown hardware 'nope'; known: "),
+                               ("--model", "nope", "step_time.model: unknown model 'nope'; known: ")):
+        args = {"--hardware": "h100-sxm", "--model": "tiny-llama-cpu", flag: value}
+        result = CliRunner().invoke(app, ["calibrate", str(log), "--out", str(tmp_path / "p.yaml"),
+                                          "--form", "roofline", *[x for kv in args.items() for x in kv],
+                                          "--input-len", "10", "--output-len", "10"])
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.stderr
+        assert lines[0].startswith(f"error: roofline form: {field}"), lines[0]

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from pydantic import ValidationError
 from scipy.optimize import least_squares, nnls
 
 from simcap.calibrate.core import CalibrationError, Form, _fmt
@@ -50,7 +51,7 @@ from simcap.engine.step_time import (
     ROOFLINE_COEFFICIENTS, ROOFLINE_TERMS, roofline_basis, roofline_forward)
 from simcap.errors import ScenarioError
 from simcap.records import RequestRecord
-from simcap.scenario import StepTimeConfig
+from simcap.scenario import StepTimeConfig, format_validation_error
 
 PIN_THRESHOLD = 0.5  # prior share below which a term counts as pinned by the data
 
@@ -211,9 +212,10 @@ def roofline_config(
     try:
         return StepTimeConfig(form="roofline", hardware=hardware, model=model, combine=combine,
                               routing_skew=routing_skew, **extra)
-    except (ScenarioError, ValueError) as exc:
-        msg = str(exc).strip().splitlines()
-        raise CalibrationError(f"roofline form: {msg[-1] if msg else exc}") from None
+    except ValidationError as exc:
+        raise CalibrationError(f"roofline form: {format_validation_error(exc)}") from None
+    except ScenarioError as exc:
+        raise CalibrationError(f"roofline form: {exc}") from None
 
 
 @dataclass

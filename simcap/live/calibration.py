@@ -383,6 +383,8 @@ def calibrate_live(
     log = Path(log_path) if log_path is not None else None
     if log is not None:
         log_size(log)  # fails fast on a missing file
+    elif roofline is not None:
+        raise LiveError("--form roofline: fits the server's iteration log; give --log")
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise LiveError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
 
@@ -496,8 +498,6 @@ def calibrate_live(
         )
     else:
         source = SOURCE_PROBES
-        if roofline is not None:
-            raise LiveError("--form roofline: fits the server's iteration log; give --log")
         notes.append(PROBE_WARNING)
         rows_out, probe_phases = _probe(base_url, model, engine, max_num_seqs, max_num_batched_tokens,
                                         max_model_len, seed, live_kw, say)
