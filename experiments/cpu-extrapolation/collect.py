@@ -37,6 +37,7 @@ import httpx
 from simcap.live.calibration import log_size, read_log_window
 from simcap.live.client import run_live
 from simcap.live.hostload import CpuWatch
+from simcap.live.machine import read_cpuinfo
 from simcap.live.server import VllmServer, tiny_model_dir, tiny_moe_model_dir
 from simcap.live.validate import reset_prefix_cache
 from simcap.scenario import parse_scenario
@@ -65,18 +66,9 @@ def num_requests(level: int) -> int:
 
 
 def cpu_facts() -> dict:
-    flags: set[str] = set()
-    model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            if line.startswith("model name") and model is None:
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import os
 
+    model, _, flags = read_cpuinfo()
     return {"model_name": model, "cpus": os.cpu_count(), "machine": platform.machine(),
             "flags": {f: f in flags for f in CPU_FLAGS}}
 

@@ -18,8 +18,8 @@ VLLM_CPU_FLAGS = {
 }
 
 
-def cpu_info(path: str | Path = "/proc/cpuinfo") -> dict:
-    """``{"model": str | None, "cores": int, "features": {name: bool}}``; empty flags off Linux."""
+def read_cpuinfo(path: str | Path = "/proc/cpuinfo") -> tuple[str | None, int, set[str]]:
+    """(model name, logical cores, flags) of the first processor listed; empty off Linux."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
@@ -34,6 +34,12 @@ def cpu_info(path: str | Path = "/proc/cpuinfo") -> dict:
             model = value.strip()
         elif key == "flags" and not flags:
             flags = set(value.split())
+    return model, cores, flags
+
+
+def cpu_info(path: str | Path = "/proc/cpuinfo") -> dict:
+    """``{"model": str | None, "cores": int, "features": {name: bool}}``; empty flags off Linux."""
+    model, cores, flags = read_cpuinfo(path)
     return {
         "model": model,
         "cores": cores,

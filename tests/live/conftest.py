@@ -132,14 +132,7 @@ def live_scenario(workload: dict, seed: int = 0, **extra):
     )
 
 
-MOE_ARGS = [
-    "--max-num-seqs", "32",
-    "--max-num-batched-tokens", "512",
-    "--block-size", "32",
-    "--max-model-len", "2048",
-    "--enable-prefix-caching",
-    "--enable-logging-iteration-details",
-]  # fmt: skip
+MOE_ARGS = ["--max-num-seqs", "32", *SERVER_ARGS[2:]]  # the plain server's flags, 32 sequences
 
 
 def _ensure_installed() -> None:
