@@ -73,6 +73,15 @@ def test_simulate_command_loads_no_scipy_plots_or_live_stack():
                                        "--set", "workload.num_requests=20")
 
 
+def test_simulate_ci_loads_no_fits(tmp_path):
+    profile = ROOT / "calibration" / "profiles" / "ascend910b4-minimax-m2.7.yaml"
+    scenario = tmp_path / "ci.yaml"
+    scenario.write_text(f"profile: {profile}\nworkload: {{arrival: {{process: closed, concurrency: 2}}, "
+                        "num_requests: 4, input_len: 100, output_len: 8}\n")
+    loaded = loaded_by_cli("simulate", str(scenario), "--ci", "--json")
+    assert not loaded & set(HEAVY)  # the intervals, not the fits behind them
+
+
 def test_library_simulate_loads_no_scipy_plots_or_live_stack():
     loaded = loaded_by(
         "import simcap\n"
@@ -84,9 +93,10 @@ def test_library_simulate_loads_no_scipy_plots_or_live_stack():
 
 def test_lazy_exports_resolve_and_list():
     import simcap
+    import simcap.calibrate
     import simcap.live
 
-    for package in (simcap, simcap.live):
+    for package in (simcap, simcap.calibrate, simcap.live):
         assert set(package.__all__) <= set(dir(package))
         for name in package.__all__:
             assert getattr(package, name) is not None
