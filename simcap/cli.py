@@ -76,11 +76,11 @@ def simulate_cmd(
     if json_out:
         typer.echo(report.to_json(data))
     else:
-        report.render_summary(data, report.console(100))
+        report.render_summary(data, report.wide_console(100))
         if intervals is not None:
             from simcap.calibrate import render_intervals
 
-            render_intervals(data, intervals, report.console(100))
+            render_intervals(data, intervals, report.wide_console(100))
     if plot is not None:
         from simcap.plots import write_simulation_plots
 
@@ -107,7 +107,7 @@ def kv_cmd(
     if json_out:
         typer.echo(report.to_json(plan.to_dict()))
     else:
-        report.render_kv_plan(plan.to_dict(), report.console(100))
+        report.render_kv_plan(plan.to_dict(), report.wide_console(100))
 
 
 @app.command("crossover")
@@ -145,7 +145,7 @@ def crossover_cmd(
     if json_out:
         typer.echo(report.to_json(result.to_dict()))
     else:
-        xo.render_crossover(result, report.console(130))
+        xo.render_crossover(result, report.wide_console(130))
         if plot is not None:
             typer.echo(f"figure: {plot}")
 
@@ -194,7 +194,7 @@ def capacity_cmd(
     if json_out:
         typer.echo(report.to_json(result.to_dict()))
     else:
-        cap.render_capacity(result, report.console(120))
+        cap.render_capacity(result, report.wide_console(120))
     if plot is not None:
         typer.echo(f"figure: {plot}", err=json_out)
 
@@ -253,7 +253,7 @@ def sweep_cmd(
     elif csv_out:
         typer.echo(result.to_csv(), nl=False)
     else:
-        sw.render_sweep(result, report.console(120))
+        sw.render_sweep(result, report.wide_console(120))
 
 
 @app.command("calibrate")
@@ -342,7 +342,7 @@ def calibrate_cmd(
     if json_out:
         typer.echo(report.to_json({**fit.to_dict(), "profile": str(out)}))
     else:
-        cal.render_fit(fit, report.console(110))
+        cal.render_fit(fit, report.wide_console(110))
         typer.echo(f"profile: {out}")
         if residual_plot is not None:
             typer.echo(f"figure: {residual_plot}")

@@ -24,7 +24,7 @@ _LATENCIES = (
 _PERCENTILES = ("p90", "p95", "p99")
 
 
-def console(min_width: int = 100) -> Console:
+def wide_console(min_width: int = 100) -> Console:
     """A console at least ``min_width`` columns wide (wider when the terminal is)."""
     from rich.console import Console
 

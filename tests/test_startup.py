@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Packages no start-up path may load unless its command needs them.
 HEAVY = ("scipy", "matplotlib", "httpx", "prometheus_client")
 
-# Run the CLI in-process with the given argv, then print the top-level packages loaded.
+# Run the CLI in-process with the given argv, then print its exit code and every module loaded.
 _RUN_CLI = """
 import json, runpy, sys
 sys.argv = ["simcap", *json.loads(sys.argv[1])]
@@ -28,19 +28,30 @@ except SystemExit as exc:
     code = exc.code
 else:
     code = 0
-print(json.dumps({"code": code, "modules": sorted({m.split(".")[0] for m in sys.modules})}), file=sys.stderr)
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}), file=sys.stderr)
 """
 
 
-def loaded_by(code: str, *args: str) -> set[str]:
+def packages(modules: set[str]) -> set[str]:
+    """The top-level packages of ``modules``."""
+    return {m.split(".")[0] for m in modules}
+
+
+def loaded_by(code: str) -> set[str]:
     """Top-level packages in ``sys.modules`` after running ``code`` in a fresh interpreter."""
     code += "\nimport json, sys\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
-    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, check=True)
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def loaded_by_cli(*argv: str) -> set[str]:
+    """Top-level packages in ``sys.modules`` after ``simcap ARGV`` (exit 0) in a fresh interpreter."""
+    return packages(modules_of_cli(*argv))
+
+
+def modules_of_cli(*argv: str) -> set[str]:
+    """Every module in ``sys.modules`` after ``simcap ARGV`` (exit 0) in a fresh interpreter."""
     done = subprocess.run([sys.executable, "-c", _RUN_CLI, json.dumps(argv)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     last = json.loads(done.stderr.strip().splitlines()[-1])
@@ -73,13 +84,24 @@ def test_simulate_command_loads_no_scipy_plots_or_live_stack():
                                        "--set", "workload.num_requests=20")
 
 
-def test_simulate_ci_loads_no_fits(tmp_path):
+def profiled_scenario(tmp_path: Path, arrival: str) -> str:
+    """A small scenario on a shipped profile with bootstrap coefficient sets."""
     profile = ROOT / "calibration" / "profiles" / "ascend910b4-minimax-m2.7.yaml"
-    scenario = tmp_path / "ci.yaml"
-    scenario.write_text(f"profile: {profile}\nworkload: {{arrival: {{process: closed, concurrency: 2}}, "
-                        "num_requests: 4, input_len: 100, output_len: 8}\n")
-    loaded = loaded_by_cli("simulate", str(scenario), "--ci", "--json")
-    assert not loaded & set(HEAVY)  # the intervals, not the fits behind them
+    scenario = tmp_path / "profiled.yaml"
+    scenario.write_text(f"profile: {profile}\nworkload: {{arrival: {arrival}, num_requests: 4, "
+                        "input_len: 100, output_len: 8}\nslo: {ttft_p95: 2.0}\n")
+    return str(scenario)
+
+
+def test_intervals_load_no_fits(tmp_path):
+    """``simulate --ci`` and the capacity interval rerun bootstrap sets; they fit nothing."""
+    closed = profiled_scenario(tmp_path, "{process: closed, concurrency: 2}")
+    assert not loaded_by_cli("simulate", closed, "--ci", "--json") & set(HEAVY)
+    poisson = profiled_scenario(tmp_path, "{process: poisson, rate: 1}")
+    modules = modules_of_cli("capacity", poisson, "--rates", "0.5,1", "--duration", "5",
+                             "--replicates", "1", "--interval-sets", "2", "--json")
+    assert "simcap.calibrate.fit_bench" in modules  # the interval ran, with the fit's helpers
+    assert not packages(modules) & set(HEAVY)
 
 
 def test_library_simulate_loads_no_scipy_plots_or_live_stack():

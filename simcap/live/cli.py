@@ -105,7 +105,7 @@ def run_cmd(
     if json_out:
         typer.echo(report.to_json(data))
         return
-    console = report.console()
+    console = report.wide_console()
     report.render_summary(data, console)
     live, check = data["live"], data["cross_check"]
     if live["requested_rate"] is not None:
@@ -214,7 +214,7 @@ def validate_cmd(
     if json_out:
         typer.echo(report.to_json(data))
         return
-    console = report.console(150)
+    console = report.wide_console(150)
     console.print(validation_table(data))
     console.print(ks_line(data))
     for note in data["notes"]:
@@ -308,7 +308,7 @@ def calibrate_cmd(
     if json_out:
         typer.echo(report.to_json(data))
     else:
-        console = report.console(110)
+        console = report.wide_console(110)
         console.print(f"fitted from: {result.source} ({result.data_path}); {result.wall_s:.0f} s")
         render_fit(result.fit, console)
         host = result.host_overhead
