@@ -8,13 +8,10 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import typer
-from rich.console import Console
 
 from simcap import report
 from simcap._version import __version__
-from simcap.errors import SimcapError
-from simcap.scenario import load_scenario
-from simcap.simulator import SimulationError, simulate
+from simcap.errors import SimcapError, SimulationError
 
 app = typer.Typer(
     add_completion=False,
@@ -59,6 +56,9 @@ def simulate_cmd(
     ),
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
+    from simcap.scenario import load_scenario
+    from simcap.simulator import simulate
+
     intervals = None
     keep = plot is not None  # the figures need every chunk and every step
     with user_errors():
@@ -76,11 +76,11 @@ def simulate_cmd(
     if json_out:
         typer.echo(report.to_json(data))
     else:
-        report.render_summary(data, Console(width=max(100, Console().width)))
+        report.render_summary(data, report.wide_console(100))
         if intervals is not None:
             from simcap.calibrate import render_intervals
 
-            render_intervals(data, intervals, Console(width=max(100, Console().width)))
+            render_intervals(data, intervals, report.wide_console(100))
     if plot is not None:
         from simcap.plots import write_simulation_plots
 
@@ -95,6 +95,8 @@ def kv_cmd(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Size the KV pool from card memory, model shape and flags, as vLLM does at start-up."""
+    from simcap.scenario import load_scenario
+
     try:
         loaded = load_scenario(scenario, set_ or [], check=False)
     except SimcapError as exc:
@@ -105,7 +107,7 @@ def kv_cmd(
     if json_out:
         typer.echo(report.to_json(plan.to_dict()))
     else:
-        report.render_kv_plan(plan.to_dict(), Console(width=max(100, Console().width)))
+        report.render_kv_plan(plan.to_dict(), report.wide_console(100))
 
 
 @app.command("crossover")
@@ -126,6 +128,7 @@ def crossover_cmd(
 ) -> None:
     """Run a scenario with and without speculative decoding across load; find the crossover."""
     from simcap import crossover as xo
+    from simcap.scenario import load_scenario
 
     with user_errors():
         if concurrency is not None and rate is not None:
@@ -142,7 +145,7 @@ def crossover_cmd(
     if json_out:
         typer.echo(report.to_json(result.to_dict()))
     else:
-        xo.render_crossover(result, Console(width=max(130, Console().width)))
+        xo.render_crossover(result, report.wide_console(130))
         if plot is not None:
             typer.echo(f"figure: {plot}")
 
@@ -169,6 +172,7 @@ def capacity_cmd(
 ) -> None:
     """Highest arrival rate that keeps the SLO (safe rate) and where the queue diverges."""
     from simcap import capacity as cap
+    from simcap.scenario import load_scenario
 
     with user_errors():
         loaded = load_scenario(scenario, set_ or [])
@@ -190,7 +194,7 @@ def capacity_cmd(
     if json_out:
         typer.echo(report.to_json(result.to_dict()))
     else:
-        cap.render_capacity(result, Console(width=max(120, Console().width)))
+        cap.render_capacity(result, report.wide_console(120))
     if plot is not None:
         typer.echo(f"figure: {plot}", err=json_out)
 
@@ -213,6 +217,7 @@ def sweep_cmd(
     csv_out: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
 ) -> None:
     """Simulate every combination of the --grid overrides; one row per point, in grid order."""
+    from rich.console import Console
     from rich.progress import Progress
 
     from simcap import sweep as sw
@@ -248,7 +253,7 @@ def sweep_cmd(
     elif csv_out:
         typer.echo(result.to_csv(), nl=False)
     else:
-        sw.render_sweep(result, Console(width=max(120, Console().width)))
+        sw.render_sweep(result, report.wide_console(120))
 
 
 @app.command("calibrate")
@@ -337,7 +342,7 @@ def calibrate_cmd(
     if json_out:
         typer.echo(report.to_json({**fit.to_dict(), "profile": str(out)}))
     else:
-        cal.render_fit(fit, Console(width=max(110, Console().width)))
+        cal.render_fit(fit, report.wide_console(110))
         typer.echo(f"profile: {out}")
         if residual_plot is not None:
             typer.echo(f"figure: {residual_plot}")

@@ -27,16 +27,13 @@ from simcap.engine.scheduler import Scheduler
 from simcap.engine.noise import StepNoise
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import make_step_model
+from simcap.errors import SimulationError
 from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
 from simcap.steplog import StepLog
 from simcap.workload import RequestSpec, Workload
-
-
-class SimulationError(RuntimeError):
-    """The engine model reached a state vLLM could not (a bug, or an unservable request)."""
 
 
 @dataclass

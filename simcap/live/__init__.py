@@ -13,21 +13,24 @@
 - :mod:`simcap.live.cli` -- the ``simcap live`` commands.
 """
 
-from simcap.live.calibration import LiveCalibration, calibrate_live
-from simcap.live.client import LiveError, LiveRun, run_live
-from simcap.live.prompts import PromptBuilder
-from simcap.live.server import VllmServer, VllmServerError
-from simcap.live.validate import Validation, validate
+from simcap._lazy import lazy_exports
 
-__all__ = [
-    "LiveCalibration",
-    "LiveError",
-    "LiveRun",
-    "PromptBuilder",
-    "Validation",
-    "VllmServer",
-    "VllmServerError",
-    "calibrate_live",
-    "run_live",
-    "validate",
-]
+# Imported on first use (PEP 562): ``simcap live --help`` and the ``simcap`` command need
+# none of httpx, prometheus_client or the fitting code until a live command runs.
+_LAZY = {
+    "LiveCalibration": "simcap.live.calibration",
+    "LiveError": "simcap.live.client",
+    "LiveRun": "simcap.live.client",
+    "PromptBuilder": "simcap.live.prompts",
+    "Validation": "simcap.live.validate",
+    "VllmServer": "simcap.live.server",
+    "VllmServerError": "simcap.live.server",
+    "calibrate_live": "simcap.live.calibration",
+    "run_live": "simcap.live.client",
+    "validate": "simcap.live.validate",
+}
+
+__all__ = sorted(_LAZY)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
