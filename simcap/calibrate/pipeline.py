@@ -3,6 +3,7 @@ fit for their kind (step samples or benchmark results) and runs it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -12,6 +13,33 @@ from simcap.calibrate.fit_steps import fit_step_samples
 from simcap.calibrate.readers import _is_step_input, read_benchmarks, read_step_samples, split_input
 from simcap.calibrate.recipe import Recipe
 from simcap.calibrate.result import Fit
+from simcap.scenario import MAX_TOKENS
+
+
+MAX_BOOTSTRAP = 100_000  # resamples (each a refit)
+
+
+def check_options(
+    *, bootstrap: int | None = None, host_overhead: float | None = None,
+    warn_above: float | None = None, num_speculative_tokens: int = 0,
+    workload: dict[str, Any] | None = None,
+) -> None:
+    """Refuse, before any file is read, option values no fit can use: one line naming the option."""
+    if bootstrap is not None and not (
+        isinstance(bootstrap, int) and not isinstance(bootstrap, bool) and 0 <= bootstrap <= MAX_BOOTSTRAP
+    ):
+        raise CalibrationError(f"--bootstrap: resamples, a whole number in [0, {MAX_BOOTSTRAP:,}] (got {bootstrap!r})")
+    if host_overhead is not None and not (0.0 <= host_overhead < math.inf):
+        raise CalibrationError(f"--host-overhead: seconds per step, finite and >= 0 (got {host_overhead!r})")
+    if warn_above is not None and not (0.0 < warn_above < math.inf):
+        raise CalibrationError(f"--warn-above: a relative error, finite and > 0 (got {warn_above!r})")
+    if not 0 <= num_speculative_tokens <= 16:  # as SpeculativeConfig allows
+        raise CalibrationError(f"--num-speculative-tokens: must be in [0, 16] (got {num_speculative_tokens})")
+    for key, value in (workload or {}).items():
+        if not 1 <= value <= MAX_TOKENS:
+            raise CalibrationError(
+                f"--{key.replace('_', '-')}: tokens, a whole number in [1, {MAX_TOKENS:,}] (got {value})"
+            )
 
 
 def calibrate(
@@ -43,6 +71,8 @@ def calibrate(
     simulation (:func:`simcap.calibrate.fit_bench.fit_benchmarks_roofline`); its ``form``
     names the free terms.
     """
+    check_options(bootstrap=bootstrap, host_overhead=host_overhead, warn_above=warn_above,
+                  num_speculative_tokens=num_speculative_tokens, workload=workload)
     if form == "roofline":
         return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
                                    workload=workload, num_speculative_tokens=num_speculative_tokens,

@@ -61,12 +61,15 @@ from simcap.calibrate import (
     read_step_samples,
     write_profile,
 )
-from simcap.live.client import LiveError, LiveRun, auth_headers, resolve_model, run_live
+from simcap.calibrate.pipeline import check_options
+from simcap.live.client import (
+    LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
+)
 from simcap.live.prom import ServerMetrics, metrics_delta, parse_metrics
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.validate import _local_port, reset_prefix_cache
 from simcap.records import RequestRecord
-from simcap.scenario import EngineConfig, SpeculativeConfig, parse_scenario
+from simcap.scenario import MAX_INT64, EngineConfig, SpeculativeConfig, parse_scenario
 
 SOURCE_LOG = "vllm iteration log"
 SOURCE_PROBES = "black-box probes"
@@ -387,6 +390,10 @@ def calibrate_live(
         raise LiveError("--form roofline: fits the server's iteration log; give --log")
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise LiveError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+    check_request_timeout(request_timeout_s)
+    check_options(bootstrap=bootstrap)
+    if not 0 <= seed <= MAX_INT64:
+        raise LiveError(f"--seed: a whole number in [0, 2^63) (got {seed})")
 
     facts = _server_facts(base_url, model, api_key)
     model = facts.model
