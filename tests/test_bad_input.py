@@ -41,6 +41,8 @@ CLOSED = ["--set", "workload.arrival={process: closed, concurrency: 4}"]
 DURATION = ["--set", "workload.num_requests=null", "--set"]  # + "workload.duration_s=..."
 LIVE_CAL = ["live", "calibrate", "--base-url", URL, "--out", "{tmp}/p.yaml", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "64"]
+KV = str(ROOT / "examples" / "ascend910b4-kv.yaml")
+ESTIMATE = ["--set", "engine.memory.kv_cache_gb=null"]  # the pool from card memory, not measured
 MANY = ",".join(str(i) for i in range(400))
 
 # (args, the field the line must name). {s}: a valid scenario; {csv}: valid step samples;
@@ -79,8 +81,10 @@ CASES = [
     (["simulate"], "scenario"),
     # kv
     (["kv", "{s}", "--set", "engine.num_gpu_blocks=true"], "engine.num_gpu_blocks"),
-    (["kv", str(ROOT / "examples" / "ascend910b4-kv.yaml"), "--set",
-      "engine.memory.gpu_memory_utilization=.nan"], "engine.memory.gpu_memory_utilization"),
+    (["kv", KV, "--set", "engine.memory.gpu_memory_utilization=.nan"], "engine.memory.gpu_memory_utilization"),
+    (["kv", KV, *ESTIMATE, "--set", "engine.memory.gpu_memory_gb=1e308"], "engine.memory.gpu_memory_gb"),
+    (["simulate", KV, *ESTIMATE, "--set", "engine.memory.gpu_memory_gb=1e8", "--set", "engine.block_size=1"],
+     "engine.memory"),
     # crossover
     (["crossover", "{s}", "--plot", "{tmp}/x.foo"], "--plot"),
     (["crossover", "{s}", "--plot", "{file}/x.png"], "--plot"),
