@@ -3,7 +3,10 @@
 A scenario names the engine configuration (vLLM's own flag names), the step-time model,
 the workload, the SLO and the seed. ``load_scenario`` reads a YAML file, applies dotted
 ``key=value`` overrides and validates; every problem becomes a :class:`ScenarioError`
-whose message starts with the offending field's dotted path.
+whose message starts with the offending field's dotted path. Validation is strict (a flag is
+a boolean, a count an integer: ``max_num_seqs: true`` is refused, not read as 1; numbers are
+finite), and :func:`check_limits` refuses a scenario larger than one simulation holds
+(``MAX_REQUESTS``, ``MAX_SIMULATED_S``, ...; README, "Limits") before anything is allocated.
 """
 
 from __future__ import annotations

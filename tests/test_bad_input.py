@@ -46,7 +46,8 @@ ESTIMATE = ["--set", "engine.memory.kv_cache_gb=null"]  # the pool from card mem
 MANY = ",".join(str(i) for i in range(400))
 
 # (args, the field the line must name). {s}: a valid scenario; {csv}: valid step samples;
-# {file}: a regular file (a path under it cannot be made); {tmp}: an empty directory.
+# {recipe}: a calibration recipe with a negative bootstrap; {file}: a regular file (a path
+# under it cannot be made); {tmp}: an empty directory.
 CASES = [
     # simulate: integers, types, finiteness, limits, plot paths
     (["simulate", "{s}", "--set", "engine.num_gpu_blocks=" + "1" * 31], "engine.num_gpu_blocks"),
@@ -121,6 +122,7 @@ CASES = [
     (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--form", "roofline", "--prior-sd", "0",
       "--hardware", "a800", "--model", "x"], "--prior-sd"),
     (["calibrate", "{csv}"], "--out"),
+    (["calibrate", "{recipe}", "--out", "{tmp}/p.yaml"], "r.yaml: bootstrap"),
     # live (each fails before contacting the server)
     (["live", "run", "{s}", "--base-url", URL, "--endpoint", "grpc"], "--endpoint"),
     (["live", "run", "{s}", "--base-url", URL, "--request-timeout", "-1"], "--request-timeout"),
@@ -151,9 +153,11 @@ def paths(tmp_path_factory):
     rows += [f"{p},{d},{0.004 + 1e-5 * p + 3e-4 * d}" for p in (0, 128, 512) for d in (1, 8, 16)]
     samples = root / "s.csv"
     samples.write_text("\n".join(rows) + "\n")
+    recipe = root / "r.yaml"
+    recipe.write_text("name: r\nbootstrap: -3\ndatasets: []\n")
     regular = root / "regular"
     regular.write_text("a file, not a directory\n")
-    return {"s": str(scenario), "csv": str(samples), "file": str(regular)}
+    return {"s": str(scenario), "csv": str(samples), "file": str(regular), "recipe": str(recipe)}
 
 
 def test_the_table_covers_every_command():

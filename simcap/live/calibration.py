@@ -69,7 +69,7 @@ from simcap.live.prom import ServerMetrics, metrics_delta, parse_metrics
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.validate import _local_port, reset_prefix_cache
 from simcap.records import RequestRecord
-from simcap.scenario import MAX_INT64, EngineConfig, SpeculativeConfig, parse_scenario
+from simcap.scenario import EngineConfig, SpeculativeConfig, parse_scenario
 
 SOURCE_LOG = "vllm iteration log"
 SOURCE_PROBES = "black-box probes"
@@ -391,9 +391,7 @@ def calibrate_live(
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise LiveError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
     check_request_timeout(request_timeout_s)
-    check_options(bootstrap=bootstrap)
-    if not 0 <= seed <= MAX_INT64:
-        raise LiveError(f"--seed: a whole number in [0, 2^63) (got {seed})")
+    check_options(bootstrap=bootstrap, seed=seed)
 
     facts = _server_facts(base_url, model, api_key)
     model = facts.model
