@@ -17,6 +17,7 @@ from simcap.errors import SimcapError
 from simcap.scenario import load_scenario
 from simcap.simulator import SimulationError, simulate
 
+
 class _OneLineUsageErrors(TyperGroup):
     """A malformed command line (unknown option, a value of the wrong type or out of range,
     a missing argument), in any sub-command, is one line and exit code 2, as every other bad
@@ -364,7 +365,8 @@ def calibrate_cmd(
             check_figure_path(residual_plot, "--residual-plot")
         fixed = cal.parse_fix(fix or [])
         recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem)
-        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v is not None}
+        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len))
+                    if v is not None}
         family = cal.noise_family(noise)
         roofline = None
         if form == "roofline":

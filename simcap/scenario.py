@@ -43,6 +43,9 @@ MAX_TOKENS = 2**24  # per request and per step (max_model_len, lengths, token bu
 MAX_NUM_SEQS = 2**16  # requests in one batch
 MAX_CLIENTS = 2**20  # closed-loop clients (one simulated process each)
 MAX_INT64 = 2**63 - 1  # seeds and counts stored as int64
+# A run that keeps every stream chunk and step (records, steps: ``simulate --plot``) holds
+# some 60 bytes per output token: ~1.1 GB at the limit.
+MAX_RECORDED_TOKENS = 20_000_000
 
 
 class _Model(BaseModel):
@@ -788,11 +791,6 @@ def expected_requests(scenario: Scenario) -> float:
     return wl.arrival.concurrency * (wl.duration_s / shortest + 1.0)
 
 
-# A run that keeps every stream chunk and step (records, steps: ``simulate --plot``) holds
-# some 60 bytes per output token: ~1.1 GB at the limit.
-MAX_RECORDED_TOKENS = 20_000_000
-
-
 def check_limits(scenario: Scenario, *, records: bool = False) -> None:
     """Refuse a scenario one simulation cannot hold (README, "Limits"), from the scenario
     alone and before anything is allocated: more than MAX_REQUESTS requests (num_requests,
@@ -837,8 +835,9 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
         )
     tokens = requests * _mean_length(wl.output_len)
     if records and tokens > MAX_RECORDED_TOKENS:
+        field = "num_requests" if wl.num_requests is not None else "duration_s"
         raise ScenarioError(
-            f"workload.num_requests: ~{requests:.3g} requests x {_mean_length(wl.output_len):g} "
+            f"workload.{field}: ~{requests:.3g} requests x {_mean_length(wl.output_len):g} "
             f"output tokens is ~{tokens:.3g} tokens to keep chunk by chunk (plots); a run that "
             f"keeps them holds at most {MAX_RECORDED_TOKENS:,}: give fewer requests"
         )

@@ -97,9 +97,9 @@ def calibrate(
     check_options(bootstrap=recipe.bootstrap, warn_above=recipe.warn_above, seed=recipe.seed,
                   recipe=recipe)
     recipe_iterations = recipe.bootstrap_iterations
-    if recipe_iterations is not None and not _whole(recipe_iterations, 1, MAX_BOOTSTRAP):
+    if recipe_iterations is not None and not _whole(recipe_iterations, 0, MAX_BOOTSTRAP):
         raise CalibrationError(f"{recipe.path or recipe.name}: bootstrap_iterations: a whole number "
-                               f"in [1, {MAX_BOOTSTRAP:,}] (got {recipe_iterations!r})")
+                               f"in [0, {MAX_BOOTSTRAP:,}] (got {recipe_iterations!r})")
     if form == "roofline":
         return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
                                    workload=workload, num_speculative_tokens=num_speculative_tokens,
