@@ -46,7 +46,9 @@ def _plt():
 
 # Formats matplotlib's Agg canvas writes, chosen by the file's suffix (a test holds them to
 # matplotlib's own list; asking matplotlib would import it before any work is done).
-IMAGE_FORMATS = (".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp")
+IMAGE_FORMATS = (
+    ".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp",
+)
 
 
 def check_figure_path(path: str | Path, option: str, *, directory: bool = False) -> Path:
@@ -78,8 +80,9 @@ def _save(fig, path: str | Path) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise SimcapError(f"{path}: cannot write the figure: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a format matplotlib does not write
+        why = getattr(exc, "strerror", None) or exc
+        raise SimcapError(f"{path}: cannot write the figure: {why}") from None
     finally:
         _plt().close(fig)
     return path
@@ -445,7 +448,9 @@ def write_simulation_plots(result: "Result", out_dir: str | Path) -> list[Path]:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SimcapError(f"{out}: cannot make the figure directory: {exc.strerror or exc}") from None
+        raise SimcapError(
+            f"{out}: cannot make the figure directory: {exc.strerror or exc}"
+        ) from None
     return [
         plot_step_timeline(result, out / "step_timeline.png"),
         plot_itl_histogram(result, out / "itl_histogram.png"),

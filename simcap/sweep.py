@@ -28,8 +28,8 @@ from typing import Any, Callable, Mapping, Sequence
 import yaml
 
 from simcap._version import __version__
-from simcap.errors import ScenarioError, SimcapError
 from simcap.capacity import check_workers
+from simcap.errors import ScenarioError, SimcapError
 from simcap.metrics import summarize
 from simcap.scenario import Scenario, apply_overrides, parse_scenario
 from simcap.simulator import simulate

@@ -190,10 +190,7 @@ def test_malformed_input_is_one_line_naming_the_field(paths, tmp_path, args, fie
     "args,field",
     [
         (["simulate", "examples/chat.yaml", "--set", "engine.num_gpu_blocks=" + "1" * 31], "engine.num_gpu_blocks"),
-        (["simulate", "examples/chat.yaml", "--set", "workload.num_requests=null",
-          "--set", "workload.duration_s=1e9"], "workload.duration_s"),
         (["capacity", "examples/chat.yaml", "--rates", "1", "--plot", "README.md/cap.png"], "--plot"),
-        (["sweep", "examples/chat.yaml", "--grid", "seed=1,2", "--workers", "0"], "--workers"),
         (["calibrate", "x.csv", "--out", "p.yaml", "--bootstrap", "-3"], "--bootstrap"),
     ],
 )

@@ -190,8 +190,8 @@ def validate_cmd(
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
     from simcap.live.plot import plot_validation_ecdfs
-    from simcap.plots import check_figure_path
     from simcap.live.validate import ks_line, validate, validation_table
+    from simcap.plots import check_figure_path
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
