@@ -8,12 +8,44 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from simcap import report
 from simcap._version import __version__
 from simcap.errors import SimcapError, SimulationError
 
+
+class _OneLineUsageErrors(TyperGroup):
+    """A malformed command line (unknown option, a value of the wrong type or out of range,
+    a missing argument), in any sub-command, is one line and exit code 2, as every other bad
+    input is; a bare group still prints its help."""
+
+    def make_context(self, *args, **kwargs):
+        with _usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _usage_errors():
+            return super().invoke(ctx)
+
+
+# Click's usage errors, from the click typer runs on (some typer releases carry their own).
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_NoArgsIsHelp = getattr(sys.modules[_UsageError.__module__], "NoArgsIsHelpError", ())
+
+
+@contextmanager
+def _usage_errors() -> Iterator[None]:
+    try:
+        yield
+    except _NoArgsIsHelp:  # a bare command group: its help, as before
+        raise
+    except _UsageError as exc:
+        _fail(exc.format_message())
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     add_completion=False,
     no_args_is_help=True,
     help="Discrete-event capacity simulator of the vLLM V1 serving engine.",
@@ -62,6 +94,10 @@ def simulate_cmd(
     intervals = None
     keep = plot is not None  # the figures need every chunk and every step
     with user_errors():
+        if plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(plot, "--plot", directory=True)
         if ci:
             from simcap.calibrate import simulate_with_ci
 
@@ -84,7 +120,9 @@ def simulate_cmd(
     if plot is not None:
         from simcap.plots import write_simulation_plots
 
-        for path in write_simulation_plots(result, plot):
+        with user_errors():
+            paths = write_simulation_plots(result, plot)
+        for path in paths:
             typer.echo(f"figure: {path}", err=json_out)  # stdout stays pure JSON with --json
 
 
@@ -133,6 +171,10 @@ def crossover_cmd(
     with user_errors():
         if concurrency is not None and rate is not None:
             _fail("--rate: give either --concurrency (closed loop) or --rate (open loop), not both")
+        if plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(plot, "--plot")
         loaded = load_scenario(scenario, set_ or [])
         result = xo.find_crossover(
             loaded,
@@ -141,7 +183,8 @@ def crossover_cmd(
             per_stream_tps=per_stream_tps,
         )
     if plot is not None:
-        xo.plot_crossover(result, plot)
+        with user_errors():
+            xo.plot_crossover(result, plot)
     if json_out:
         typer.echo(report.to_json(result.to_dict()))
     else:
@@ -175,6 +218,10 @@ def capacity_cmd(
     from simcap.scenario import load_scenario
 
     with user_errors():
+        if plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(plot, "--plot")
         loaded = load_scenario(scenario, set_ or [])
         result = cap.find_capacity(
             loaded,
@@ -184,13 +231,14 @@ def capacity_cmd(
             duration_s=duration,
             replicates=replicates,
             workers=workers,
-            interval=interval_sets > 0,
-            interval_max_sets=max(interval_sets, 1),
+            interval=interval_sets != 0,
+            interval_max_sets=interval_sets,
         )
     if plot is not None:
         from simcap.plots import plot_capacity
 
-        plot_capacity(result, plot)
+        with user_errors():
+            plot_capacity(result, plot)
     if json_out:
         typer.echo(report.to_json(result.to_dict()))
     else:
@@ -316,9 +364,14 @@ def calibrate_cmd(
     from simcap import calibrate as cal
 
     try:
+        if residual_plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(residual_plot, "--residual-plot")
         fixed = cal.parse_fix(fix or [])
         recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem)
-        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v}
+        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len))
+                    if v is not None}
         family = cal.noise_family(noise)
         roofline = None
         if form == "roofline":

@@ -31,7 +31,7 @@ from simcap.errors import SimulationError
 from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
-from simcap.scenario import ClosedArrival, Scenario
+from simcap.scenario import ClosedArrival, Scenario, check_limits
 from simcap.steplog import StepLog
 from simcap.workload import RequestSpec, Workload
 
@@ -392,5 +392,9 @@ def simulate(
 
     ``fast=False`` steps the engine one step at a time: the reference path that the fast
     path (:mod:`simcap.fast_forward`, identical results) is tested against.
+
+    A scenario larger than one simulation holds (:func:`simcap.scenario.check_limits`) is a
+    ScenarioError before anything is allocated.
     """
+    check_limits(scenario, records=records or steps)
     return _World(scenario, fast, records, steps).run(trace)

@@ -183,14 +183,18 @@ def validate_cmd(
 ) -> None:
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
-    from simcap.live.plot import FORMATS, plot_validation_ecdfs
+    from simcap.live.plot import plot_validation_ecdfs
     from simcap.live.validate import ks_line, validate, validation_table
+    from simcap.plots import check_figure_path
     from simcap.scenario import load_scenario
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
-    if plot is not None and plot.suffix.lower() not in FORMATS:
-        _fail(f"--plot {plot}: the file must end in {', '.join(FORMATS)}")
+    if plot is not None:
+        try:
+            check_figure_path(plot, "--plot")
+        except SimcapError as exc:
+            _fail(str(exc))
     key = _api_key(api_key, api_key_env)
     try:
         sc = load_scenario(scenario, set_ or [])
