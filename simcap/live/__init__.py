@@ -4,7 +4,8 @@
   streaming), one :class:`~simcap.records.RequestRecord` per request, as the simulator makes.
 - :mod:`simcap.live.prompts` -- exact-length token-id prompts from a request's content segments.
 - :mod:`simcap.live.prom` -- the server's ``/metrics``: snapshots, counter deltas, cross-checks.
-- :mod:`simcap.live.validate` -- :func:`validate`: live repeats vs simulations of the same traces.
+- :mod:`simcap.live.validate` -- ``validate.validate``: live repeats vs simulations of the same
+  traces (the package's ``validate`` is that module, never the function).
 - :mod:`simcap.live.calibration` -- :func:`calibrate_live`: a calibration workload against a live
   server, fitted (from the server's per-step log, else black-box probes) into a profile.
 - :mod:`simcap.live.plot` -- ECDFs of live vs simulated TTFT and ITL (``validate --plot``).
@@ -27,7 +28,6 @@ _LAZY = {
     "VllmServerError": "simcap.live.server",
     "calibrate_live": "simcap.live.calibration",
     "run_live": "simcap.live.client",
-    "validate": "simcap.live.validate",
 }
 
 __all__ = sorted(_LAZY)
