@@ -2,7 +2,9 @@
 
 Run by the vLLM venv's python (stdlib + vllm only: simcap cannot be imported there)::
 
-    python vllm_scheduler_driver.py SCENARIOS.json LOG.json
+    python vllm_scheduler_driver.py SCENARIOS.json LOG.json MODEL_DIR
+
+``MODEL_DIR``: a model folder for ``ModelConfig`` (its config only: no weights are loaded).
 
 The conformance test imports this module too (stdlib only at module level) for the scenario
 generator, the token contents and the fabricated model output, so both sides read them from
@@ -18,12 +20,14 @@ prefill chunk), plus the accepted drafts (:func:`num_accepted`; drafts that are 
 scheduler's padding placeholders, -1, are never accepted), and after the step proposes
 ``k`` drafts to each request that sampled and still runs when :func:`proposes` says so.
 
-Each step's log row: the ordered batch ``[[id, tokens, drafts], ...]``, the preempted and
-finished ids, the prefix-cache hit of each admitted request (``hits``: tokens it skipped),
+Each step's log row: the ordered batch ``[[id, tokens, drafts], ...]`` and its prefill and
+decode token counts as simcap's step log classes them, the preempted and finished ids, the
+prefix-cache hit of each admitted request (``hits``: tokens it skipped), the free KV blocks
+once scheduled (``free_scheduled``),
 the free KV blocks after the step (their number, and a digest of their eviction order), and
 the running and waiting counts after scheduling.
 
-``async_scheduling``: the scheduler is vLLM's ``AsyncScheduler``, driven as the engine
+A scenario with ``"async_scheduling": true`` gets vLLM's ``AsyncScheduler``, driven as the engine
 core's batch queue drives it (two batches in flight: step ``n + 1`` is scheduled before
 step ``n``'s output is applied); drafts are placeholders the scheduler sets itself.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 import sys
 import time
 import zlib
@@ -60,6 +65,13 @@ def num_accepted(seed: int, request_id: int, num_output_tokens: int, num_drafts:
     return random.Random(f"accept:{seed}:{request_id}:{num_output_tokens}").randint(0, num_drafts)
 
 
+def accepted_for(sc: dict, request_id: int, num_output_tokens: int, num_drafts: int) -> int:
+    """The scenario's accepted-draft count: seeded, or every draft (``"accept": "all"``)."""
+    if (sc.get("speculative") or {}).get("accept") == "all":
+        return num_drafts
+    return num_accepted(sc["seed"], request_id, num_output_tokens, num_drafts)
+
+
 def proposes(seed: int, rate: float, request_id: int, num_output_tokens: int) -> bool:
     """Whether the drafter proposes after a step (ngram: only where the lookup matches)."""
     if rate >= 1.0:
@@ -67,9 +79,9 @@ def proposes(seed: int, rate: float, request_id: int, num_output_tokens: int) ->
     return random.Random(f"propose:{seed}:{request_id}:{num_output_tokens}").random() < rate
 
 
-def free_order_digest(block_ids) -> int:
+def free_order_digest(block_ids: list[int]) -> int:
     """CRC-32 of the free queue's block ids in eviction order (the LRU order, compared cheaply)."""
-    return zlib.crc32(b",".join(b"%d" % b for b in block_ids))
+    return zlib.crc32(array("q", block_ids))
 
 
 def random_scenario(seed: int, spec: bool = False) -> dict:
@@ -89,7 +101,7 @@ def random_scenario(seed: int, spec: bool = False) -> dict:
         # threshold then cuts them: a setting that server would not survive.
         threshold = 1 + k
     groups = [(g, r.randint(1, max_model_len // 2)) for g in range(r.randint(0, 3))]
-    num_requests = r.randint(2, 20)
+    num_requests = r.randint(2, 16)
     stagger = r.choice([0, 0, 1, 3, 8])
     requests = []
     step = 0
@@ -106,7 +118,7 @@ def random_scenario(seed: int, spec: bool = False) -> dict:
             segments[-1][1] -= prompt - max_model_len + 1
             segments = [s for s in segments if s[1] > 0]
             prompt = sum(n for _, n in segments)
-        max_tokens = r.randint(1, 48)
+        max_tokens = r.randint(1, 32)
         if r.random() < 0.1:  # some run into max_model_len
             max_tokens = max_model_len
         requests.append(dict(id=i, arrival_step=step, segments=segments, max_tokens=max_tokens))
@@ -184,7 +196,7 @@ def _model_config(model_dir: str, max_model_len: int):
     return _MODEL_CONFIGS[key]
 
 
-def run_scenario(sc: dict, model_dir: str, async_scheduling: bool = False) -> dict:
+def run_scenario(sc: dict, model_dir: str) -> dict:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -192,6 +204,7 @@ def run_scenario(sc: dict, model_dir: str, async_scheduling: bool = False) -> di
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
+    async_scheduling = bool(sc.get("async_scheduling"))
     sched = _make_scheduler(sc, model_dir, async_scheduling)
     e = sc["engine"]
     spec = sc.get("speculative") or {}
@@ -224,7 +237,7 @@ def run_scenario(sc: dict, model_dir: str, async_scheduling: bool = False) -> di
                 continue
             drafts = out.scheduled_spec_decode_tokens.get(rid, [])
             n_out = samplers[rid]
-            a = 0 if (not drafts or PAD in drafts) else num_accepted(seed, int(rid), n_out, len(drafts))
+            a = 0 if (not drafts or PAD in drafts) else accepted_for(sc, int(rid), n_out, len(drafts))
             sampled.append([token_id(output_key(int(rid)), n_out + j) for j in range(a + 1)])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
@@ -233,7 +246,7 @@ def run_scenario(sc: dict, model_dir: str, async_scheduling: bool = False) -> di
                           if o.finish_reason is not None)
         row["finished"] = finished
         row["free"] = pool.get_num_free_blocks()
-        row["free_order"] = free_order_digest(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+        row["free_order"] = free_order_digest([b.block_id for b in pool.free_block_queue.get_all_free_blocks()])
         if k and not async_scheduling:
             ids, drafts = [], []
             for rid, toks in zip(req_ids, sampled):
@@ -252,19 +265,28 @@ def run_scenario(sc: dict, model_dir: str, async_scheduling: bool = False) -> di
             continue
         if len(log) >= MAX_STEPS:
             return dict(name=sc["name"], steps=log, stalled=True)
-        waiting_before = {r.request_id for r in sched.waiting} | {r.request_id for r in sched.kv_holding_waiting}
         out = sched.schedule() if sched.has_unfinished_requests() else None
         if out is not None and (out.total_num_scheduled_tokens or not async_scheduling):
+            admitted = {q.req_id for q in out.scheduled_new_reqs} | out.scheduled_cached_reqs.resumed_req_ids
             batch, hits, samplers = [], {}, {}
+            num_prefill = num_decode = 0
             for rid, n in out.num_scheduled_tokens.items():
                 req = sched.requests[rid]
-                batch.append([int(rid), n, len(out.scheduled_spec_decode_tokens.get(rid, []))])
-                if rid in waiting_before:
+                d = len(out.scheduled_spec_decode_tokens.get(rid, []))
+                batch.append([int(rid), n, d])
+                if rid in admitted:
                     hits[rid] = req.num_computed_tokens - n
                 if not req.is_prefill_chunk:
                     samplers[rid] = len(req.output_token_ids)
+                # simcap's step-log classes: a decode computes its last token (+ drafts).
+                if n - d == 1 and req.num_computed_tokens - d == req.num_tokens:
+                    num_decode += 1
+                else:
+                    num_prefill += n
             row = dict(step=step, batch=batch, preempted=sorted(int(r) for r in out.preempted_req_ids),
-                       hits=hits, running=len(sched.running), waiting=sum(sched.get_request_counts()[1:]))
+                       hits=hits, running=len(sched.running), waiting=sum(sched.get_request_counts()[1:]),
+                       num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
+                       free_scheduled=pool.get_num_free_blocks())
             log.append(row)
             queue.append((row, out, samplers))
             if async_scheduling and len(queue) < 2:
@@ -278,14 +300,13 @@ def run_scenario(sc: dict, model_dir: str, async_scheduling: bool = False) -> di
 
 def main(argv: list[str]) -> int:
     scenarios_path, log_path, model_dir = argv[1], argv[2], argv[3]
-    async_scheduling = len(argv) > 4 and argv[4] == "async"
     t0 = time.perf_counter()
     import vllm  # noqa: F401  (timed apart: the import is most of a short run)
 
     t1 = time.perf_counter()
     with open(scenarios_path) as f:
         scenarios = json.load(f)
-    logs = [run_scenario(sc, model_dir, async_scheduling) for sc in scenarios]
+    logs = [run_scenario(sc, model_dir) for sc in scenarios]
     t2 = time.perf_counter()
     from importlib.metadata import version
 
