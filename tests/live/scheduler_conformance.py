@@ -36,7 +36,8 @@ def simcap_log(sc: dict, vllm_version: str = "0.32") -> dict:
     spec = sc.get("speculative") or {}
     k = spec.get("k", 0)
     seed = sc["seed"]
-    sched = Scheduler(engine, num_speculative_tokens=k)
+    sched = Scheduler(engine, num_lookahead_tokens=driver.num_lookahead_tokens(sc.get("speculative")),
+                      num_speculative_tokens=k)
     pending = sorted(sc["requests"], key=lambda q: (q["arrival_step"], q["id"]))
     log: list[dict] = []
     step = 0

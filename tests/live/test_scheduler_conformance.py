@@ -10,8 +10,8 @@ the free KV blocks once scheduled and after the step (with a digest of their evi
 and the running and waiting counts. A failure names the first divergent step with both
 sides' rows.
 
-- Scheduler: random scenarios without and with ngram drafts (:data:`NUM_PLAIN`,
-  :data:`NUM_SPEC`).
+- Scheduler: random scenarios without and with drafts (:data:`NUM_PLAIN`, :data:`NUM_SPEC`;
+  ngram, and EAGLE3 with its lookahead slots and dropped last hit block).
 - Simulator: ``simulate(..., steps=True)`` replays scenarios (fast path on and off) with one
   second per step, so that a step's start is its index; its step log must be vLLM's
   batches under the same arrival steps.
@@ -36,7 +36,7 @@ from tests.live.scheduler_conformance import first_divergence, run_driver, simca
 pytestmark = pytest.mark.live
 
 NUM_PLAIN = 160  # random scenarios without speculation (seeds 0..)
-NUM_SPEC = 80  # with ngram drafts: seeded proposals and acceptance (seeds 10000..)
+NUM_SPEC = 80  # with drafts (ngram or EAGLE3): seeded proposals and acceptance (seeds 10000..)
 NUM_SIM = 40  # simulator replays, each fast path on and off (seeds 20000.., every 4th with drafts)
 NUM_ASYNC = 60  # async scheduling (no drafts: the CPU build refuses ngram with it)
 

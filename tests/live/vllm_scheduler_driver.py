@@ -11,8 +11,8 @@ generator, the token contents and the fabricated model output, so both sides rea
 one place.
 
 A scenario is a dict (see :func:`random_scenario`): engine settings named as ``vllm serve``
-names them, speculation (``k`` drafts, a proposal rate, seeded acceptance), and requests
-as ``{"id", "arrival_step", "segments": [[key, length], ...], "max_tokens"}``. A segment's
+names them, speculation (``method`` ngram or eagle3, ``k`` drafts, a proposal rate, seeded
+acceptance), and requests as ``{"id", "arrival_step", "segments": [[key, length], ...], "max_tokens"}``. A segment's
 tokens are a function of its key and offset (:func:`token_id`), so two prompts share a
 prefix exactly where simcap's segment model says they do. Each step the "model" samples
 one token for every request whose scheduled tokens reach its length (none for a non-final
@@ -133,9 +133,22 @@ def random_scenario(seed: int, spec: bool = False) -> dict:
         engine=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=block_size,
                     num_gpu_blocks=blocks, max_model_len=max_model_len, enable_prefix_caching=caching,
                     long_prefill_token_threshold=threshold, watermark=watermark),
-        speculative=dict(k=k, proposal_rate=r.choice([1.0, 0.7, 0.3])) if spec else None,
+        speculative=_speculative(r, k) if spec else None,
         requests=requests,
     )
+
+
+def _speculative(r: random.Random, k: int) -> dict:
+    """ngram (drafts where the lookup matches) or EAGLE3 (drafts for all, lookahead slots)."""
+    rate = r.choice([1.0, 0.7, 0.3])
+    if r.random() < 0.3:
+        return dict(method="eagle3", k=k, proposal_rate=1.0)
+    return dict(method="ngram", k=k, proposal_rate=rate)
+
+
+def num_lookahead_tokens(spec: dict | None) -> int:
+    """KV slots reserved past the scheduled tokens: k for EAGLE, 0 for ngram (as vLLM's)."""
+    return spec["k"] if spec and spec.get("method", "ngram") != "ngram" else 0
 
 
 MAX_STEPS = 20000  # a scenario that runs longer is reported as stalled
@@ -163,9 +176,19 @@ def _make_scheduler(sc: dict, model_dir: str, async_scheduling: bool):
     cache_config = CacheConfig(block_size=e["block_size"], enable_prefix_caching=e["enable_prefix_caching"])
     spec = sc.get("speculative")
     speculative_config = None
-    if spec:
+    if spec and spec.get("method", "ngram") == "ngram":
         speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=spec["k"],
                                                prompt_lookup_max=4, prompt_lookup_min=1)
+    elif spec:  # EAGLE needs a draft model folder: the model's own config serves (no weights load)
+        key = (spec["method"], spec["k"], model_dir, e["max_model_len"])
+        if key not in _DRAFT_CONFIGS:  # (building one reads the draft's config: 0.3 s)
+            from vllm.config import ParallelConfig
+
+            _DRAFT_CONFIGS[key] = SpeculativeConfig(method=spec["method"], model=model_dir,
+                                                    num_speculative_tokens=spec["k"],
+                                                    target_model_config=model_config,
+                                                    target_parallel_config=ParallelConfig())
+        speculative_config = _DRAFT_CONFIGS[key]
     vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
                              cache_config=cache_config, speculative_config=speculative_config)
     # CPU platform hooks may turn async scheduling off in the config: the scheduler class
@@ -184,6 +207,7 @@ def _make_scheduler(sc: dict, model_dir: str, async_scheduling: bool):
 
 
 _MODEL_CONFIGS: dict = {}
+_DRAFT_CONFIGS: dict = {}
 
 
 def _model_config(model_dir: str, max_model_len: int):
