@@ -151,8 +151,8 @@ def test_accepted_drafts_fill_blocks_that_are_cached_only_at_the_next_allocation
 
 
 def test_a_waiting_request_with_one_token_left_gets_padded_drafts_that_none_accepts():
-    # vLLM 0.32 pads an admitted request with one token to compute (a prefix hit or a
-    # resumption) to 1 + k tokens when no running request prefills in the step.
+    # vLLM 0.26 and 0.32 pad an admitted request with one token to compute (a prefix hit or
+    # a resumption) to 1 + k tokens when no running request prefills in the step; 0.23 not.
     seg = ((3, 9),)
     sched = Scheduler(make_engine(block_size=4, enable_prefix_caching=True), num_speculative_tokens=3)
     a = make_request(0, 9, 1, seg)
@@ -167,13 +167,16 @@ def test_a_waiting_request_with_one_token_left_gets_padded_drafts_that_none_acce
     assert accepted == [0]
     result = sched.update_from_output(out, accepted)
     assert result.num_new_tokens == [1] and b.num_computed_tokens == 9
-    # Without speculation, or with a running request prefilling in the step: no padding.
-    plain = Scheduler(make_engine(block_size=4, enable_prefix_caching=True))
-    for req in (make_request(2, 9, 1, seg), make_request(3, 9, 2, seg)):
-        plain.add_request(req)
-        out = plain.schedule()
-        plain.update_from_output(out)
-    assert out.num_scheduled_tokens == [1] and not out.spec_padded_reqs
+    # Without speculation, before 0.26, or with a running request prefilling in the step: no
+    # padding.
+    for plain in (Scheduler(make_engine(block_size=4, enable_prefix_caching=True)),
+                  Scheduler(make_engine(block_size=4, enable_prefix_caching=True, vllm_version="0.23"),
+                            num_speculative_tokens=3)):
+        for req in (make_request(2, 9, 1, seg), make_request(3, 9, 2, seg)):
+            plain.add_request(req)
+            out = plain.schedule()
+            plain.update_from_output(out)
+        assert out.num_scheduled_tokens == [1] and not out.spec_padded_reqs
     long = make_request(6, 300, 2)
     sched = Scheduler(make_engine(block_size=4, enable_prefix_caching=True, long_prefill_token_threshold=32),
                       num_speculative_tokens=3)

@@ -51,6 +51,9 @@ class SchedulerFeatures:
     prefix_stats_at_admission: bool
     # Async scheduling is on by default on GPUs (0.14+); the CPU platform forces it off.
     async_scheduling_default: bool
+    # Under speculation, a request admitted with one token left is padded to 1 + k tokens
+    # (placeholder drafts) when no running request prefills (between 0.23 and 0.26).
+    pad_waiting_spec_decode: bool
 
     @classmethod
     def for_engine(cls, engine: EngineConfig) -> "SchedulerFeatures":
@@ -62,10 +65,10 @@ class SchedulerFeatures:
 
 
 VERSION_FEATURES: dict[str, SchedulerFeatures] = {
-    "0.11": SchedulerFeatures(False, False, False, False, False, False),
-    "0.23": SchedulerFeatures(True, False, False, False, False, True),
-    "0.26": SchedulerFeatures(True, True, False, True, False, True),
-    "0.32": SchedulerFeatures(True, True, True, True, True, True),
+    "0.11": SchedulerFeatures(False, False, False, False, False, False, False),
+    "0.23": SchedulerFeatures(True, False, False, False, False, True, False),
+    "0.26": SchedulerFeatures(True, True, False, True, False, True, True),
+    "0.32": SchedulerFeatures(True, True, True, True, True, True, True),
 }
 
 
@@ -268,12 +271,12 @@ class Scheduler:
         kv = self.kv
         bs = self.block_size
         k = self.num_spec_tokens
-        # Draft padding (0.32): an admitted request with a single token left (its prompt hit
+        # Draft padding (0.26+): an admitted request with a single token left (its prompt hit
         # but for the last token, or a resumption) is padded to 1 + k tokens, placeholder
         # drafts that no verification accepts, so that the step stays a uniform decode batch.
         # Only when no running request is prefilling in this step and either a running
         # request was scheduled or the admitted one hit the cache.
-        pad = bool(k) and not any(r.is_prefill_chunk for r in out.reqs)
+        pad = bool(k) and self.features.pad_waiting_spec_decode and not any(r.is_prefill_chunk for r in out.reqs)
         num_running_scheduled = len(out.reqs)
         while waiting and budget > 0:
             if len(running) >= self.max_num_seqs:

@@ -38,7 +38,8 @@ pytestmark = pytest.mark.live
 NUM_PLAIN = 160  # random scenarios without speculation (seeds 0..)
 NUM_SPEC = 80  # with drafts (ngram or EAGLE3): seeded proposals and acceptance (seeds 10000..)
 NUM_SIM = 40  # simulator replays, each fast path on and off (seeds 20000.., every 4th with drafts)
-NUM_ASYNC = 60  # async scheduling (no drafts: the CPU build refuses ngram with it)
+NUM_ASYNC = 60  # async scheduling without drafts
+NUM_ASYNC_EAGLE = 15  # and with EAGLE3 drafts (the CPU build refuses ngram drafts with it)
 
 
 def scheduler_scenarios() -> list[dict]:
@@ -57,7 +58,13 @@ def simulator_scenarios() -> list[dict]:
 
 
 def async_scenarios() -> list[dict]:
-    return [dict(driver.random_scenario(s), async_scheduling=True) for s in range(NUM_ASYNC)]
+    """Without drafts, and with EAGLE3 drafts (the CPU build refuses ngram with async)."""
+    scenarios = [driver.random_scenario(s) for s in range(NUM_ASYNC)]
+    for s in range(NUM_ASYNC_EAGLE):
+        sc = driver.random_scenario(30_000 + s, spec=True)
+        sc["speculative"].update(method="eagle3", proposal_rate=1.0)
+        scenarios.append(sc)
+    return [dict(sc, async_scheduling=True) for sc in scenarios]
 
 
 @pytest.fixture(scope="module")

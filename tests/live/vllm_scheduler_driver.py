@@ -171,7 +171,8 @@ def _make_scheduler(sc: dict, model_dir: str, async_scheduling: bool):
         max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
         max_model_len=e["max_model_len"], is_encoder_decoder=False,
         long_prefill_token_threshold=e["long_prefill_token_threshold"], enable_chunked_prefill=True,
-        watermark=e["watermark"], async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling,
+        **({"watermark": e["watermark"]} if e["watermark"] else {}),  # (0.24+)
     )
     cache_config = CacheConfig(block_size=e["block_size"], enable_prefix_caching=e["enable_prefix_caching"])
     spec = sc.get("speculative")
@@ -261,7 +262,10 @@ def run_scenario(sc: dict, model_dir: str) -> dict:
                 continue
             drafts = out.scheduled_spec_decode_tokens.get(rid, [])
             n_out = samplers[rid]
-            a = 0 if (not drafts or PAD in drafts) else accepted_for(sc, int(rid), n_out, len(drafts))
+            # Synchronous: -1 drafts are the scheduler's padding. Async: every draft is a -1
+            # placeholder the worker fills, so all are real.
+            padded = not async_scheduling and PAD in drafts
+            a = 0 if (not drafts or padded) else accepted_for(sc, int(rid), n_out, len(drafts))
             sampled.append([token_id(output_key(int(rid)), n_out + j) for j in range(a + 1)])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
