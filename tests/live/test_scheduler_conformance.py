@@ -118,7 +118,7 @@ def simulate_replay(sc: dict, fast: bool) -> list[dict]:
                       input_len=1, output_len=1),
     )
     if spec:
-        data["speculative"] = dict(method="ngram", num_speculative_tokens=spec["k"],
+        data["speculative"] = dict(method=spec["method"], num_speculative_tokens=spec["k"],
                                    acceptance_rates=[1.0] * spec["k"], proposal_rate=spec["proposal_rate"])
     trace = []
     for q in sc["requests"]:
@@ -163,10 +163,12 @@ def test_simulator_replays_vllm_batches(vllm_runs):
     "running slot (and counts against the single-request threshold exemption) one step longer"))
 def test_async_scheduling_gap(vllm_runs):
     """vLLM's AsyncScheduler on the CPU build: it runs without a model (a batch queue of two,
-    placeholders for the sampled tokens); ngram drafts are refused with it (VllmConfig: async
-    scheduling takes only EAGLE/MTP/draft-model/GPU-ngram drafters). Its batches are compared
-    with simcap's, which are the synchronous ones: the test fails (xfail) while they differ,
-    and passes (an xfail strict error) once simcap models the lag."""
+    placeholders for the sampled tokens and drafts). The CPU platform's config hook sets
+    ``async_scheduling`` off; the driver sets it back and builds the class itself. EAGLE3
+    drafts run with it; ngram drafts are refused (VllmConfig: async scheduling takes only
+    EAGLE/MTP/draft-model/GPU-ngram drafters). Its batches are compared with simcap's, which
+    are the synchronous ones: the test fails (xfail) while they differ, and passes (an xfail
+    strict error) once simcap models the lag."""
     pairs = vllm_runs["async"]
     diverging, lagging = [], 0
     for sc, theirs in pairs:
