@@ -172,7 +172,6 @@ class OracleKVCacheManager:
             held.append(block)
         if num_new_blocks > 0:
             block_hash = self.block_hash
-            cached = self.cached_block_hash_to_block
             for _ in range(num_new_blocks):
                 block, _ = free_queue.popitem(last=False)
                 h = block_hash[block]

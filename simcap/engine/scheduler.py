@@ -276,7 +276,8 @@ class Scheduler:
         # drafts that no verification accepts, so that the step stays a uniform decode batch.
         # Only when no running request is prefilling in this step and either a running
         # request was scheduled or the admitted one hit the cache.
-        pad = bool(k) and self.features.pad_waiting_spec_decode and not any(r.is_prefill_chunk for r in out.reqs)
+        pad = (bool(k) and self.features.pad_waiting_spec_decode
+               and not any(r.is_prefill_chunk for r in out.reqs))
         num_running_scheduled = len(out.reqs)
         while waiting and budget > 0:
             if len(running) >= self.max_num_seqs:

@@ -12,8 +12,8 @@ one place.
 
 A scenario is a dict (see :func:`random_scenario`): engine settings named as ``vllm serve``
 names them, speculation (``method`` ngram or eagle3, ``k`` drafts, a proposal rate, seeded
-acceptance), and requests as ``{"id", "arrival_step", "segments": [[key, length], ...], "max_tokens"}``. A segment's
-tokens are a function of its key and offset (:func:`token_id`), so two prompts share a
+acceptance), and requests as ``{"id", "arrival_step", "segments": [[key, length], ...],
+"max_tokens"}``. A segment's tokens are a function of its key and offset (:func:`token_id`), so two prompts share a
 prefix exactly where simcap's segment model says they do. Each step the "model" samples
 one token for every request whose scheduled tokens reach its length (none for a non-final
 prefill chunk), plus the accepted drafts (:func:`num_accepted`; drafts that are the
@@ -159,7 +159,7 @@ MAX_STEPS = 20000  # a scenario that runs longer is reported as stalled
 
 def _make_scheduler(sc: dict, model_dir: str, async_scheduling: bool):
     import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+    from vllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -274,7 +274,8 @@ def run_scenario(sc: dict, model_dir: str) -> dict:
                           if o.finish_reason is not None)
         row["finished"] = finished
         row["free"] = pool.get_num_free_blocks()
-        row["free_order"] = free_order_digest([b.block_id for b in pool.free_block_queue.get_all_free_blocks()])
+        free_ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        row["free_order"] = free_order_digest(free_ids)
         if k and not async_scheduling:
             ids, drafts = [], []
             for rid, toks in zip(req_ids, sampled):
