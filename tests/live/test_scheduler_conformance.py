@@ -37,9 +37,9 @@ pytestmark = pytest.mark.live
 
 NUM_PLAIN = 160  # random scenarios without speculation (seeds 0..)
 NUM_SPEC = 80  # with drafts (ngram or EAGLE3): seeded proposals and acceptance (seeds 10000..)
-NUM_SIM = 40  # simulator replays, each fast path on and off (seeds 20000.., every 4th with drafts)
-NUM_ASYNC = 60  # async scheduling without drafts
-NUM_ASYNC_EAGLE = 15  # and with EAGLE3 drafts (the CPU build refuses ngram drafts with it)
+NUM_SIM = 32  # simulator replays, each fast path on and off (seeds 20000.., every 4th with drafts)
+NUM_ASYNC = 40  # async scheduling without drafts
+NUM_ASYNC_EAGLE = 10  # and with EAGLE3 drafts (the CPU build refuses ngram drafts with it)
 
 
 def scheduler_scenarios() -> list[dict]:
