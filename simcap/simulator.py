@@ -96,7 +96,8 @@ class _World:
         self.env = Clock()
         spec = scenario.speculative
         self.scheduler = Scheduler(
-            scenario.engine, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0
+            scenario.engine, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
         async_scheduling = scenario.engine.async_scheduling
         if async_scheduling is None:
@@ -334,7 +335,7 @@ class _World:
                     yield env.timeout_at(now)
             accepted = None
             if out.num_verify_tokens:
-                accepted = self.acceptance.sample(out.num_scheduled_spec_tokens)
+                accepted = out.reject_padding(self.acceptance.sample(out.num_scheduled_spec_tokens))
                 self.spec_counters.record(out.num_scheduled_spec_tokens, accepted)
             result = scheduler.update_from_output(out, accepted)
             if self.proposer is not None:

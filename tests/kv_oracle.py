@@ -88,7 +88,9 @@ class OracleKVCacheManager:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached_block_hash_to_block: dict[int, int] = {}
+        # hash -> every block holding it, oldest first (vLLM keeps duplicates; hits take the
+        # oldest).
+        self.cached_block_hash_to_block: dict[int, list[int]] = {}
         self.req_to_blocks: dict[int, list[int]] = {}
         self._num_committed: dict[int, int] = {}
         self.prefix_cache_queries = 0
@@ -118,10 +120,10 @@ class OracleKVCacheManager:
         cached = self.cached_block_hash_to_block
         blocks: list[int] = []
         for i in range(max_blocks):
-            block = cached.get(hashes[i])
-            if block is None:
+            holders = cached.get(hashes[i])
+            if holders is None:
                 break
-            blocks.append(block)
+            blocks.append(holders[0])
         if drop_last_block and blocks:
             blocks.pop()
         return blocks, len(blocks) * bs
@@ -170,13 +172,11 @@ class OracleKVCacheManager:
             held.append(block)
         if num_new_blocks > 0:
             block_hash = self.block_hash
-            cached = self.cached_block_hash_to_block
             for _ in range(num_new_blocks):
                 block, _ = free_queue.popitem(last=False)
                 h = block_hash[block]
                 if h is not None:
-                    if cached.get(h) == block:
-                        del cached[h]
+                    self._uncache(h, block)
                     block_hash[block] = None
                 ref_cnt[block] = 1
                 held.append(block)
@@ -190,8 +190,7 @@ class OracleKVCacheManager:
         block, _ = self.free_queue.popitem(last=False)
         h = self.block_hash[block]
         if h is not None:
-            if self.cached_block_hash_to_block.get(h) == block:
-                del self.cached_block_hash_to_block[h]
+            self._uncache(h, block)
             self.block_hash[block] = None
         self.ref_cnt[block] = 1
         self.req_to_blocks[request.request_id].append(block)
@@ -201,6 +200,12 @@ class OracleKVCacheManager:
             num_tokens = request.num_prompt_tokens + request.num_output_tokens
             computed = request.num_computed_tokens
             self._cache_full_blocks(request, computed if computed < num_tokens else num_tokens)
+
+    def _uncache(self, h: int, block: int) -> None:
+        holders = self.cached_block_hash_to_block[h]
+        holders.remove(block)
+        if not holders:
+            del self.cached_block_hash_to_block[h]
 
     def _cache_full_blocks(self, request, num_tokens: int) -> None:
         bs = self.block_size
@@ -217,8 +222,7 @@ class OracleKVCacheManager:
             h = hashes[i]
             block = blocks[i]
             block_hash[block] = h
-            if h not in cached:
-                cached[h] = block
+            cached.setdefault(h, []).append(block)
         self._num_committed[rid] = num_full
 
     def free(self, request) -> None:
@@ -231,12 +235,15 @@ class OracleKVCacheManager:
         free_queue = self.free_queue
         block_hash = self.block_hash
         head_first = self.free_unhashed_first
+        to_head = []  # vLLM prepends these as one run, in the order freed (tail block first)
         for block in reversed(blocks):
             ref_cnt[block] -= 1
             if ref_cnt[block] == 0:
                 free_queue[block] = None
                 if head_first and block_hash[block] is None:
-                    free_queue.move_to_end(block, last=False)
+                    to_head.append(block)
+        for block in reversed(to_head):
+            free_queue.move_to_end(block, last=False)
 
     def check_invariants(self) -> None:
         referenced = sum(1 for c in self.ref_cnt[1:] if c > 0)

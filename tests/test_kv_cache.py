@@ -124,3 +124,39 @@ def test_private_blocks_enter_the_prefix_cache_only_when_their_request_is_preemp
     assert len(pool.prefix_cache) == 3
     assert pool.free_block_ids()[-4:] == blocks[::-1]  # all four full: to the tail, tail first
     pool.check_invariants()
+
+
+def test_a_hash_computed_twice_keeps_both_copies_and_a_hit_takes_the_oldest_left():
+    # vLLM does not de-duplicate: two requests computing the same block side by side each
+    # cache their copy; evicting the copy the cache pointed to leaves the other to hit.
+    pool = kv(num_blocks=7, block_size=4)  # 6 usable blocks
+    seg = ((7, 12),)
+    a, b = make_request(0, 12, 1, seg), make_request(1, 12, 1, seg)
+    pool.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    hits, n = pool.get_computed_blocks(b)
+    assert n == 4 and pool.allocate_slots(b, 4, 4, hits)  # b computes block 1 first
+    b.num_computed_tokens = 8
+    pool.allocate_slots(a, 4)  # then a computes its own copy of block 1
+    a.num_computed_tokens = 8
+    copy_b, copy_a = pool.req_to_blocks[1][1], pool.req_to_blocks[0][1]
+    assert pool.prefix_cache.block_hash[copy_a] == pool.prefix_cache.block_hash[copy_b]
+    b.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    pool.free(b)
+    filler = make_request(2, 16, 1)  # takes every free block: b's copy is evicted
+    assert pool.allocate_slots(filler, 16) and copy_b in pool.req_to_blocks[2]
+    c = make_request(3, 12, 1, seg)
+    assert pool.get_computed_blocks(c) == ([pool.req_to_blocks[0][0], copy_a], 8)
+    pool.check_invariants()
+
+
+def test_unhashed_blocks_go_to_the_head_as_one_run_tail_block_first():
+    # vLLM 0.24+ prepends a freed request's unhashed blocks in the order it frees them (tail
+    # first), so its last block is reused first.
+    pool = kv(num_blocks=9, enable_caching=False)
+    a = make_request(0, 12, 4)
+    pool.allocate_slots(a, 12)
+    blocks = list(pool.req_to_blocks[0])
+    pool.free(a)
+    assert pool.free_block_ids()[:3] == blocks[::-1]
+    pool.check_invariants()

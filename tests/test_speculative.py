@@ -129,3 +129,64 @@ def test_speculation_keeps_scheduler_invariants_and_exact_output_lengths():
     for req in reqs:
         assert sum(emitted[req.request_id]) == req.max_tokens
     assert order == sorted(order)
+
+
+def test_accepted_drafts_fill_blocks_that_are_cached_only_at_the_next_allocation():
+    # vLLM caches blocks as far as the tokens known when it allocates: drafts accepted in a
+    # request's last step fill a block, but a request that finishes there never caches it.
+    sched = Scheduler(make_engine(block_size=4), num_speculative_tokens=3)
+    a = make_request(0, 6, 4)
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule())  # prompt (blocks 0, 1), first token
+    a.num_spec_tokens = 3
+    out = sched.schedule()  # 1 + 3 tokens at positions 6..9: block 2 for 8, 9
+    assert out.num_scheduled_spec_tokens == [3]
+    blocks = list(sched.kv.req_to_blocks[0])
+    result = sched.update_from_output(out, [3])  # all accepted: 4 more tokens, max_tokens reached
+    assert result.finished == [a] and a.num_computed_tokens == 10
+    # Block 1 (tokens 4..7) is full, but was allocated when only 7 tokens were known: no
+    # hash, so it goes to the head with block 2; block 0 (cached) to the tail.
+    free = sched.kv.free_block_ids()
+    assert free[:2] == [blocks[2], blocks[1]] and free[-1] == blocks[0]
+
+
+def test_a_waiting_request_with_one_token_left_gets_padded_drafts_that_none_accepts():
+    # vLLM 0.26 and 0.32 pad an admitted request with one token to compute (a prefix hit or
+    # a resumption) to 1 + k tokens when no running request prefills in the step; 0.23 not.
+    seg = ((3, 9),)
+    sched = Scheduler(make_engine(block_size=4, enable_prefix_caching=True), num_speculative_tokens=3)
+    a = make_request(0, 9, 1, seg)
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule())  # a: prompt, one token, finished: blocks cached
+    b = make_request(1, 9, 2, seg)
+    sched.add_request(b)
+    out = sched.schedule()  # b hits 8 tokens: 1 left, padded to 4 with 3 placeholder drafts
+    assert out.num_scheduled_tokens == [4] and out.num_scheduled_spec_tokens == [3]
+    assert out.spec_padded_reqs == [b] and out.num_decode_reqs == 1 and out.num_verify_tokens == 3
+    accepted = out.reject_padding([3])
+    assert accepted == [0]
+    result = sched.update_from_output(out, accepted)
+    assert result.num_new_tokens == [1] and b.num_computed_tokens == 9
+    # Without speculation, before 0.26, or with a running request prefilling in the step: no
+    # padding.
+    for plain in (Scheduler(make_engine(block_size=4, enable_prefix_caching=True)),
+                  Scheduler(make_engine(block_size=4, enable_prefix_caching=True, vllm_version="0.23"),
+                            num_speculative_tokens=3)):
+        for req in (make_request(2, 9, 1, seg), make_request(3, 9, 2, seg)):
+            plain.add_request(req)
+            out = plain.schedule()
+            plain.update_from_output(out)
+        assert out.num_scheduled_tokens == [1] and not out.spec_padded_reqs
+    long = make_request(6, 300, 2)
+    sched = Scheduler(make_engine(block_size=4, enable_prefix_caching=True, long_prefill_token_threshold=32),
+                      num_speculative_tokens=3)
+    sched.add_request(make_request(7, 9, 1, seg))
+    sched.update_from_output(sched.schedule())
+    sched.add_request(long)
+    sched.add_request(make_request(8, 9, 2, seg))
+    out = sched.schedule()  # long's first chunk; 8 is padded beside it (long does not run yet)
+    assert out.num_scheduled_tokens == [32, 4] and out.spec_padded_reqs == [out.reqs[1]]
+    sched.update_from_output(out, out.reject_padding([0, 3]))
+    sched.add_request(make_request(9, 9, 2, seg))
+    out = sched.schedule()  # long still prefills: the new request is not padded
+    assert out.reqs[0] is long and out.num_scheduled_tokens[-1] == 1 and not out.spec_padded_reqs

@@ -181,15 +181,18 @@ class PrefixCache:
     """vLLM's ``BlockPool.cached_block_hash_to_block``: which block holds a prefix's KV.
 
     ``block_hash[b]`` is the hash of block ``b``'s content while ``b`` holds a committed full
-    block (None otherwise); ``_map`` maps a hash to the first block registered for it. A
-    block registered for a hash that is already mapped keeps its ``block_hash`` (it can still
-    be freed as cached) but does not take over the entry; evicting a block drops the entry
-    only if it points to that block, as in vLLM.
+    block (None otherwise). vLLM does not de-duplicate: two requests that compute the same
+    block each register their own copy, and the cache keeps every holder of a hash, in the
+    order they were registered; a hit takes the oldest still there. Here ``_map`` maps a
+    hash to that oldest holder and ``_more`` keeps the later ones (rare: blocks computed
+    side by side before either was cached), so evicting the holder hands the entry to the
+    next copy, as vLLM's ``BlockHashToBlockMap`` does.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.block_hash: list[int | None] = [None] * num_blocks
         self._map: dict[int, int] = {}
+        self._more: dict[int, list[int]] = {}  # later holders of a mapped hash, oldest first
         self.num_hashed = 0  # blocks whose block_hash is not None
 
     def __len__(self) -> int:
@@ -215,13 +218,15 @@ class PrefixCache:
         setdefault = self._map.setdefault
         for block, h in zip(blocks, hashes):
             block_hash[block] = h
-            setdefault(h, block)
+            if setdefault(h, block) != block:
+                self._more.setdefault(h, []).append(block)
 
     def register_one(self, block: int, h: int) -> None:
         """:meth:`register` for one block (a decode step fills one block at a time)."""
         self.num_hashed += 1
         self.block_hash[block] = h
-        self._map.setdefault(h, block)
+        if self._map.setdefault(h, block) != block:
+            self._more.setdefault(h, []).append(block)
 
     def evict(self, blocks: list[int]) -> None:
         """Forget the content of blocks taken for reuse."""
@@ -235,8 +240,17 @@ class PrefixCache:
                 self.num_hashed -= 1
                 block_hash[block] = None
                 holder = pop(h, block)
-                if holder != block:  # another block holds this hash: put its entry back
+                if holder != block:  # an older copy keeps the entry; this one was a later copy
                     self._map[h] = holder
+                    more = self._more[h]
+                    more.remove(block)
+                    if not more:
+                        del self._more[h]
+                elif h in self._more:  # the next copy takes the entry
+                    more = self._more[h]
+                    self._map[h] = more.pop(0)
+                    if not more:
+                        del self._more[h]
 
     def check(self) -> None:
         """Every entry points to a block that holds its hash; the hashed blocks are counted."""
@@ -244,6 +258,11 @@ class PrefixCache:
         assert self.num_hashed == len(block_hash) - block_hash.count(None), "hashed count"
         for h, block in self._map.items():
             assert block_hash[block] == h, "cache entry for a block that does not hold it"
+        for h, more in self._more.items():
+            assert more and h in self._map, "later copies of a hash without its entry"
+            assert all(block_hash[b] == h for b in more), "later copy that does not hold it"
+        num_copies = len(self._map) + sum(map(len, self._more.values()))
+        assert num_copies == self.num_hashed, "hashed blocks missing from the cache"
 
 
 class KVCacheManager:
@@ -403,10 +422,11 @@ class KVCacheManager:
             req_to_blocks[request.request_id].append(block)
 
     def commit_full_blocks(self, request: Request) -> None:
-        """Commit every full block of the request's computed tokens to the prefix cache."""
+        """Commit every full block of the request's computed tokens to the prefix cache
+        (those of drafts accepted in its last step wait for its next allocation)."""
         if self.enable_caching:
             num_tokens = request.num_prompt_tokens + request.num_output_tokens
-            computed = request.num_computed_tokens
+            computed = request.num_computed_tokens - request.num_accepted_uncommitted
             if computed > num_tokens:
                 computed = num_tokens
             if computed // self.block_size > self._num_committed.get(request.request_id, 0):
@@ -484,8 +504,6 @@ class KVCacheManager:
             return
         # Tail first. Blocks outside the prefix cache had this request as their only holder.
         ref_cnt = self.ref_cnt
-        uncached = blocks[num_cached:]
-        uncached.reverse()
         if not self._num_shared:  # nor do the others
             for block in blocks[:num_tracked]:
                 ref_cnt[block] = 0
@@ -503,10 +521,14 @@ class KVCacheManager:
                 else:
                     cached.append(block)
         if self.free_unhashed_first:
-            if uncached:
-                self.free_queue.extend_head(uncached)
+            # vLLM prepends them as a run in the order freed (tail first): the request's last
+            # block becomes the head. Pushed one by one, the first block goes in first.
+            if num_cached < len(blocks):
+                self.free_queue.extend_head(blocks[num_cached:])
             self.free_queue.extend(cached)
         else:
+            uncached = blocks[num_cached:]
+            uncached.reverse()
             self.free_queue.extend(uncached + cached)
 
     def ref_counts(self) -> list[int]:

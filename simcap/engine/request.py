@@ -44,6 +44,8 @@ class Request:
         "num_computed_tokens",
         "num_output_tokens",
         "num_spec_tokens",
+        "is_prefill_chunk",
+        "num_accepted_uncommitted",
         "num_preemptions",
         "num_cached_tokens",
         "num_public_tokens",
@@ -86,6 +88,13 @@ class Request:
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.num_spec_tokens = 0  # len(spec_token_ids): drafts awaiting verification
+        # Whether the last scheduled chunk left tokens to compute (a prefill still under way).
+        # Kept only under speculation, where the waiting queue's draft padding reads it.
+        self.is_prefill_chunk = False
+        # Drafts the last step accepted: their KV is computed, but vLLM caches the blocks they
+        # fill only at the request's next allocation (which a finished or preempted request
+        # never makes).
+        self.num_accepted_uncommitted = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.block_hashes: list[int] = []

@@ -51,6 +51,9 @@ class SchedulerFeatures:
     prefix_stats_at_admission: bool
     # Async scheduling is on by default on GPUs (0.14+); the CPU platform forces it off.
     async_scheduling_default: bool
+    # Under speculation, a request admitted with one token left is padded to 1 + k tokens
+    # (placeholder drafts) when no running request prefills (between 0.23 and 0.26).
+    pad_waiting_spec_decode: bool
 
     @classmethod
     def for_engine(cls, engine: EngineConfig) -> "SchedulerFeatures":
@@ -62,10 +65,10 @@ class SchedulerFeatures:
 
 
 VERSION_FEATURES: dict[str, SchedulerFeatures] = {
-    "0.11": SchedulerFeatures(False, False, False, False, False, False),
-    "0.23": SchedulerFeatures(True, False, False, False, False, True),
-    "0.26": SchedulerFeatures(True, True, False, True, False, True),
-    "0.32": SchedulerFeatures(True, True, True, True, True, True),
+    "0.11": SchedulerFeatures(False, False, False, False, False, False, False),
+    "0.23": SchedulerFeatures(True, False, False, False, False, True, False),
+    "0.26": SchedulerFeatures(True, True, False, True, False, True, True),
+    "0.32": SchedulerFeatures(True, True, True, True, True, True, True),
 }
 
 
@@ -96,6 +99,18 @@ class SchedulerOutput:
     new_reqs: list[Request] = field(default_factory=list)
     # Requests preempted this step.
     preempted_reqs: list[Request] = field(default_factory=list)
+    # Requests admitted from WAITING whose drafts are padding (vLLM's -1 placeholders,
+    # never accepted): see ``Scheduler._schedule_waiting``.
+    spec_padded_reqs: list[Request] = field(default_factory=list)
+
+    def reject_padding(self, accepted: list[int]) -> list[int]:
+        """``accepted`` (per request of the batch) with 0 for the padded requests' drafts."""
+        if self.spec_padded_reqs:
+            padded = set(map(id, self.spec_padded_reqs))
+            for i, req in enumerate(self.reqs):
+                if id(req) in padded:
+                    accepted[i] = 0
+        return accepted
 
 
 @dataclass(slots=True)
@@ -110,7 +125,9 @@ class EngineOutput:
 class Scheduler:
     """vLLM V1's FCFS scheduler over a :class:`KVCacheManager` (pure, no clock)."""
 
-    def __init__(self, engine: EngineConfig, num_lookahead_tokens: int = 0) -> None:
+    def __init__(
+        self, engine: EngineConfig, num_lookahead_tokens: int = 0, num_speculative_tokens: int = 0
+    ) -> None:
         self.config = engine
         self.features = SchedulerFeatures.for_engine(engine)
         self.max_num_seqs = engine.max_num_seqs
@@ -118,6 +135,7 @@ class Scheduler:
         self.max_model_len = engine.max_model_len
         self.long_prefill_token_threshold = engine.long_prefill_token_threshold
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.num_spec_tokens = num_speculative_tokens
         self.block_size = engine.block_size
         self.watermark_blocks = int(engine.watermark * engine.num_blocks)
         self.kv = KVCacheManager(
@@ -174,11 +192,13 @@ class Scheduler:
                 return 0
         return threshold
 
-    @staticmethod
-    def _advance(out: SchedulerOutput) -> None:
+    def _advance(self, out: SchedulerOutput) -> None:
         # num_computed_tokens advances as soon as the step is scheduled (vLLM does the same).
         for req, n in zip(out.reqs, out.num_scheduled_tokens):
             req.num_computed_tokens += n
+        if self.num_spec_tokens:
+            for req in out.reqs:
+                req.is_prefill_chunk = req.num_computed_tokens < req.num_prompt_tokens + req.num_output_tokens
 
     def _add(self, out: SchedulerOutput, req: Request, n: int, num_spec: int) -> None:
         out.reqs.append(req)
@@ -250,6 +270,15 @@ class Scheduler:
         running = self.running
         kv = self.kv
         bs = self.block_size
+        k = self.num_spec_tokens
+        # Draft padding (0.26+): an admitted request with a single token left (its prompt hit
+        # but for the last token, or a resumption) is padded to 1 + k tokens, placeholder
+        # drafts that no verification accepts, so that the step stays a uniform decode batch.
+        # Only when no running request is prefilling in this step and either a running
+        # request was scheduled or the admitted one hit the cache.
+        pad = (bool(k) and self.features.pad_waiting_spec_decode
+               and not any(r.is_prefill_chunk for r in out.reqs))
+        num_running_scheduled = len(out.reqs)
         while waiting and budget > 0:
             if len(running) >= self.max_num_seqs:
                 break
@@ -263,8 +292,15 @@ class Scheduler:
                 if not self.features.prefix_stats_at_admission and kv.enable_caching:
                     kv.record_prefix_cache_stats(req.num_tokens, num_hit)
             n = req.num_tokens - num_hit
-            if 0 < threshold < n:
-                n = threshold
+            padded = False
+            if (pad and n == 1 and (num_running_scheduled or num_hit)
+                    and num_hit + 2 + k <= self.max_model_len):
+                if 1 + k > budget:
+                    break  # vLLM prefers not to schedule it over scheduling it unpadded
+                n = 1 + k
+                padded = True
+            elif 0 < threshold < n:
+                n = threshold  # (vLLM 0.32 asserts if the threshold cuts a padded request)
             if n > budget:
                 n = budget
             if n <= 0:
@@ -294,7 +330,11 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             out.new_reqs.append(req)
-            self._add(out, req, n, 0)
+            if padded:
+                out.spec_padded_reqs.append(req)
+                self._add(out, req, n, k)
+            else:
+                self._add(out, req, n, 0)
             budget -= n
 
     # ------------------------------------------------------------------ update
@@ -321,8 +361,11 @@ class Scheduler:
                 accepted = num_accepted[idx] if num_accepted is not None else 0
                 req.num_computed_tokens -= num_spec - accepted
                 req.num_spec_tokens = 0
+                req.num_accepted_uncommitted = accepted
             else:
                 accepted = 0
+                if req.num_accepted_uncommitted:
+                    req.num_accepted_uncommitted = 0
             num_tokens = req.num_prompt_tokens + req.num_output_tokens
             if req.num_computed_tokens < num_tokens:
                 continue  # non-final prefill chunk

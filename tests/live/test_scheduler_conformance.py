@@ -1,0 +1,186 @@
+"""simcap's scheduler, step for step, against vLLM's own V1 ``Scheduler`` (no model, no server).
+
+The vLLM venv runs ``vllm_scheduler_driver.py`` in a subprocess over scenarios generated
+from fixed seeds (simcap cannot be imported there: no simpy); simcap's side runs here, on
+the same scenarios, with the same fabricated model output (one sampled token per request
+whose scheduled tokens reach its length, plus a seeded number of accepted drafts). Every
+step must agree on the ordered batch (tokens and drafts per request) and its prefill and
+decode counts, the preempted and finished requests, the prefix-cache hit at each admission,
+the free KV blocks once scheduled and after the step (with a digest of their eviction order),
+and the running and waiting counts. A failure names the first divergent step with both
+sides' rows.
+
+- Scheduler: random scenarios without and with drafts (:data:`NUM_PLAIN`, :data:`NUM_SPEC`;
+  ngram, and EAGLE3 with its lookahead slots and dropped last hit block).
+- Simulator: ``simulate(..., steps=True)`` replays scenarios (fast path on and off) with one
+  second per step, so that a step's start is its index; its step log must be vLLM's
+  batches under the same arrival steps.
+- Async scheduling: vLLM's ``AsyncScheduler`` driven with two batches in flight, as the
+  engine core's batch queue runs it (see :func:`test_async_scheduling_gap`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from simcap.live.server import tiny_model_dir, vllm_python
+from simcap.scenario import parse_scenario
+from simcap.simulator import simulate
+from simcap.workload import RequestSpec
+from tests.live import vllm_scheduler_driver as driver
+from tests.live.conftest import _ensure_installed
+from tests.live.scheduler_conformance import first_divergence, run_driver, simcap_log, tally
+
+pytestmark = pytest.mark.live
+
+NUM_PLAIN = 160  # random scenarios without speculation (seeds 0..)
+NUM_SPEC = 80  # with drafts (ngram or EAGLE3): seeded proposals and acceptance (seeds 10000..)
+NUM_SIM = 32  # simulator replays, each fast path on and off (seeds 20000.., every 4th with drafts)
+NUM_ASYNC = 40  # async scheduling without drafts
+NUM_ASYNC_EAGLE = 10  # and with EAGLE3 drafts (the CPU build refuses ngram drafts with it)
+
+
+def scheduler_scenarios() -> list[dict]:
+    return ([driver.random_scenario(s) for s in range(NUM_PLAIN)]
+            + [driver.random_scenario(10_000 + s, spec=True) for s in range(NUM_SPEC)])
+
+
+def simulator_scenarios() -> list[dict]:
+    scenarios = []
+    for s in range(NUM_SIM):
+        sc = driver.random_scenario(20_000 + s, spec=s % 4 == 3)
+        if sc["speculative"]:  # the simulator's acceptance is its own draw: accept every draft
+            sc["speculative"].update(proposal_rate=1.0, accept="all")
+        scenarios.append(sc)
+    return scenarios
+
+
+def async_scenarios() -> list[dict]:
+    """Without drafts, and with EAGLE3 drafts (the CPU build refuses ngram with async)."""
+    scenarios = [driver.random_scenario(s) for s in range(NUM_ASYNC)]
+    for s in range(NUM_ASYNC_EAGLE):
+        sc = driver.random_scenario(30_000 + s, spec=True)
+        sc["speculative"].update(method="eagle3", proposal_rate=1.0)
+        scenarios.append(sc)
+    return [dict(sc, async_scheduling=True) for sc in scenarios]
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory):
+    """One driver run over every scenario set (vLLM's import is most of a short run)."""
+    _ensure_installed()
+    sets = {"scheduler": scheduler_scenarios(), "simulator": simulator_scenarios(), "async": async_scenarios()}
+    everything = [sc for scenarios in sets.values() for sc in scenarios]
+    t0 = time.perf_counter()
+    data = run_driver(vllm_python(), tiny_model_dir(), everything, tmp_path_factory.mktemp("conformance"))
+    wall = time.perf_counter() - t0
+    runs, logs = {}, iter(data["logs"])
+    for name, scenarios in sets.items():
+        runs[name] = [(sc, next(logs)) for sc in scenarios]
+    runs["meta"] = dict(vllm_version=data["vllm_version"], import_s=data["import_s"], run_s=data["run_s"],
+                        wall_s=wall)
+    return runs
+
+
+def test_scheduler_matches_vllm_step_for_step(vllm_runs):
+    pairs, meta = vllm_runs["scheduler"], vllm_runs["meta"]
+    assert meta["vllm_version"].startswith("0.32")
+    logs = [log for _, log in pairs]
+    t0 = time.perf_counter()
+    failures = []
+    for sc, theirs in pairs:
+        assert not theirs["stalled"], f"{sc['name']}: vLLM stalled (a scenario no engine can finish)"
+        diff = first_divergence(sc, simcap_log(sc), theirs)
+        if diff:
+            failures.append(diff)
+    plain, spec = tally(logs[:NUM_PLAIN]), tally(logs[NUM_PLAIN:])
+    print(f"\nscheduler conformance vs vLLM {meta['vllm_version']}: {len(pairs)} scenarios, "
+          f"{plain['steps'] + spec['steps']} steps ({spec['steps']} with drafts in play: {spec['drafts']} drafts "
+          f"scheduled); {plain['preemptions'] + spec['preemptions']} preemptions, "
+          f"{plain['hits'] + spec['hits']} prefix-cache hits; vLLM driver {meta['wall_s']:.1f} s for every "
+          f"scenario of this module (import {meta['import_s']:.1f} s, run {meta['run_s']:.1f} s); "
+          f"simcap {time.perf_counter() - t0:.1f} s")
+    assert not failures, f"{len(failures)} of {len(pairs)} scenarios diverge; first:\n" + "\n".join(failures[:3])
+    # The generator reaches what the comparison is for.
+    assert plain["preemptions"] > 100 and plain["hits"] > 100 and spec["drafts"] > 1000
+
+
+def simulate_replay(sc: dict, fast: bool) -> list[dict]:
+    """``simulate(..., steps=True)`` of the scenario at one second per step: its step log."""
+    spec = sc.get("speculative")
+    data = dict(
+        name=sc["name"], seed=sc["seed"],
+        engine=dict(sc["engine"], vllm_version="0.32", async_scheduling=False),
+        step_time=dict(base=1.0, per_prefill_token=0.0, per_decode_token=0.0, host_overhead=0.0),
+        workload=dict(arrival={"process": "poisson", "rate": 1.0}, num_requests=len(sc["requests"]),
+                      input_len=1, output_len=1),
+    )
+    if spec:
+        data["speculative"] = dict(method=spec["method"], num_speculative_tokens=spec["k"],
+                                   acceptance_rates=[1.0] * spec["k"], proposal_rate=spec["proposal_rate"])
+    trace = []
+    for q in sc["requests"]:
+        segments = tuple((key, n) for key, n in q["segments"])
+        trace.append((float(q["arrival_step"]),
+                      RequestSpec(q["id"], sum(n for _, n in segments), q["max_tokens"], segments)))
+    columns = simulate(parse_scenario(data), trace, fast=fast, steps=True).steps.as_arrays()
+    return [dict(zip(columns, values)) for values in zip(*(columns[k].tolist() for k in columns))]
+
+
+def vllm_step_rows(sc: dict, log: dict) -> list[dict]:
+    """vLLM's steps in the simulator's step-log terms (usage as the KV pool computes it)."""
+    pool = sc["engine"]["num_gpu_blocks"] - 1
+    return [dict(start=float(r["step"]), duration=1.0, num_prefill_tokens=r["num_prefill_tokens"],
+                 num_decode_tokens=r["num_decode_tokens"], num_reqs=len(r["batch"]), num_running=r["running"],
+                 num_waiting=r["waiting"], kv_cache_usage=1.0 - r["free_scheduled"] / pool,
+                 num_preempted=len(r["preempted"]))
+            for r in log["steps"]]
+
+
+def test_simulator_replays_vllm_batches(vllm_runs):
+    failures, num_steps = [], 0
+    for sc, theirs in vllm_runs["simulator"]:
+        want = vllm_step_rows(sc, theirs)
+        num_steps += len(want)
+        for fast in (False, True):
+            got = simulate_replay(sc, fast)
+            for i, (g, w) in enumerate(zip(got, want)):
+                if g != w:
+                    failures.append(f"{sc['name']} (fast={fast}): step {i}\n  simulate: {g}\n  vLLM:     {w}")
+                    break
+            else:
+                if len(got) != len(want):
+                    failures.append(f"{sc['name']} (fast={fast}): {len(got)} steps, vLLM {len(want)}")
+    print(f"\nsimulator replay vs vLLM: {NUM_SIM} scenarios x fast path on/off, {num_steps} steps each way")
+    assert not failures, f"{len(failures)} replays diverge; first:\n" + "\n".join(failures[:3])
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "simcap models async scheduling as step timing only: vLLM's AsyncScheduler schedules step "
+    "n+1 before step n's output is applied, so a finished request keeps its KV blocks and its "
+    "running slot (and counts against the single-request threshold exemption) one step longer"))
+def test_async_scheduling_gap(vllm_runs):
+    """vLLM's AsyncScheduler on the CPU build: it runs without a model (a batch queue of two,
+    placeholders for the sampled tokens and drafts). The CPU platform's config hook sets
+    ``async_scheduling`` off; the driver sets it back and builds the class itself. EAGLE3
+    drafts run with it; ngram drafts are refused (VllmConfig: async scheduling takes only
+    EAGLE/MTP/draft-model/GPU-ngram drafters). Its batches are compared with simcap's, which
+    are the synchronous ones: the test fails (xfail) while they differ, and passes (an xfail
+    strict error) once simcap models the lag."""
+    pairs = vllm_runs["async"]
+    diverging, lagging = [], 0
+    for sc, theirs in pairs:
+        assert not theirs["stalled"]
+        ours = simcap_log(sc)
+        diff = first_divergence(sc, ours, theirs, fields=("batch",))
+        if diff:
+            diverging.append(diff)
+            i = next(i for i, (a, b) in enumerate(zip(ours["steps"], theirs["steps"])) if a["batch"] != b["batch"])
+            mine, theirs_ = ours["steps"][i]["batch"], theirs["steps"][i]["batch"]
+            lagging += mine[: len(theirs_)] == theirs_ and len(theirs_) < len(mine)
+    print(f"\nasync scheduling: {len(pairs) - len(diverging)} of {len(pairs)} scenarios give simcap's "
+          f"batches; in {lagging} of the {len(diverging)} others vLLM's first differing batch is simcap's "
+          "less the requests admitted last (admission a step later)")
+    assert not diverging, "\n".join(diverging[:2])
