@@ -36,7 +36,9 @@ Usage::
 
     simcap crossover s.yaml --concurrency 1,2,4,8,16,32,64,128 --per-stream-tps 60 --plot xo.png
 
-The figure is :func:`simcap.plots.plot_crossover` (re-exported here).
+The figure is :func:`simcap.plots.plot_crossover` (re-exported here). ``workers > 1`` runs
+the arms in worker processes (the capacity search's :class:`simcap.capacity.Runner`); the
+result is the same as the serial run's, number for number.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from simcap.capacity import Runner
 from simcap.errors import ScenarioError
 from simcap.plots import plot_crossover  # noqa: F401  (the figure lives with the other plots)
 from simcap.scenario import Scenario, parse_scenario
@@ -333,6 +336,10 @@ def arm_scenarios(
     return spec, base, wl.get("num_requests")
 
 
+def _run_arm(scenario: Scenario) -> ArmPoint:
+    return ArmPoint.of(simulate(scenario))
+
+
 def _rebuild(data: dict[str, Any], like: Scenario) -> Scenario:
     # The dump is already merged with its profile and has its files read in; keep the link
     # to the profile file for results that report its intervals.
@@ -348,13 +355,16 @@ def find_crossover(
     per_stream_tps: float | None = None,
     *,
     requests_per_client: int = REQUESTS_PER_CLIENT,
+    workers: int = 1,
+    runner: Runner | None = None,
 ) -> CrossoverResult:
     """Run ``scenario`` with and without its ``speculative`` section at each load point.
 
     Closed loop at ``concurrencies`` (default 1, 2, 4, ..., 128) or open loop at ``rates``
     (requests/s), never both. ``per_stream_tps``: also report the highest load at which each
-    arm keeps that mean per-stream output rate (tokens/s per request). Raises
-    :class:`ScenarioError` for bad input.
+    arm keeps that mean per-stream output rate (tokens/s per request). ``workers``: processes
+    running the arms (or ``runner``: a :class:`simcap.capacity.Runner` to share between
+    calls, left open). Raises :class:`ScenarioError` for bad input.
     """
     if scenario.speculative is None:
         arm_scenarios(scenario, concurrency=1)  # raises the one-line error
@@ -375,15 +385,25 @@ def find_crossover(
             DEFAULT_CONCURRENCIES if concurrencies is None else concurrencies,
             "--concurrency", integer=True,
         )
+    if isinstance(workers, bool) or int(workers) != workers or workers < 1:
+        raise ScenarioError(f"--workers: must be a whole number >= 1 (got {workers!r})")
     started = time.perf_counter()
-    points = []
+    arms = []
     for load in loads:
         kw = {"concurrency": load} if axis == "concurrency" else {"rate": load}
-        spec_sc, base_sc, n = arm_scenarios(scenario, requests_per_client=requests_per_client, **kw)
-        points.append(CrossoverPoint(
-            load=load, num_requests=n,
-            spec=ArmPoint.of(simulate(spec_sc)), baseline=ArmPoint.of(simulate(base_sc)),
-        ))
+        arms.append(arm_scenarios(scenario, requests_per_client=requests_per_client, **kw))
+    tasks = [sc for spec_sc, base_sc, _ in arms for sc in (spec_sc, base_sc)]
+    own = runner is None
+    pool = Runner(workers) if own else runner
+    try:
+        done = pool.map(tasks, _run_arm)
+    finally:
+        if own:
+            pool.close()
+    points = [
+        CrossoverPoint(load=load, num_requests=n, spec=done[2 * i], baseline=done[2 * i + 1])
+        for i, (load, (_, _, n)) in enumerate(zip(loads, arms))
+    ]
     wall = time.perf_counter() - started
     gains = [p.gain_pct for p in points]
     crossover = locate_crossover(loads, [g["throughput"] for g in gains], axis=axis)

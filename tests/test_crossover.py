@@ -227,3 +227,10 @@ def test_cli_scenario_without_speculation(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: speculative: ")
+
+
+def test_parallel_arms_give_the_serial_result():
+    scenario = parse_scenario(synthetic(step_time={"noise": {"decode": {"kind": "lognormal", "sigma": 0.3}}}))
+    serial = find_crossover(scenario, [1, 4, 16], per_stream_tps=30.0)
+    parallel = find_crossover(scenario, [1, 4, 16], per_stream_tps=30.0, workers=2)
+    assert json.dumps(parallel.to_dict(), sort_keys=True) == json.dumps(serial.to_dict(), sort_keys=True)
