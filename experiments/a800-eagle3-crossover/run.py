@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
+from simcap.capacity import Runner  # noqa: E402
 from simcap.crossover import CrossoverResult, find_crossover, locate_crossover  # noqa: E402
 from simcap.plots import plot_crossover  # noqa: E402
 from simcap.profile import load_profile  # noqa: E402
@@ -113,7 +114,7 @@ def crossover_vs_published(result: CrossoverResult, pub: dict) -> dict:
     return out
 
 
-def bootstrap_crossovers(scenario_path: Path, n: int) -> dict | None:
+def bootstrap_crossovers(scenario_path: Path, n: int, runner: Runner | None = None) -> dict | None:
     """The crossover under each bootstrap coefficient set the profile ships (first n)."""
     data = yaml.safe_load(scenario_path.read_text())
     profile, _ = load_profile((scenario_path.parent / data["profile"]).resolve())
@@ -129,7 +130,7 @@ def bootstrap_crossovers(scenario_path: Path, n: int) -> dict | None:
                 overrides.append(f"step_time.{k}={v!r}")
             else:
                 ignored.add(k)
-        r = find_crossover(load_scenario(scenario_path, overrides), CONCURRENCIES)
+        r = find_crossover(load_scenario(scenario_path, overrides), CONCURRENCIES, runner=runner)
         values.append(r.crossover["value"])
     found = [v for v in values if v is not None]
     return {
@@ -251,6 +252,8 @@ def main() -> None:
                          "or roofline (scenario.roofline.yaml, results in roofline/)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--scenario", type=Path, default=None)
+    ap.add_argument("--workers", type=int, default=2,
+                    help="worker processes running the arms (results do not depend on it)")
     args = ap.parse_args()
     if args.scenario is None:
         args.scenario = SCENARIO if args.form == "linear" else HERE / "scenario.roofline.yaml"
@@ -260,13 +263,17 @@ def main() -> None:
     started = time.perf_counter()
     pub = published()
     scenario = load_scenario(args.scenario)
-    main_run = find_crossover(scenario, CONCURRENCIES, per_stream_tps=PER_STREAM_TPS)
+    runner = Runner(args.workers)
+    main_run = find_crossover(scenario, CONCURRENCIES, per_stream_tps=PER_STREAM_TPS, runner=runner)
     data = main_run.to_dict()
     sens = {"profile, midpoint": main_run}
     for label, length in SENSITIVITY.items():
         sens[label] = find_crossover(
-            load_scenario(args.scenario, [f"speculative.acceptance_length={length}"]), CONCURRENCIES
+            load_scenario(args.scenario, [f"speculative.acceptance_length={length}"]), CONCURRENCIES,
+            runner=runner,
         )
+    boot = bootstrap_crossovers(args.scenario, args.bootstrap, runner)
+    runner.close()
     out = {
         "simcap_version": data["provenance"]["simcap_version"],
         "scenario_sha256": data["provenance"]["scenario_sha256"],
@@ -287,7 +294,7 @@ def main() -> None:
             }
             for label, r in sorted(sens.items(), key=lambda kv: kv[1].provenance["speculative"]["acceptance_length"])
         },
-        "bootstrap": bootstrap_crossovers(args.scenario, args.bootstrap),
+        "bootstrap": boot,
         "crossover_result": data,
     }
     out["crossover_vs_published_no_spec"] = crossover_vs_published(main_run, pub)

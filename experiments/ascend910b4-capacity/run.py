@@ -46,7 +46,11 @@ def _r(x: float | None, digits: int = 2) -> str:
 
 
 def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:,.0f}"
+    return "stopped" if x is None else f"{x * 1e3:,.0f}"
+
+
+def _ms1(x: float | None) -> str:
+    return "stopped" if x is None else f"{x * 1e3:.1f}"
 
 
 def results_markdown(res: dict) -> str:
@@ -64,7 +68,8 @@ def results_markdown(res: dict) -> str:
         f"| saturation rate (server's maximum completion rate) | **{_r(pred['saturation_rate'])}** |",
         "",
         "The field's nine points as simcap runs them (requested rates 0.2x-1.2x the saturation "
-        "rate; `*` = too few samples for p95):",
+        "rate; `*` = too few samples for p95; `stopped` = the run stopped once its TTFT p95 "
+        "could no longer hold, after its arrival window, so its p95s are not known):",
         "",
         "| requested | measured (run 1 / 2) | TTFT p95 ms (1 / 2) | TPOT p95 ms (1 / 2) | pass | kept up |",
         "|---|---|---|---|---|---|",
@@ -83,7 +88,7 @@ def results_markdown(res: dict) -> str:
 
         lines.append(
             f"| {rate:.3f} | {cell('measured_rate', lambda v: f'{v:.2f}')} | "
-            f"{cell('ttft_p95', _ms)} | {cell('tpot_p95', lambda v: f'{v * 1e3:.1f}')} | "
+            f"{cell('ttft_p95', _ms)} | {cell('tpot_p95', _ms1)} | "
             f"{'yes' if all(p['pass'] for p in runs) else 'NO'} | "
             f"{'yes' if not any(p['saturated'] for p in runs) else 'no'} |"
         )
