@@ -366,8 +366,28 @@ def find_crossover(
     running the arms (or ``runner``: a :class:`simcap.capacity.Runner` to share between
     calls, left open). Raises :class:`ScenarioError` for bad input.
     """
-    if scenario.speculative is None:
-        arm_scenarios(scenario, concurrency=1)  # raises the one-line error
+    return find_crossovers(
+        [scenario], concurrencies, rates, per_stream_tps, requests_per_client=requests_per_client,
+        workers=workers, runner=runner,
+    )[0]
+
+
+def find_crossovers(
+    scenarios: Sequence[Scenario],
+    concurrencies: Sequence[int] | None = None,
+    rates: Sequence[float] | None = None,
+    per_stream_tps: float | None = None,
+    *,
+    requests_per_client: int = REQUESTS_PER_CLIENT,
+    workers: int = 1,
+    runner: Runner | None = None,
+) -> list[CrossoverResult]:
+    """:func:`find_crossover` for several scenarios at the same load points, every arm of
+    every scenario in one batch (the costliest first, so that worker processes finish
+    together). Each result is the one :func:`find_crossover` gives for its scenario."""
+    for scenario in scenarios:
+        if scenario.speculative is None:
+            arm_scenarios(scenario, concurrency=1)  # raises the one-line error
     if concurrencies is not None and rates is not None:
         raise ScenarioError("--rate: give either concurrencies (closed loop) or rates (open loop), not both")
     if per_stream_tps is not None and (
@@ -388,23 +408,55 @@ def find_crossover(
     if isinstance(workers, bool) or int(workers) != workers or workers < 1:
         raise ScenarioError(f"--workers: must be a whole number >= 1 (got {workers!r})")
     started = time.perf_counter()
-    arms = []
-    for load in loads:
-        kw = {"concurrency": load} if axis == "concurrency" else {"rate": load}
-        arms.append(arm_scenarios(scenario, requests_per_client=requests_per_client, **kw))
-    tasks = [sc for spec_sc, base_sc, _ in arms for sc in (spec_sc, base_sc)]
+    arms = []  # per scenario, per load: (spec scenario, baseline scenario, num_requests)
+    for scenario in scenarios:
+        mine = []
+        for load in loads:
+            kw = {"concurrency": load} if axis == "concurrency" else {"rate": load}
+            mine.append(arm_scenarios(scenario, requests_per_client=requests_per_client, **kw))
+        arms.append(mine)
+    tasks = [sc for mine in arms for spec_sc, base_sc, _ in mine for sc in (spec_sc, base_sc)]
+    order = sorted(range(len(tasks)), key=lambda i: -_cost(tasks[i]))
     own = runner is None
     pool = Runner(workers) if own else runner
     try:
-        done = pool.map(tasks, _run_arm)
+        ran = pool.map([tasks[i] for i in order], _run_arm)
     finally:
         if own:
             pool.close()
-    points = [
-        CrossoverPoint(load=load, num_requests=n, spec=done[2 * i], baseline=done[2 * i + 1])
-        for i, (load, (_, _, n)) in enumerate(zip(loads, arms))
-    ]
+    done: list[ArmPoint | None] = [None] * len(tasks)
+    for i, arm in zip(order, ran):
+        done[i] = arm
     wall = time.perf_counter() - started
+    results = []
+    for j, (scenario, mine) in enumerate(zip(scenarios, arms)):
+        first = 2 * len(loads) * j
+        points = [
+            CrossoverPoint(load=load, num_requests=n, spec=done[first + 2 * i],
+                           baseline=done[first + 2 * i + 1])
+            for i, (load, (_, _, n)) in enumerate(zip(loads, mine))
+        ]
+        results.append(_analyse(scenario, axis, loads, points, per_stream_tps,
+                                requests_per_client, wall))
+    return results
+
+
+def _cost(scenario: Scenario) -> float:
+    """A rough relative cost of simulating one arm: its requests, times the tokens a step
+    verifies per request when it speculates."""
+    wl = scenario.workload
+    n = wl.num_requests
+    if n is None:
+        rate = getattr(wl.arrival, "rate", None)
+        n = rate * wl.duration_s if rate else wl.duration_s
+    spec = scenario.speculative
+    return float(n) * (1 + (spec.num_speculative_tokens if spec else 0))
+
+
+def _analyse(
+    scenario: Scenario, axis: str, loads: list, points: list[CrossoverPoint],
+    per_stream_tps: float | None, requests_per_client: int, wall: float,
+) -> CrossoverResult:
     gains = [p.gain_pct for p in points]
     crossover = locate_crossover(loads, [g["throughput"] for g in gains], axis=axis)
     latency_crossover = locate_crossover(

@@ -107,6 +107,8 @@ class SloStop:
         self.next_check = now + self.period
         scheduler = world.scheduler
         pending = list(scheduler.waiting) + list(scheduler.running)
+        if not pending and len(world.metrics) >= world.num_arrivals:
+            return False  # every request is done: nothing left to skip
         arrival = np.fromiter((r.arrival_time for r in pending), float, len(pending))
         first = np.fromiter(
             (now if r.first_token_ts is None else r.first_token_ts for r in pending),
