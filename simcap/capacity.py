@@ -82,9 +82,6 @@ RULES = {
     "window [T/2, T)",
     "saturation_rate": "median completion rate (requests/s) inside that window over the "
     "saturated runs: the server's maximum throughput, where the queue starts to diverge",
-    "early_stop": "after the arrival window a run stops once a TTFT or E2E target cannot hold "
-    "whatever happens next (pXX: N - floor((N-1) XX/100) of the N requests known to exceed "
-    "it, a request waiting since a having TTFT, E2E >= t - a); it counts as failed",
 }
 
 
@@ -432,7 +429,7 @@ class CapacityResult:
             "replicates": self.replicates,
             "points": [p.to_dict() for p in self.points],
             "notes": list(self.notes),
-            "rules": dict(RULES),
+            "rules": {**RULES, "early_stop": describe_early_stop(self.slo)},
             "provenance": self.provenance,
         }
 
@@ -670,8 +667,9 @@ def find_capacity(
         stopped = [p for p in points if p.stopped]
         if stopped:
             notes.append(
-                f"{len(stopped)} run(s) stopped early, their SLO certain to fail (rule: "
-                f"{describe_early_stop(targets)}); their SLO values are not known"
+                f"{len(stopped)} run(s) stopped early, once their SLO could no longer hold "
+                f"(rules.early_stop; e.g. {stopped[0].stopped['reason']}); their SLO values "
+                "are not known"
             )
         if not all(all(p.samples_adequate[k] for k in targets) for p in points):
             notes.append(

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from simcap.metrics import PERCENTILES, SLO_METRICS
+from simcap.metrics import PERCENTILES
 
 STOPPABLE = ("ttft", "e2e")  # metrics whose value a run's future cannot lower
 MEAN_MARGIN = 1e-9  # relative: more than the rounding of a mean over any run's requests
@@ -134,10 +134,10 @@ class SloStop:
 def describe(slo: Mapping[str, float]) -> str:
     """The rule in one line, for a result's ``rules``."""
     keys = stoppable_keys(slo)
-    which = ", ".join(keys) if keys else f"none of these SLO keys ({', '.join(SLO_METRICS)})"
     return (
-        "a run stops once a TTFT or E2E target cannot hold whatever happens next: pXX fails "
-        "once N - floor((N-1) XX/100) of the N requests are known to exceed it (a request "
-        "waiting since a has TTFT and E2E >= t - a), a mean once its lower bound exceeds it; "
-        f"checked every second after the arrival window; settles: {which}"
+        "after the arrival window, checked every second, a run stops once a TTFT or E2E "
+        "target cannot hold whatever happens next: pXX fails once N - floor((N-1) XX/100) of "
+        "the run's N requests are known to exceed it (a request waiting since a has TTFT and "
+        "E2E >= t - a), a mean once its lower bound does; the run counts as failed; keys "
+        f"that can stop a run here: {', '.join(keys) if keys else 'none'}"
     )
