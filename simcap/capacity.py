@@ -63,7 +63,7 @@ import numpy as np
 from simcap._version import __version__
 from simcap.early_stop import SloStop, describe as describe_early_stop
 from simcap.errors import ScenarioError
-from simcap.metrics import SLO_METRICS, SLO_STATS
+from simcap.metrics import ADEQUACY, SLO_METRICS, SLO_STATS, early_stopping_min_queries
 from simcap.scenario import ClosedArrival, GammaArrival, PoissonArrival, Scenario, StepTimeConfig
 from simcap.simulator import Result, provenance, simulate
 
@@ -262,7 +262,12 @@ def point_from_result(
         metric, _, stat = key.partition("_")
         dist = getattr(summary, SLO_METRICS[metric])
         values[key] = None if stop is not None else dist.stat(stat)
-        adequate[key] = dist.stat_adequate(stat)
+        # the key that stopped a run (TTFT or E2E: one sample a request) has all its requests
+        adequate[key] = (
+            len(arrival) >= early_stopping_min_queries(ADEQUACY[stat], 1)
+            if stop is not None and key in stop.failed and stat in ADEQUACY
+            else dist.stat_adequate(stat)
+        )
     verdicts: dict[str, bool | None] = {k: bool(v["pass"]) for k, v in slo.items()}
     if stop is not None:
         verdicts = {k: (False if k in stop.failed else None) for k in slo}
@@ -326,7 +331,6 @@ class Runner:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
 
 
 # --------------------------------------------------------------------------- rules
@@ -394,6 +398,7 @@ class CapacityResult:
     interval_info: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
+    early_stop: bool = True
 
     def lower_bounds(self) -> dict[str, bool]:
         """Per SLO key: whether its safe rate is only a lower bound (every tested rate passed,
@@ -429,7 +434,8 @@ class CapacityResult:
             "replicates": self.replicates,
             "points": [p.to_dict() for p in self.points],
             "notes": list(self.notes),
-            "rules": {**RULES, "early_stop": describe_early_stop(self.slo)},
+            "rules": {**RULES, **({"early_stop": describe_early_stop(self.slo)}
+                                  if self.early_stop else {})},
             "provenance": self.provenance,
         }
 
@@ -678,7 +684,7 @@ def find_capacity(
         result = CapacityResult(
             slo=targets, points=points, safe_rate=safe, safe_offered_rate=safe_offered,
             saturation_rate=saturation, safe_rate_by_slo=by_slo, duration_s=float(duration_s),
-            replicates=int(replicates), mode=mode, notes=notes,
+            replicates=int(replicates), mode=mode, notes=notes, early_stop=early_stop,
         )
         if interval and safe_offered is not None:
             sets, set_notes, level = bootstrap_sets(scenario, with_level=True)

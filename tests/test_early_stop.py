@@ -198,6 +198,7 @@ def test_capacity_with_early_stop_reaches_the_same_answers(both_grids):
     assert stopped.safe_rate_by_slo == full.safe_rate_by_slo
     for a, b in zip(stopped.points, full.points):
         assert (a.rate, a.replicate, a.passed, a.saturated) == (b.rate, b.replicate, b.passed, b.saturated)
+        assert a.samples_adequate == b.samples_adequate
         assert (a.measured_rate, a.completion_rate, a.arrived_in_window, a.completed_in_window) == (
             b.measured_rate, b.completion_rate, b.arrived_in_window, b.completed_in_window)
         if a.stopped:
@@ -209,6 +210,7 @@ def test_capacity_with_early_stop_reaches_the_same_answers(both_grids):
     assert not any(p.stopped for p in full.points)
     assert any("stopped early" in n for n in stopped.notes)
     assert "early_stop" in stopped.to_dict()["rules"]
+    assert "early_stop" not in full.to_dict()["rules"]
 
 
 def test_a_key_the_stop_leaves_unknown_makes_its_safe_rate_a_lower_bound():
