@@ -43,6 +43,7 @@ result is the same as the serial run's, number for number.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -59,6 +60,7 @@ from simcap.simulator import Result, provenance, simulate
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128)
 # Closed loop: at least this many requests per client at each point (see the module docstring).
 REQUESTS_PER_CLIENT = 8
+BUNDLES_PER_WORKER = 6  # arms go to worker processes in this many bundles per worker
 
 
 # --------------------------------------------------------------------------- inputs
@@ -336,8 +338,8 @@ def arm_scenarios(
     return spec, base, wl.get("num_requests")
 
 
-def _run_arm(scenario: Scenario) -> ArmPoint:
-    return ArmPoint.of(simulate(scenario))
+def _run_arms(scenarios: list[Scenario]) -> list[ArmPoint]:
+    return [ArmPoint.of(simulate(s)) for s in scenarios]
 
 
 def _rebuild(data: dict[str, Any], like: Scenario) -> Scenario:
@@ -383,8 +385,9 @@ def find_crossovers(
     runner: Runner | None = None,
 ) -> list[CrossoverResult]:
     """:func:`find_crossover` for several scenarios at the same load points, every arm of
-    every scenario in one batch (the costliest first, so that worker processes finish
-    together). Each result is the one :func:`find_crossover` gives for its scenario."""
+    every scenario in one batch: a few bundles of arms of similar estimated cost per worker
+    process, costliest first, so that the processes finish together and wait little on the
+    parent. Each result is the one :func:`find_crossover` gives for its scenario."""
     for scenario in scenarios:
         if scenario.speculative is None:
             arm_scenarios(scenario, concurrency=1)  # raises the one-line error
@@ -416,17 +419,18 @@ def find_crossovers(
             mine.append(arm_scenarios(scenario, requests_per_client=requests_per_client, **kw))
         arms.append(mine)
     tasks = [sc for mine in arms for spec_sc, base_sc, _ in mine for sc in (spec_sc, base_sc)]
-    order = sorted(range(len(tasks)), key=lambda i: -_cost(tasks[i]))
     own = runner is None
     pool = Runner(workers) if own else runner
+    bundles = _bundles([_cost(t) for t in tasks], BUNDLES_PER_WORKER * pool.workers)
     try:
-        ran = pool.map([tasks[i] for i in order], _run_arm)
+        ran = pool.map([[tasks[i] for i in b] for b in bundles], _run_arms)
     finally:
         if own:
             pool.close()
     done: list[ArmPoint | None] = [None] * len(tasks)
-    for i, arm in zip(order, ran):
-        done[i] = arm
+    for bundle, arms_done in zip(bundles, ran):
+        for i, arm in zip(bundle, arms_done):
+            done[i] = arm
     wall = time.perf_counter() - started
     results = []
     for j, (scenario, mine) in enumerate(zip(scenarios, arms)):
@@ -442,15 +446,29 @@ def find_crossovers(
 
 
 def _cost(scenario: Scenario) -> float:
-    """A rough relative cost of simulating one arm: its requests, times the tokens a step
-    verifies per request when it speculates."""
+    """A rough relative cost of simulating one arm: its requests, more when it speculates
+    (a verify step costs several decode steps to simulate)."""
     wl = scenario.workload
     n = wl.num_requests
     if n is None:
         rate = getattr(wl.arrival, "rate", None)
         n = rate * wl.duration_s if rate else wl.duration_s
     spec = scenario.speculative
-    return float(n) * (1 + (spec.num_speculative_tokens if spec else 0))
+    return float(n) * (1 + 2 * (spec.num_speculative_tokens if spec else 0))
+
+
+def _bundles(costs: list[float], count: int) -> list[list[int]]:
+    """Task indices in at most ``count`` bundles of similar cost (costliest task first into
+    the cheapest bundle), costliest bundle first: few hand-offs to the worker processes, which
+    finish at about the same time."""
+    loads = [(0.0, b) for b in range(min(count, len(costs)))]
+    members: list[list[int]] = [[] for _ in loads]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        load, b = heapq.heappop(loads)
+        members[b].append(i)
+        heapq.heappush(loads, (load + costs[i], b))
+    total = {b: load for load, b in loads}
+    return [members[b] for b in sorted(total, key=lambda b: -total[b]) if members[b]]
 
 
 def _analyse(
