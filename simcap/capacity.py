@@ -30,7 +30,8 @@ Rules (also carried in every result's ``rules``):
   over the saturated runs. When no tested rate saturates, rates above the highest tested
   one are probed (role ``probe``, one replicate each, never used for the safe rate).
 - **early stop** (on by default, ``early_stop=False`` / ``--no-early-stop`` to run every
-  request): once the arrival window has closed, a run stops as soon as a TTFT or E2E target
+  request; ``early_stop="interval"``: only in the bootstrap interval's searches, whose runs
+  give nothing but a verdict and a completion rate): once the arrival window has closed, a run stops as soon as a TTFT or E2E target
   is certain to fail whatever happens next (:mod:`simcap.early_stop`: e.g. a p95 fails once
   more than 5% of ALL the run's requests are known to exceed it, a request waiting since
   ``a`` having TTFT >= t - a). It counts as failed, as it would have; the window's
@@ -296,7 +297,8 @@ def _run_one(task: tuple) -> CapacityPoint:
         scenario, rate, duration_s=duration_s, seed=scenario.seed + replicate, slo=slo,
         step_time=step_time,
     )
-    stop = SloStop(s.slo, not_before=duration_s) if early_stop else None
+    stop = (SloStop(s.slo, not_before=duration_s)
+            if early_stop is True or (early_stop == "interval" and role == "bootstrap") else None)
     return point_from_result(simulate(s, stop=stop), rate, replicate, duration_s, role)
 
 
@@ -307,9 +309,9 @@ class Runner:
     module-level ``fn`` (the crossover's arms). ``early_stop`` applies to capacity tasks.
     """
 
-    def __init__(self, workers: int = 1, early_stop: bool = True) -> None:
+    def __init__(self, workers: int = 1, early_stop: bool | str = True) -> None:
         self.workers = max(1, int(workers))
-        self.early_stop = bool(early_stop)
+        self.early_stop = early_stop
         self._pool: ProcessPoolExecutor | None = None
 
     def map(self, tasks: list[tuple], fn: Callable[[Any], Any] | None = None) -> list[Any]:
@@ -398,7 +400,7 @@ class CapacityResult:
     interval_info: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
-    early_stop: bool = True
+    early_stop: bool | str = True
 
     def lower_bounds(self) -> dict[str, bool]:
         """Per SLO key: whether its safe rate is only a lower bound (every tested rate passed,
@@ -612,14 +614,15 @@ def find_capacity(
     interval: bool = True,
     interval_max_sets: int = 8,
     interval_rel_tol: float = 0.04,
-    early_stop: bool = True,
+    early_stop: bool | str = True,
 ) -> CapacityResult:
     """The safe rate and saturation rate of ``scenario`` under ``slo`` (see the module doc).
 
     ``slo``: ``{"ttft_p95": 2.0}`` or ``["ttft_p95=2.0"]``; default the scenario's own SLO.
     ``rates``: requested rates (requests/s) to test; or ``auto=True`` to search. Neither:
     search. Every rate is run ``replicates`` times for ``duration_s`` seconds of arrivals.
-    ``early_stop``: stop a run once its SLO is certain to fail (see the module doc).
+    ``early_stop``: stop a run once its SLO is certain to fail (see the module doc); True,
+    False, or ``"interval"`` (only the bootstrap interval's runs).
     """
     targets = parse_slo(slo) if slo else dict(scenario.slo)
     if not targets:
@@ -635,6 +638,8 @@ def find_capacity(
         if not rates or any(r <= 0 or not math.isfinite(r) for r in rates):
             raise ScenarioError("--rates: every rate must be > 0 requests/s")
     mode = "grid" if rates is not None and not auto else "auto"
+    if early_stop not in (True, False, "interval"):
+        raise ScenarioError(f"early_stop: must be true, false or 'interval' (got {early_stop!r})")
     runner = Runner(workers, early_stop=early_stop)
     notes: list[str] = []
     try:
@@ -700,7 +705,8 @@ def find_capacity(
         simcap_version=__version__,
         method="open-loop arrivals per rate, replicate r uses seed + r at every rate (common "
         "random numbers), every request completed unless the SLO is certain to fail"
-        + ("" if early_stop else " (early stop off: every request completed)"),
+        + {True: "", False: " (early stop off)",
+           "interval": " (early stop in the bootstrap interval's runs only)"}[early_stop],
         arrival_process=(
             "gamma" if isinstance(scenario.workload.arrival, GammaArrival) else "poisson"
         ),
@@ -730,6 +736,7 @@ def _interval(
     mu = result.saturation_rate
     ratio = min(max(center / mu, 0.2), 0.98) if mu else None
     mu_b: list[float | None] = [None] * len(sets)
+    probes_stopped = 0
     if mu:
         probe = 1.5 * mu
         todo = list(range(len(sets)))
@@ -737,6 +744,7 @@ def _interval(
             runs = runner.map([(scenario, probe, 0, duration_s, targets, sets[i], "bootstrap")
                                for i in todo])
             for i, run in zip(todo, runs):
+                probes_stopped += run.stopped is not None
                 if run.saturated:
                     mu_b[i] = run.completion_rate
             todo = [i for i in todo if mu_b[i] is None]
@@ -763,6 +771,7 @@ def _interval(
         "safe_rates": safe_rates,
         "saturation_rates": mu_b,
         "num_runs": sum(len(p) for p in found_points) + len(sets),
+        "stopped_early": probes_stopped + sum(1 for pts in found_points for p in pts if p.stopped),
         "notes": notes,
     }
 

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from simcap.capacity import find_capacity
 from simcap.cli import app
 from simcap.early_stop import SloStop, certain_failure, stoppable_keys
+from simcap.errors import ScenarioError
 from simcap.metrics import Distribution
 from simcap.scenario import parse_scenario
 from simcap.simulator import simulate
@@ -237,3 +238,20 @@ def test_cli_early_stop_switch(tmp_path):
     assert not any("stopped_early" in p for p in off["points"])
     assert on["safe_rate"] == off["safe_rate"] and on["saturation_rate"] == off["saturation_rate"]
     assert off["points"][1]["ttft_p95"] > 0.015 and on["points"][1]["ttft_p95"] is None
+
+
+def test_interval_only_early_stop_spares_the_reported_runs():
+    """``early_stop="interval"`` stops only the bootstrap interval's runs (role bootstrap),
+    whose values nobody reports; a search run at the same overloaded rate goes to the end."""
+    from simcap.capacity import Runner
+
+    scenario = parse_scenario(dd1_data())
+    with Runner(1, early_stop="interval") as runner:
+        search, boot = runner.map([(scenario, 200.0, 0, 10.0, SLO, None, role)
+                                   for role in ("search", "bootstrap")])
+    assert search.stopped is None and search.values["ttft_p95"] > SLO["ttft_p95"]
+    assert boot.stopped is not None and boot.values["ttft_p95"] is None
+    assert (search.passed, search.saturated, search.completion_rate) == (
+        boot.passed, boot.saturated, boot.completion_rate)
+    with pytest.raises(ScenarioError, match="early_stop"):
+        find_capacity(scenario, SLO, rates=[50], duration_s=1.0, early_stop="sometimes")
