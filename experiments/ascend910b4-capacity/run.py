@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -166,7 +167,10 @@ def main() -> None:
         args.out = str(HERE if args.form == "linear" else HERE / "roofline")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    overrides = [f"profile={Path(args.profile).resolve()}"] if args.profile else []
+    # (relative to the scenario's folder, where the scenario resolves it: no machine path in
+    # the results)
+    overrides = ([f"profile={os.path.relpath(Path(args.profile).resolve(), HERE)}"]
+                 if args.profile else [])
     scenario = simcap.load_scenario(HERE / "scenario.yaml", overrides)
     slo = dict(scenario.slo)
 
@@ -220,8 +224,7 @@ def main() -> None:
         "rules": search.to_dict()["rules"],
         "provenance": {
             **search.provenance,
-            "command": "python experiments/ascend910b4-capacity/run.py"
-            + (f" --profile {args.profile}" if args.profile else ""),
+            "command": " ".join(["python experiments/ascend910b4-capacity/run.py", *sys.argv[1:]]),
         },
         "wall_s": {"search_with_interval": t_search, "grid": t_grid,
                    "total": time.perf_counter() - t0},
