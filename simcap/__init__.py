@@ -33,12 +33,22 @@ Usage::
     print(result.summary.ttft_s.p95)
 """
 
+from simcap._lazy import lazy_exports
 from simcap._version import __version__
-from simcap.errors import ScenarioError, SimcapError
-from simcap.metrics import Summary, summarize
-from simcap.records import RequestRecord
-from simcap.scenario import Scenario, load_scenario, parse_scenario
-from simcap.simulator import Result, SimulationError, simulate
+from simcap.errors import ScenarioError, SimcapError, SimulationError
+
+# The rest of the public API is imported on first use (PEP 562), so that ``import simcap``
+# and ``simcap --help`` do not pay for numpy, pydantic and SimPy before a command needs them.
+_LAZY = {
+    "RequestRecord": "simcap.records",
+    "Result": "simcap.simulator",
+    "Scenario": "simcap.scenario",
+    "Summary": "simcap.metrics",
+    "load_scenario": "simcap.scenario",
+    "parse_scenario": "simcap.scenario",
+    "simulate": "simcap.simulator",
+    "summarize": "simcap.metrics",
+}
 
 __all__ = [
     "RequestRecord",
@@ -54,3 +64,6 @@ __all__ = [
     "simulate",
     "summarize",
 ]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -65,11 +65,16 @@ from simcap._version import __version__
 from simcap.early_stop import SloStop, describe as describe_early_stop
 from simcap.errors import ScenarioError
 from simcap.metrics import ADEQUACY, SLO_METRICS, SLO_STATS, early_stopping_min_queries
-from simcap.scenario import ClosedArrival, GammaArrival, PoissonArrival, Scenario, StepTimeConfig
+from simcap.scenario import (
+    MAX_REQUESTS, MAX_SIMULATED_S, ClosedArrival, GammaArrival, PoissonArrival, Scenario,
+    StepTimeConfig, expected_requests,
+)
 from simcap.simulator import Result, provenance, simulate
 
 DEFAULT_DURATION_S = 300.0
 DEFAULT_REPLICATES = 2
+MAX_RATES = 1000  # rates one grid tests (each a whole simulation per replicate)
+MAX_REPLICATES = 1000
 SATURATION_RATIO = 0.95
 REPORTED = ("ttft_p95", "tpot_p95")  # always reported per point, SLO or not
 
@@ -146,6 +151,8 @@ def parse_rates(text: str) -> list[float]:
             start, stop, n = float(parts[0]), float(parts[1]), int(parts[2])
             if n < 1 or stop < start:
                 raise ValueError
+            if n > MAX_RATES:
+                raise ScenarioError(f"--rates {text!r}: at most {MAX_RATES} rates (got {n})")
             rates = [float(r) for r in np.linspace(start, stop, n)]
         else:
             rates = [float(tok) for tok in text.split(",") if tok.strip()]
@@ -153,6 +160,8 @@ def parse_rates(text: str) -> list[float]:
         raise ScenarioError(
             f"--rates {text!r}: expected rates in requests/s as R1,R2,... or START:STOP:N"
         ) from None
+    if len(rates) > MAX_RATES:
+        raise ScenarioError(f"--rates {text!r}: at most {MAX_RATES} rates (got {len(rates)})")
     if not rates or any(not math.isfinite(r) or r <= 0 for r in rates):
         raise ScenarioError(f"--rates {text!r}: every rate must be > 0 requests/s")
     return sorted(set(rates))
@@ -302,6 +311,13 @@ def _run_one(task: tuple) -> CapacityPoint:
     return point_from_result(simulate(s, stop=stop), rate, replicate, duration_s, role)
 
 
+def check_workers(workers: int) -> int:
+    """``workers`` if it is a whole number of processes >= 1; else a ScenarioError."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ScenarioError(f"--workers: must be a whole number >= 1 (got {workers!r})")
+    return workers
+
+
 class Runner:
     """Runs batches of tasks, in worker processes when ``workers > 1``, results in task order.
 
@@ -310,7 +326,7 @@ class Runner:
     """
 
     def __init__(self, workers: int = 1, early_stop: bool | str = True) -> None:
-        self.workers = max(1, int(workers))
+        self.workers = check_workers(workers)
         self.early_stop = early_stop
         self._pool: ProcessPoolExecutor | None = None
 
@@ -629,14 +645,26 @@ def find_capacity(
         raise ScenarioError(
             "slo: capacity needs an SLO: give --slo ttft_p95=2.0 or an slo section in the scenario"
         )
-    if not (duration_s > 0 and math.isfinite(duration_s)):
-        raise ScenarioError(f"--duration: must be > 0 seconds (got {duration_s})")
-    if replicates < 1:
-        raise ScenarioError(f"--replicates: must be >= 1 (got {replicates})")
+    if not (0 < duration_s <= MAX_SIMULATED_S):
+        raise ScenarioError(
+            f"--duration: must be > 0 and <= {MAX_SIMULATED_S:.0e} seconds (got {duration_s})"
+        )
+    if not 1 <= replicates <= MAX_REPLICATES:
+        raise ScenarioError(f"--replicates: must be in [1, {MAX_REPLICATES}] (got {replicates})")
+    if interval and interval_max_sets < 1:
+        raise ScenarioError(f"--interval-sets: must be >= 0 (got {interval_max_sets})")
+    check_workers(workers)
     if rates is not None:
         rates = sorted({float(r) for r in rates})
         if not rates or any(r <= 0 or not math.isfinite(r) for r in rates):
             raise ScenarioError("--rates: every rate must be > 0 requests/s")
+        top = at_rate(scenario, rates[-1], duration_s=duration_s, seed=scenario.seed, slo=targets)
+        if expected_requests(top) > MAX_REQUESTS:
+            raise ScenarioError(
+                f"--rates: {rates[-1]:g} req/s for --duration {duration_s:g} s is "
+                f"~{expected_requests(top):.3g} requests a run; one simulation holds at most "
+                f"{MAX_REQUESTS:,} requests"
+            )
     mode = "grid" if rates is not None and not auto else "auto"
     if early_stop not in (True, False, "interval"):
         raise ScenarioError(f"early_stop: must be true, false or 'interval' (got {early_stop!r})")

@@ -8,15 +8,44 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import typer
-from rich.console import Console
+from typer.core import TyperGroup
 
 from simcap import report
 from simcap._version import __version__
-from simcap.errors import SimcapError
-from simcap.scenario import load_scenario
-from simcap.simulator import SimulationError, simulate
+from simcap.errors import SimcapError, SimulationError
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """A malformed command line (unknown option, a value of the wrong type or out of range,
+    a missing argument), in any sub-command, is one line and exit code 2, as every other bad
+    input is; a bare group still prints its help."""
+
+    def make_context(self, *args, **kwargs):
+        with _usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _usage_errors():
+            return super().invoke(ctx)
+
+
+# Click's usage errors, from the click typer runs on (some typer releases carry their own).
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_NoArgsIsHelp = getattr(sys.modules[_UsageError.__module__], "NoArgsIsHelpError", ())
+
+
+@contextmanager
+def _usage_errors() -> Iterator[None]:
+    try:
+        yield
+    except _NoArgsIsHelp:  # a bare command group: its help, as before
+        raise
+    except _UsageError as exc:
+        _fail(exc.format_message())
+
 
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     add_completion=False,
     no_args_is_help=True,
     help="Discrete-event capacity simulator of the vLLM V1 serving engine.",
@@ -59,9 +88,16 @@ def simulate_cmd(
     ),
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
+    from simcap.scenario import load_scenario
+    from simcap.simulator import simulate
+
     intervals = None
     keep = plot is not None  # the figures need every chunk and every step
     with user_errors():
+        if plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(plot, "--plot", directory=True)
         if ci:
             from simcap.calibrate import simulate_with_ci
 
@@ -76,15 +112,17 @@ def simulate_cmd(
     if json_out:
         typer.echo(report.to_json(data))
     else:
-        report.render_summary(data, Console(width=max(100, Console().width)))
+        report.render_summary(data, report.wide_console(100))
         if intervals is not None:
             from simcap.calibrate import render_intervals
 
-            render_intervals(data, intervals, Console(width=max(100, Console().width)))
+            render_intervals(data, intervals, report.wide_console(100))
     if plot is not None:
         from simcap.plots import write_simulation_plots
 
-        for path in write_simulation_plots(result, plot):
+        with user_errors():
+            paths = write_simulation_plots(result, plot)
+        for path in paths:
             typer.echo(f"figure: {path}", err=json_out)  # stdout stays pure JSON with --json
 
 
@@ -95,6 +133,8 @@ def kv_cmd(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Size the KV pool from card memory, model shape and flags, as vLLM does at start-up."""
+    from simcap.scenario import load_scenario
+
     try:
         loaded = load_scenario(scenario, set_ or [], check=False)
     except SimcapError as exc:
@@ -105,7 +145,7 @@ def kv_cmd(
     if json_out:
         typer.echo(report.to_json(plan.to_dict()))
     else:
-        report.render_kv_plan(plan.to_dict(), Console(width=max(100, Console().width)))
+        report.render_kv_plan(plan.to_dict(), report.wide_console(100))
 
 
 @app.command("crossover")
@@ -127,10 +167,15 @@ def crossover_cmd(
 ) -> None:
     """Run a scenario with and without speculative decoding across load; find the crossover."""
     from simcap import crossover as xo
+    from simcap.scenario import load_scenario
 
     with user_errors():
         if concurrency is not None and rate is not None:
             _fail("--rate: give either --concurrency (closed loop) or --rate (open loop), not both")
+        if plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(plot, "--plot")
         loaded = load_scenario(scenario, set_ or [])
         result = xo.find_crossover(
             loaded,
@@ -140,11 +185,12 @@ def crossover_cmd(
             workers=workers,
         )
     if plot is not None:
-        xo.plot_crossover(result, plot)
+        with user_errors():
+            xo.plot_crossover(result, plot)
     if json_out:
         typer.echo(report.to_json(result.to_dict()))
     else:
-        xo.render_crossover(result, Console(width=max(130, Console().width)))
+        xo.render_crossover(result, report.wide_console(130))
         if plot is not None:
             typer.echo(f"figure: {plot}")
 
@@ -175,8 +221,13 @@ def capacity_cmd(
 ) -> None:
     """Highest arrival rate that keeps the SLO (safe rate) and where the queue diverges."""
     from simcap import capacity as cap
+    from simcap.scenario import load_scenario
 
     with user_errors():
+        if plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(plot, "--plot")
         loaded = load_scenario(scenario, set_ or [])
         result = cap.find_capacity(
             loaded,
@@ -186,18 +237,19 @@ def capacity_cmd(
             duration_s=duration,
             replicates=replicates,
             workers=workers,
-            interval=interval_sets > 0,
-            interval_max_sets=max(interval_sets, 1),
+            interval=interval_sets != 0,
+            interval_max_sets=interval_sets,
             early_stop=early_stop,
         )
     if plot is not None:
         from simcap.plots import plot_capacity
 
-        plot_capacity(result, plot)
+        with user_errors():
+            plot_capacity(result, plot)
     if json_out:
         typer.echo(report.to_json(result.to_dict()))
     else:
-        cap.render_capacity(result, Console(width=max(120, Console().width)))
+        cap.render_capacity(result, report.wide_console(120))
     if plot is not None:
         typer.echo(f"figure: {plot}", err=json_out)
 
@@ -220,6 +272,7 @@ def sweep_cmd(
     csv_out: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
 ) -> None:
     """Simulate every combination of the --grid overrides; one row per point, in grid order."""
+    from rich.console import Console
     from rich.progress import Progress
 
     from simcap import sweep as sw
@@ -255,7 +308,7 @@ def sweep_cmd(
     elif csv_out:
         typer.echo(result.to_csv(), nl=False)
     else:
-        sw.render_sweep(result, Console(width=max(120, Console().width)))
+        sw.render_sweep(result, report.wide_console(120))
 
 
 @app.command("calibrate")
@@ -318,9 +371,14 @@ def calibrate_cmd(
     from simcap import calibrate as cal
 
     try:
+        if residual_plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(residual_plot, "--residual-plot")
         fixed = cal.parse_fix(fix or [])
         recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem)
-        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v}
+        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len))
+                    if v is not None}
         family = cal.noise_family(noise)
         roofline = None
         if form == "roofline":
@@ -344,7 +402,7 @@ def calibrate_cmd(
     if json_out:
         typer.echo(report.to_json({**fit.to_dict(), "profile": str(out)}))
     else:
-        cal.render_fit(fit, Console(width=max(110, Console().width)))
+        cal.render_fit(fit, report.wide_console(110))
         typer.echo(f"profile: {out}")
         if residual_plot is not None:
             typer.echo(f"figure: {residual_plot}")

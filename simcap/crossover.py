@@ -51,7 +51,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from simcap.capacity import Runner
+from simcap.capacity import Runner, check_workers
 from simcap.errors import ScenarioError
 from simcap.plots import plot_crossover  # noqa: F401  (the figure lives with the other plots)
 from simcap.scenario import Scenario, parse_scenario
@@ -388,6 +388,7 @@ def find_crossovers(
     every scenario in one batch: a few bundles of arms of similar estimated cost per worker
     process, costliest first, so that the processes finish together and wait little on the
     parent. Each result is the one :func:`find_crossover` gives for its scenario."""
+    check_workers(workers)
     for scenario in scenarios:
         if scenario.speculative is None:
             arm_scenarios(scenario, concurrency=1)  # raises the one-line error
@@ -408,8 +409,6 @@ def find_crossovers(
             DEFAULT_CONCURRENCIES if concurrencies is None else concurrencies,
             "--concurrency", integer=True,
         )
-    if isinstance(workers, bool) or int(workers) != workers or workers < 1:
-        raise ScenarioError(f"--workers: must be a whole number >= 1 (got {workers!r})")
     started = time.perf_counter()
     arms = []  # per scenario, per load: (spec scenario, baseline scenario, num_requests)
     for scenario in scenarios:

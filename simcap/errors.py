@@ -13,3 +13,7 @@ class ScenarioError(SimcapError, ValueError):
     The message starts with the dotted path of the offending field, e.g.
     ``workload.arrival.rate: must be > 0 (got -1)``.
     """
+
+
+class SimulationError(RuntimeError):
+    """The engine model reached a state vLLM could not (a bug, or an unservable request)."""

@@ -66,7 +66,10 @@ KVSource = Literal["measured num_gpu_blocks", "measured kv_cache_gb", "estimate"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+MAX_CARD_GB = 1.0e6  # memory of one card, GB: far above any card, and bytes stay exact integers
 
 
 def _fmt(x: float) -> str:
@@ -394,16 +397,24 @@ class MemorySpec(_Model):
     term also absorbs non-torch memory (communication buffers, allocator slack) the profiler sees.
     """
 
-    gpu_memory_gb: float = Field(gt=0.0, description="Total memory of one card, GB.")
+    gpu_memory_gb: float = Field(
+        gt=0.0, le=MAX_CARD_GB, description="Total memory of one card, GB."
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    weights_gb: float = Field(ge=0.0, description="Weights on one card (target + draft), GB.")
-    cuda_graph_gb: float = Field(0.0, ge=0.0, description="CUDA-graph capture memory, GB.")
+    weights_gb: float = Field(
+        ge=0.0, le=MAX_CARD_GB, description="Weights on one card (target + draft), GB."
+    )
+    cuda_graph_gb: float = Field(
+        0.0, ge=0.0, le=MAX_CARD_GB, description="CUDA-graph capture memory, GB."
+    )
     reserve_cuda_graphs: bool = Field(True, description="Whether the KV estimate subtracts graphs.")
-    activation_gb_fixed: float = Field(0.0, ge=0.0)
-    activation_gb_per_batched_token: float = Field(0.0, ge=0.0)
+    activation_gb_fixed: float = Field(0.0, ge=0.0, le=MAX_CARD_GB)
+    activation_gb_per_batched_token: float = Field(0.0, ge=0.0, le=MAX_CARD_GB)
     tensor_parallel_size: int = Field(1, gt=0)
     model: ModelShape
-    kv_cache_gb: float | None = Field(None, gt=0.0, description="Measured KV size per card, GB.")
+    kv_cache_gb: float | None = Field(
+        None, gt=0.0, le=MAX_CARD_GB, description="Measured KV size per card, GB."
+    )
     num_gpu_blocks: int | None = Field(None, gt=1, description="Measured pool size, blocks.")
 
     @property

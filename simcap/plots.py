@@ -12,6 +12,7 @@
   and the safe and saturation rates.
 
 ``write_simulation_plots(result, out_dir)`` writes the first three (``simcap simulate --plot``).
+``check_figure_path`` refuses, before any work, a figure path that cannot be written.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
+
+from simcap.errors import SimcapError
 
 if TYPE_CHECKING:  # pragma: no cover
     from simcap.capacity import CapacityResult
@@ -41,11 +44,47 @@ def _plt():
     return plt
 
 
+# Formats matplotlib's Agg canvas writes, chosen by the file's suffix (a test holds them to
+# matplotlib's own list; asking matplotlib would import it before any work is done).
+IMAGE_FORMATS = (
+    ".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp",
+)
+
+
+def check_figure_path(path: str | Path, option: str, *, directory: bool = False) -> Path:
+    """``path`` if a figure (or, with ``directory``, a folder of PNGs) can be written there:
+    a known image suffix (IMAGE_FORMATS), not an existing folder (or file), and no regular
+    file where a parent folder must be. Else a one-line SimcapError naming ``option``."""
+    path = Path(path)
+    if directory:
+        if path.exists() and not path.is_dir():
+            raise SimcapError(f"{option} {path}: is a file; give a directory for the figures")
+    else:
+        if path.is_dir():
+            raise SimcapError(f"{option} {path}: is a directory; give a file name")
+        if path.suffix.lower() not in IMAGE_FORMATS:
+            raise SimcapError(
+                f"{option} {path}: unknown image format {path.suffix or '(no suffix)'}; "
+                f"allowed: {', '.join(IMAGE_FORMATS)}"
+            )
+    for parent in path.parents:  # the nearest existing ancestor must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                raise SimcapError(f"{option} {path}: {parent} is a file, not a directory")
+            break
+    return path
+
+
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except (OSError, ValueError) as exc:  # ValueError: a format matplotlib does not write
+        why = getattr(exc, "strerror", None) or exc
+        raise SimcapError(f"{path}: cannot write the figure: {why}") from None
+    finally:
+        _plt().close(fig)
     return path
 
 
@@ -405,8 +444,13 @@ def plot_kv_queue(result: "Result", path: str | Path) -> Path:
 
 def write_simulation_plots(result: "Result", out_dir: str | Path) -> list[Path]:
     """The three teaching views of one run, as PNGs in ``out_dir``; returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_figure_path(out_dir, "--plot", directory=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SimcapError(
+            f"{out}: cannot make the figure directory: {exc.strerror or exc}"
+        ) from None
     return [
         plot_step_timeline(result, out / "step_timeline.png"),
         plot_itl_histogram(result, out / "itl_histogram.png"),

@@ -1,13 +1,17 @@
-"""Rendering results for people: rich tables of a run's summary, with its provenance."""
+"""Rendering results for people: rich tables of a run's summary, with its provenance.
+
+rich is imported where a table is drawn, so that ``--json`` output never loads it.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 _LATENCIES = (
     ("ttft_s", "TTFT"),
@@ -18,6 +22,13 @@ _LATENCIES = (
     ("queue_s", "queue"),
 )
 _PERCENTILES = ("p90", "p95", "p99")
+
+
+def wide_console(min_width: int = 100) -> Console:
+    """A console at least ``min_width`` columns wide (wider when the terminal is)."""
+    from rich.console import Console
+
+    return Console(width=max(min_width, Console().width))
 
 
 def to_json(data: dict[str, Any]) -> str:
@@ -49,6 +60,8 @@ def _ms(value: float | None) -> str:
 
 
 def latency_table(result: dict[str, Any], title: str = "latency (ms)") -> Table:
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left")
     table.add_column("metric")
     for col in ("mean", "p50", "p90", "p95", "p99", "max"):
@@ -70,6 +83,8 @@ def latency_table(result: dict[str, Any], title: str = "latency (ms)") -> Table:
 
 def render_summary(result: dict[str, Any], console: Console) -> None:
     """Print a run's summary: latencies, throughput, SLO, engine counters, provenance."""
+    from rich.table import Table
+
     console.print(latency_table(result))
     if any(
         not d.get("samples_adequate", {}).get(p, True)
@@ -128,6 +143,8 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
 
 def render_kv_plan(plan: dict[str, Any], console: Console) -> None:
     """Print a KV pool plan: where each card's memory goes and what the pool holds."""
+    from rich.table import Table
+
     table = Table(title=f"KV pool per card (GB = 1e9 bytes; source: {plan['source']})",
                   title_justify="left")
     table.add_column("item")

@@ -3,7 +3,10 @@
 A scenario names the engine configuration (vLLM's own flag names), the step-time model,
 the workload, the SLO and the seed. ``load_scenario`` reads a YAML file, applies dotted
 ``key=value`` overrides and validates; every problem becomes a :class:`ScenarioError`
-whose message starts with the offending field's dotted path.
+whose message starts with the offending field's dotted path. Validation is strict (a flag is
+a boolean, a count an integer: ``max_num_seqs: true`` is refused, not read as 1; numbers are
+finite), and :func:`check_limits` refuses a scenario larger than one simulation holds
+(``MAX_REQUESTS``, ``MAX_SIMULATED_S``, ...; README, "Limits") before anything is allocated.
 """
 
 from __future__ import annotations
@@ -22,15 +25,32 @@ from pydantic import (
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
 from simcap.profile import apply_profile
-from simcap.yaml_files import read_yaml_mapping
+from simcap.yaml_files import load_yaml, read_yaml_mapping
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
 VllmVersion = Literal["0.11", "0.23", "0.26", "0.32"]
 DEFAULT_VLLM_VERSION: VllmVersion = "0.32"
 
 
+# --------------------------------------------------------------------------- limits
+# What one simulation holds (README, "Limits"). Field bounds refuse larger values as they are
+# read; check_limits refuses, from the scenario alone and before anything is allocated, a
+# workload that would exceed them (e.g. duration_s x rate expected requests).
+MAX_REQUESTS = 10_000_000  # ~200 bytes each in a run's summaries: ~2 GB
+MAX_SIMULATED_S = 1.0e7  # ~116 days of arrivals; float64 time still resolves ~2 ns there
+MAX_KV_BLOCKS = 2**24  # the KV pool keeps ~70 bytes a block: ~1.2 GB
+MAX_TOKENS = 2**24  # per request and per step (max_model_len, lengths, token budget)
+MAX_NUM_SEQS = 2**16  # requests in one batch
+MAX_CLIENTS = 2**20  # closed-loop clients (one simulated process each)
+MAX_INT64 = 2**63 - 1  # seeds and counts stored as int64
+# A run that keeps every stream chunk and step (records, steps: ``simulate --plot``) holds
+# some 60 bytes per output token: ~1.1 GB at the limit.
+MAX_RECORDED_TOKENS = 20_000_000
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Finite numbers only; parse_scenario also validates strictly (no true -> 1, no "3" -> 3).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- engine
@@ -42,18 +62,19 @@ class EngineConfig(_Model):
     vllm_version: VllmVersion = Field(
         DEFAULT_VLLM_VERSION, description="vLLM release whose V1 scheduler is modelled."
     )
-    max_num_seqs: int = Field(256, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
-    block_size: int = Field(16, gt=0)
+    max_num_seqs: int = Field(256, gt=0, le=MAX_NUM_SEQS)
+    max_num_batched_tokens: int = Field(2048, gt=0, le=MAX_TOKENS)
+    block_size: int = Field(16, gt=0, le=MAX_TOKENS)
     num_gpu_blocks: int | None = Field(
-        None, gt=1, description="KV pool size in blocks (block 0 is reserved); or give memory."
+        None, gt=1, le=MAX_KV_BLOCKS,
+        description="KV pool size in blocks (block 0 is reserved); or give memory.",
     )
     memory: MemorySpec | None = Field(
         None, description="Card memory and model shape, from which vLLM's pool size follows."
     )
-    max_model_len: int = Field(gt=1)
+    max_model_len: int = Field(gt=1, le=MAX_TOKENS)
     enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = Field(0, ge=0)
+    long_prefill_token_threshold: int = Field(0, ge=0, le=MAX_TOKENS)
     # None: the modelled version's default (see VERSION_FEATURES).
     scheduler_reserve_full_isl: bool | None = None
     watermark: float = Field(0.0, ge=0.0, lt=1.0)
@@ -145,7 +166,9 @@ class EmpiricalNoise(_Model):
 
     kind: Literal["empirical"]
     quantiles: tuple[float, ...]
-    samples: int | None = Field(None, ge=0, description="Steps the quantiles were fitted from.")
+    samples: int | None = Field(
+        None, ge=0, le=MAX_INT64, description="Steps the quantiles were fitted from."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EmpiricalNoise":
@@ -164,7 +187,7 @@ class LognormalNoise(_Model):
 
     kind: Literal["lognormal"]
     sigma: float = Field(ge=0.0, description="Standard deviation of the factor's logarithm.")
-    samples: int | None = Field(None, ge=0, description="Steps sigma was fitted from.")
+    samples: int | None = Field(None, ge=0, le=MAX_INT64, description="Steps sigma was fitted from.")
 
 
 NoiseDist = Annotated[Union[EmpiricalNoise, LognormalNoise], Field(discriminator="kind")]
@@ -227,7 +250,7 @@ class StepTimeConfig(_Model):
     compute_dtype: str | None = Field(
         None, description="roofline: peak-FLOPs entry of the matmuls; None: weight_dtype's."
     )
-    tensor_parallel_size: int = Field(1, gt=0)
+    tensor_parallel_size: int = Field(1, gt=0, le=MAX_NUM_SEQS)
     expert_parallel: bool = False
     routing_skew: float = Field(
         0.0, ge=0.0, lt=1.0,
@@ -364,8 +387,10 @@ class GammaArrival(_Model):
 
 class ClosedArrival(_Model):
     process: Literal["closed"]
-    concurrency: int = Field(gt=0, description="clients, each with one request in flight")
-    think_time_s: float = Field(0.0, ge=0.0)
+    concurrency: int = Field(
+        gt=0, le=MAX_CLIENTS, description="clients, each with one request in flight"
+    )
+    think_time_s: float = Field(0.0, ge=0.0, le=MAX_SIMULATED_S)
 
 
 Arrival = Annotated[
@@ -375,7 +400,7 @@ Arrival = Annotated[
 
 class FixedLength(_Model):
     dist: Literal["fixed"]
-    value: int = Field(gt=0)
+    value: int = Field(gt=0, le=MAX_TOKENS)
 
     @property
     def min_value(self) -> int:
@@ -390,8 +415,8 @@ class UniformLength(_Model):
     """Integers uniform on [low, high], both included."""
 
     dist: Literal["uniform"]
-    low: int = Field(gt=0)
-    high: int = Field(gt=0)
+    low: int = Field(gt=0, le=MAX_TOKENS)
+    high: int = Field(gt=0, le=MAX_TOKENS)
 
     @model_validator(mode="after")
     def _ordered(self) -> "UniformLength":
@@ -412,7 +437,7 @@ class EmpiricalLength(_Model):
     """Lengths drawn with replacement from a list, given inline or as a file of numbers."""
 
     dist: Literal["empirical"]
-    values: tuple[Annotated[int, Field(gt=0)], ...] = Field(min_length=1)
+    values: tuple[Annotated[int, Field(gt=0, le=MAX_TOKENS)], ...] = Field(min_length=1)
 
     @property
     def min_value(self) -> int:
@@ -439,14 +464,16 @@ Length = Annotated[
 class PrefixSharing(_Model):
     """Requests open with one of ``num_prefixes`` shared prefixes (a system prompt)."""
 
-    shared_tokens: int = Field(gt=0, description="tokens of the shared prefix, counted in input_len")
-    num_prefixes: int = Field(1, gt=0)
+    shared_tokens: int = Field(
+        gt=0, le=MAX_TOKENS, description="tokens of the shared prefix, counted in input_len"
+    )
+    num_prefixes: int = Field(1, gt=0, le=MAX_REQUESTS)
 
 
 class WorkloadConfig(_Model):
     arrival: Arrival
-    num_requests: int | None = Field(None, gt=0)
-    duration_s: float | None = Field(None, gt=0.0)
+    num_requests: int | None = Field(None, gt=0, le=MAX_REQUESTS)
+    duration_s: float | None = Field(None, gt=0.0, le=MAX_SIMULATED_S)
     input_len: Length
     output_len: Length
     prefix: PrefixSharing | None = None
@@ -498,7 +525,7 @@ class Scenario(_Model):
     slo: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
         default_factory=dict, description="e.g. {ttft_p95: 2.0, tpot_p95: 0.05}, seconds"
     )
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_INT64)
 
     @model_validator(mode="after")
     def _slo_keys(self) -> "Scenario":
@@ -535,7 +562,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key or any(not part for part in key.split(".")):
             raise ScenarioError(f"--set {item!r}: expected dotted.key=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
         node = data
@@ -628,6 +655,7 @@ def _field_names(loc: tuple[Any, ...]) -> list[str] | None:
     return None
 
 
+_SIZE_LIMITS = {MAX_REQUESTS, MAX_SIMULATED_S, MAX_KV_BLOCKS, MAX_TOKENS, MAX_NUM_SEQS, MAX_CLIENTS}
 _TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical", "lognormal"}
 
 
@@ -645,6 +673,10 @@ def format_validation_error(exc: ValidationError) -> str:
         msg = f"{path}: required field is missing"
     elif kind == "union_tag_invalid":
         msg = f"{path}: {err['msg']}"
+    elif kind == "less_than_equal" and err["ctx"]["le"] in _SIZE_LIMITS:
+        le = err["ctx"]["le"]
+        msg = (f"{path}: must be <= {f'{le:,}' if isinstance(le, int) else f'{le:g}'}, the most "
+               f"one simulation holds (README, Limits) (got {err['input']!r})")
     else:
         text = err["msg"]
         if text.startswith("Value error, "):
@@ -671,8 +703,8 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
     profile_ref = data.get("profile")
     data = apply_profile(data, base_dir)
     _resolve_files(data, base_dir)
-    try:
-        scenario = Scenario.model_validate(data)
+    try:  # strict: a bool is no count, a string no number (YAML has typed them already)
+        scenario = Scenario.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as exc:
         raise ScenarioError(format_validation_error(exc)) from None
     if isinstance(profile_ref, str):
@@ -693,7 +725,9 @@ def load_scenario(
 
 
 def check_feasible(scenario: Scenario) -> None:
-    """Reject configurations the engine could never serve, naming the field at fault."""
+    """Reject configurations the engine could never serve, or one simulation could not hold
+    (:func:`check_limits`), naming the field at fault."""
+    check_limits(scenario)
     eng, wl = scenario.engine, scenario.workload
     max_in, max_out = wl.input_len.max_value, wl.output_len.max_value
     if wl.prefix is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
@@ -715,4 +749,95 @@ def check_feasible(scenario: Scenario) -> None:
             f"{eng.kv_capacity_tokens} tokens (({eng.num_blocks} - 1) x {eng.block_size}) can "
             f"never hold one request of {need} tokens; need at least "
             f"{math.ceil(need / eng.block_size) + 1} blocks"
+        )
+
+
+def _mean_length(spec: FixedLength | UniformLength | EmpiricalLength) -> float:
+    if isinstance(spec, FixedLength):
+        return float(spec.value)
+    if isinstance(spec, UniformLength):
+        return (spec.low + spec.high) / 2.0
+    return sum(spec.values) / len(spec.values)
+
+
+def _shortest_request_s(scenario: Scenario) -> float:
+    """A lower bound on one closed-loop request's time: its think time, and the fewest steps
+    that can emit its tokens (k + 1 a step with drafts), each at least the fixed cost a step
+    pays (base, the weights' read in the roofline form) or the host overhead."""
+    st, wl = scenario.step_time, scenario.workload
+    step = st.base
+    if st.form == "roofline" and st.physics is not None:
+        step += st.efficiency.weights * st.physics.weights
+    step = max(step, st.host_overhead)
+    per_step = 1 + (scenario.speculative.num_speculative_tokens if scenario.speculative else 0)
+    steps = math.ceil(wl.output_len.min_value / per_step)
+    assert isinstance(wl.arrival, ClosedArrival)
+    return wl.arrival.think_time_s + steps * step
+
+
+def expected_requests(scenario: Scenario) -> float:
+    """Requests a run of ``scenario`` sends: num_requests; rate x duration_s (open loop,
+    expected); clients x (duration_s / shortest request + 1) (closed loop, at most); inf when
+    a closed loop's requests may take no time at all."""
+    wl = scenario.workload
+    if wl.num_requests is not None:
+        return float(wl.num_requests)
+    assert wl.duration_s is not None
+    if not isinstance(wl.arrival, ClosedArrival):
+        return wl.arrival.rate * wl.duration_s
+    shortest = _shortest_request_s(scenario)
+    if shortest <= 0.0:
+        return math.inf
+    return wl.arrival.concurrency * (wl.duration_s / shortest + 1.0)
+
+
+def check_limits(scenario: Scenario, *, records: bool = False) -> None:
+    """Refuse a scenario one simulation cannot hold (README, "Limits"), from the scenario
+    alone and before anything is allocated: more than MAX_REQUESTS requests (num_requests,
+    or expected from rate x duration_s, or at most for a closed loop), arrivals spread over
+    more than MAX_SIMULATED_S, a KV pool over MAX_KV_BLOCKS; with ``records`` (every chunk
+    kept) more than MAX_RECORDED_TOKENS expected output tokens."""
+    eng, wl = scenario.engine, scenario.workload
+    if eng.num_blocks > MAX_KV_BLOCKS:
+        raise ScenarioError(
+            f"engine.memory: a KV pool of {eng.num_blocks:,} blocks; one simulation holds at "
+            f"most {MAX_KV_BLOCKS:,} blocks (a larger block_size gives fewer)"
+        )
+    arrival = wl.arrival
+    requests = expected_requests(scenario)
+    if isinstance(arrival, ClosedArrival):
+        if math.isinf(requests):
+            raise ScenarioError(
+                "workload.duration_s: closed-loop requests that take no time (step_time 0, "
+                "think_time_s 0) never reach duration_s; give num_requests, a step time or "
+                "a think time"
+            )
+        if requests > MAX_REQUESTS:
+            raise ScenarioError(
+                f"workload.duration_s: {arrival.concurrency:,} clients for {wl.duration_s:g} s "
+                f"may send {requests:.3g} requests (each takes at least "
+                f"{_shortest_request_s(scenario):.3g} s); one simulation holds at most "
+                f"{MAX_REQUESTS:,} requests: give num_requests or a shorter duration_s"
+            )
+    elif wl.num_requests is not None:
+        span = (wl.num_requests - 1) / arrival.rate
+        if span > MAX_SIMULATED_S:
+            raise ScenarioError(
+                f"workload.arrival.rate: {wl.num_requests:,} requests at {arrival.rate:g} req/s "
+                f"arrive over ~{span:.3g} s; one simulation covers at most "
+                f"{MAX_SIMULATED_S:.0e} s of arrivals"
+            )
+    elif requests > MAX_REQUESTS:
+        raise ScenarioError(
+            f"workload.duration_s: {wl.duration_s:g} s at {arrival.rate:g} req/s is "
+            f"~{requests:.3g} requests (rate x duration_s); one simulation holds at most "
+            f"{MAX_REQUESTS:,} requests"
+        )
+    tokens = requests * _mean_length(wl.output_len)
+    if records and tokens > MAX_RECORDED_TOKENS:
+        field = "num_requests" if wl.num_requests is not None else "duration_s"
+        raise ScenarioError(
+            f"workload.{field}: ~{requests:.3g} requests x {_mean_length(wl.output_len):g} "
+            f"output tokens is ~{tokens:.3g} tokens to keep chunk by chunk (plots); a run that "
+            f"keeps them holds at most {MAX_RECORDED_TOKENS:,}: give fewer requests"
         )

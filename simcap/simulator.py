@@ -29,16 +29,13 @@ from simcap.engine.noise import StepNoise
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import make_step_model
 from simcap.early_stop import SloStop, StopRecord
+from simcap.errors import SimulationError
 from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
-from simcap.scenario import ClosedArrival, Scenario
+from simcap.scenario import ClosedArrival, Scenario, check_limits
 from simcap.steplog import StepLog
 from simcap.workload import RequestSpec, Workload
-
-
-class SimulationError(RuntimeError):
-    """The engine model reached a state vLLM could not (a bug, or an unservable request)."""
 
 
 @dataclass
@@ -422,5 +419,9 @@ def simulate(
     ``stop``: a :class:`simcap.early_stop.SloStop` for ``scenario.slo`` (open-loop or
     replayed arrivals only): the run ends once the SLO is certain to fail, and
     ``Result.stopped`` says when and why.
+
+    A scenario larger than one simulation holds (:func:`simcap.scenario.check_limits`) is a
+    ScenarioError before anything is allocated.
     """
+    check_limits(scenario, records=records or steps)
     return _World(scenario, fast, records, steps, stop).run(trace)

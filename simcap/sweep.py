@@ -18,6 +18,7 @@ import csv
 import io
 import itertools
 import json
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -27,11 +28,12 @@ from typing import Any, Callable, Mapping, Sequence
 import yaml
 
 from simcap._version import __version__
+from simcap.capacity import check_workers
 from simcap.errors import ScenarioError, SimcapError
 from simcap.metrics import summarize
 from simcap.scenario import Scenario, apply_overrides, parse_scenario
 from simcap.simulator import simulate
-from simcap.yaml_files import read_yaml_mapping
+from simcap.yaml_files import load_yaml, read_yaml_mapping
 
 DEFAULT_METRICS = (
     "ttft_s.p50",
@@ -115,7 +117,7 @@ def parse_grid(items: Sequence[str] | Mapping[str, Sequence[Any]]) -> dict[str, 
             parsed = []
             for v in values:
                 try:
-                    parsed.append(yaml.safe_load(v))
+                    parsed.append(load_yaml(v))
                 except yaml.YAMLError:
                     parsed.append(v)
             if key in grid:
@@ -131,9 +133,15 @@ def _override(key: str, value: Any) -> str:
     return f"{key}={json.dumps(value)}" if not isinstance(value, str) else f"{key}={value}"
 
 
+MAX_GRID_POINTS = 100_000  # each a whole simulation
+
+
 def grid_points(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     """The cartesian product in order: the first key varies slowest."""
     keys = list(grid)
+    size = math.prod(len(grid[k]) for k in keys)
+    if size > MAX_GRID_POINTS:
+        raise ScenarioError(f"--grid: {size:,} points; a sweep runs at most {MAX_GRID_POINTS:,}")
     return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 
@@ -247,6 +255,8 @@ def run_sweep(
     metrics = check_metrics(list(metrics) if metrics else list(DEFAULT_METRICS))
     if backend not in ("local", "ray"):
         raise ScenarioError(f"--backend {backend}: unknown backend; allowed: local, ray")
+    if workers is not None:
+        check_workers(workers)
     points = grid_points(grid)
     tasks = []
     for i, point in enumerate(points):
@@ -273,7 +283,7 @@ def run_sweep(
             results[index] = row
             tick()
     else:
-        n = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
+        n = (os.cpu_count() or 1) if workers is None else workers
         if n == 1 or len(tasks) <= 1:
             for task in tasks:
                 index, row = _run_task(task)

@@ -10,6 +10,7 @@ from simcap.metrics import (
     Distribution,
     MetricsAccumulator,
     _table_percentiles,
+    binomial_cdf,
     early_stopping_min_queries,
     summarize,
 )
@@ -130,6 +131,16 @@ TABLE = {0.90: (44, 64, 81, 197), 0.95: (90, 130, 165, 398), 0.99: (459, 662, 83
 )
 def test_early_stopping_table(p, t, n):
     assert early_stopping_min_queries(p, t) == n
+
+
+@pytest.mark.parametrize("p", [0.001, 0.01, 0.05, 0.1, 0.3, 0.5, 0.9])
+def test_binomial_cdf_matches_scipy(p):
+    from scipy.special import bdtr
+
+    for n in (1, 2, 7, 64, 459, 2010, 100_000):
+        for k in sorted({0, 1, 2, 10, n // 3, n - 1, n}):
+            if k <= n:
+                assert binomial_cdf(k, n, p) == pytest.approx(bdtr(k, n, p), rel=1e-9, abs=1e-300)
 
 
 def test_adequacy_switches_at_64_for_p90():

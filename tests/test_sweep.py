@@ -132,10 +132,10 @@ def test_ray_missing_is_a_one_line_error(scenario_file, monkeypatch):
         run_sweep(scenario_file, ["engine.max_num_seqs=2"], backend="ray")
 
 
-@pytest.mark.slow
 def test_ray_backend_matches_local(scenario_file, serial):
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    import ray  # in the test extra: the Ray backend runs in every default test run
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         result = run_sweep(scenario_file, GRID, backend="ray")
     finally:

@@ -44,55 +44,43 @@ The modules, in the order ``simcap calibrate`` uses them:
 
 from __future__ import annotations
 
-from simcap.calibrate.core import TERMS, TYPICAL, CalibrationError, Form
-from simcap.calibrate.fit_bench import default_benchmark_form, fit_benchmarks
-from simcap.calibrate.fit_steps import fit_step_samples, noise_family
-from simcap.calibrate.metrics import metric_of_key, metric_value
-from simcap.calibrate.pipeline import calibrate
-from simcap.calibrate.profile_io import profile_dict, write_profile
-from simcap.calibrate.readers import (
-    ITERATION_RE,
-    BenchmarkPoint,
-    StepSamples,
-    parse_iteration_log,
-    read_benchmarks,
-    read_step_samples,
-    split_input,
-)
-from simcap.calibrate.recipe import Recipe, base_from_profile, parse_fix, recipe_for
-from simcap.calibrate.report import render_fit, render_intervals, residual_plot
-from simcap.calibrate.result import Fit
-from simcap.calibrate.uncertainty import CI_METRICS, simulate_with_ci
+from simcap._lazy import lazy_exports
 
-__all__ = [
-    "CI_METRICS",
-    "ITERATION_RE",
-    "TERMS",
-    "TYPICAL",
-    "BenchmarkPoint",
-    "CalibrationError",
-    "Fit",
-    "Form",
-    "Recipe",
-    "StepSamples",
-    "base_from_profile",
-    "calibrate",
-    "default_benchmark_form",
-    "fit_benchmarks",
-    "fit_step_samples",
-    "metric_of_key",
-    "metric_value",
-    "noise_family",
-    "parse_fix",
-    "parse_iteration_log",
-    "profile_dict",
-    "read_benchmarks",
-    "read_step_samples",
-    "recipe_for",
-    "render_fit",
-    "render_intervals",
-    "residual_plot",
-    "simulate_with_ci",
-    "split_input",
-    "write_profile",
-]
+# Imported on first use, so that a command needing one part (``simulate --ci``, a report) does not
+# load the fits and scipy.optimize.
+_LAZY = {
+    "CalibrationError": "simcap.calibrate.core",
+    "Form": "simcap.calibrate.core",
+    "TERMS": "simcap.calibrate.core",
+    "TYPICAL": "simcap.calibrate.core",
+    "default_benchmark_form": "simcap.calibrate.fit_bench",
+    "fit_benchmarks": "simcap.calibrate.fit_bench",
+    "fit_step_samples": "simcap.calibrate.fit_steps",
+    "noise_family": "simcap.calibrate.fit_steps",
+    "metric_of_key": "simcap.calibrate.metrics",
+    "metric_value": "simcap.calibrate.metrics",
+    "calibrate": "simcap.calibrate.pipeline",
+    "profile_dict": "simcap.calibrate.profile_io",
+    "write_profile": "simcap.calibrate.profile_io",
+    "BenchmarkPoint": "simcap.calibrate.readers",
+    "ITERATION_RE": "simcap.calibrate.readers",
+    "StepSamples": "simcap.calibrate.readers",
+    "parse_iteration_log": "simcap.calibrate.readers",
+    "read_benchmarks": "simcap.calibrate.readers",
+    "read_step_samples": "simcap.calibrate.readers",
+    "split_input": "simcap.calibrate.readers",
+    "Recipe": "simcap.calibrate.recipe",
+    "base_from_profile": "simcap.calibrate.recipe",
+    "parse_fix": "simcap.calibrate.recipe",
+    "recipe_for": "simcap.calibrate.recipe",
+    "render_fit": "simcap.calibrate.report",
+    "render_intervals": "simcap.calibrate.report",
+    "residual_plot": "simcap.calibrate.report",
+    "Fit": "simcap.calibrate.result",
+    "CI_METRICS": "simcap.calibrate.uncertainty",
+    "simulate_with_ci": "simcap.calibrate.uncertainty",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

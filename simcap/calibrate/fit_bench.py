@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-from scipy.optimize import least_squares, lsq_linear
 
 from simcap.calibrate.core import TYPICAL, CalibrationError, Form, _fmt
 from simcap.calibrate.metrics import _is_fraction, metric_value
@@ -111,6 +110,8 @@ def fit_benchmarks(
     (``smooth``, width in log seconds). ``fixed`` holds the start values of free terms and the
     values of the others. Intervals: residual bootstrap (see module docstring).
     """
+    from scipy.optimize import least_squares, lsq_linear  # slow to import: only where a fit runs
+
     if not points:
         raise CalibrationError("calibrate: no benchmark points")
     fixed = dict(fixed or {})
@@ -408,6 +409,8 @@ def fit_benchmarks_roofline(
     keeps an interval as wide as its prior). ``Fit.identification`` says per free term how
     much the data narrowed its prior (Laplace approximation at the fit) and whether it is pinned.
     """
+    from scipy.optimize import least_squares, lsq_linear  # slow to import: only where a fit runs
+
     if not points:
         raise CalibrationError("calibrate: no benchmark points")
     if step_time.get("form") != "roofline":

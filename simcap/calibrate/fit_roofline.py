@@ -36,6 +36,7 @@ of that roofline (``efficiency``, 1 = at the roofline) plus ``base``, ``per_requ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -191,6 +192,8 @@ def roofline_options(hardware: str | None, model: str | None, *, combine: str = 
     """The ``roofline`` arguments of :func:`simcap.calibrate.calibrate` from command-line values."""
     if not hardware or not model:
         raise CalibrationError("--form roofline: give --hardware and --model (catalog names or files)")
+    if not 0.0 < prior_sd < math.inf:
+        raise CalibrationError(f"--prior-sd: a finite number > 0 (got {prior_sd!r})")
     if routing_skew != "fit":
         try:
             routing_skew = float(routing_skew)

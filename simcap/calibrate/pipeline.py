@@ -3,6 +3,7 @@ fit for their kind (step samples or benchmark results) and runs it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -12,6 +13,54 @@ from simcap.calibrate.fit_steps import fit_step_samples
 from simcap.calibrate.readers import _is_step_input, read_benchmarks, read_step_samples, split_input
 from simcap.calibrate.recipe import Recipe
 from simcap.calibrate.result import Fit
+from simcap.scenario import MAX_INT64, MAX_TOKENS
+
+
+MAX_BOOTSTRAP = 100_000  # resamples (each a refit)
+
+
+def _whole(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _finite(value: Any, *, positive: bool) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return ok and (value > 0 if positive else value >= 0)
+
+
+def check_options(
+    *, bootstrap: int | None = None, host_overhead: float | None = None,
+    warn_above: float | None = None, num_speculative_tokens: int = 0,
+    workload: dict[str, Any] | None = None, seed: int = 0, recipe: Recipe | None = None,
+) -> None:
+    """Refuse, before any file is read, option values no fit can use: one line naming the
+    option (``--bootstrap``), or with ``recipe`` the recipe's key (``FILE: bootstrap``)."""
+
+    def name(key: str) -> str:
+        return f"{recipe.path or recipe.name}: {key}" if recipe else f"--{key.replace('_', '-')}"
+
+    if bootstrap is not None and not _whole(bootstrap, 0, MAX_BOOTSTRAP):
+        raise CalibrationError(f"{name('bootstrap')}: resamples, a whole number in "
+                               f"[0, {MAX_BOOTSTRAP:,}] (got {bootstrap!r})")
+    if host_overhead is not None and not _finite(host_overhead, positive=False):
+        raise CalibrationError(
+            f"{name('host_overhead')}: seconds per step, finite and >= 0 (got {host_overhead!r})"
+        )
+    if warn_above is not None and not _finite(warn_above, positive=True):
+        raise CalibrationError(
+            f"{name('warn_above')}: a relative error, finite and > 0 (got {warn_above!r})"
+        )
+    if not _whole(num_speculative_tokens, 0, 16):  # as SpeculativeConfig allows
+        raise CalibrationError(
+            f"{name('num_speculative_tokens')}: must be in [0, 16] (got {num_speculative_tokens!r})"
+        )
+    if not _whole(seed, 0, MAX_INT64):
+        raise CalibrationError(f"{name('seed')}: a whole number in [0, 2^63) (got {seed!r})")
+    for key, value in (workload or {}).items():
+        if not _whole(value, 1, MAX_TOKENS):
+            raise CalibrationError(
+                f"{name(key)}: tokens, a whole number in [1, {MAX_TOKENS:,}] (got {value!r})"
+            )
 
 
 def calibrate(
@@ -43,6 +92,14 @@ def calibrate(
     simulation (:func:`simcap.calibrate.fit_bench.fit_benchmarks_roofline`); its ``form``
     names the free terms.
     """
+    check_options(bootstrap=bootstrap, host_overhead=host_overhead, warn_above=warn_above,
+                  num_speculative_tokens=num_speculative_tokens, workload=workload)
+    check_options(bootstrap=recipe.bootstrap, warn_above=recipe.warn_above, seed=recipe.seed,
+                  recipe=recipe)
+    recipe_iterations = recipe.bootstrap_iterations
+    if recipe_iterations is not None and not _whole(recipe_iterations, 0, MAX_BOOTSTRAP):
+        raise CalibrationError(f"{recipe.path or recipe.name}: bootstrap_iterations: a whole number "
+                               f"in [0, {MAX_BOOTSTRAP:,}] (got {recipe_iterations!r})")
     if form == "roofline":
         return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
                                    workload=workload, num_speculative_tokens=num_speculative_tokens,

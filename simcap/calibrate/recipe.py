@@ -13,6 +13,7 @@ import yaml
 from simcap.calibrate.core import TERMS, CalibrationError
 from simcap.calibrate.readers import _read_text, split_input
 from simcap.profile import load_profile
+from simcap.yaml_files import load_yaml
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Recipe:
     def load(cls, path: str | Path) -> "Recipe":
         path = Path(path)
         try:
-            data = yaml.safe_load(_read_text(path))
+            data = load_yaml(_read_text(path))
         except yaml.YAMLError as exc:
             raise CalibrationError(f"{path}: malformed YAML: {str(exc).splitlines()[0]}") from None
         if not isinstance(data, dict) or "name" not in data:
@@ -104,7 +105,7 @@ def recipe_for(
         if recipe is not None:
             raise CalibrationError("--base: the recipe already names its deployment")
         try:
-            data = yaml.safe_load(_read_text(Path(base)))
+            data = load_yaml(_read_text(Path(base)))
         except yaml.YAMLError as exc:
             raise CalibrationError(f"{base}: malformed YAML: {str(exc).splitlines()[0]}") from None
         is_recipe = isinstance(data, dict) and "datasets" in data

@@ -35,7 +35,6 @@ import math
 from typing import Any, Sequence
 
 import numpy as np
-from scipy.special import ndtri
 
 from simcap.engine.scheduler import SchedulerOutput
 from simcap.scenario import EmpiricalNoise, LognormalNoise, StepNoiseConfig
@@ -60,6 +59,8 @@ def inverse_cdf(dist: EmpiricalNoise | LognormalNoise, u: np.ndarray) -> np.ndar
     if isinstance(dist, EmpiricalNoise):
         q = np.asarray(dist.quantiles, dtype=float)
         return np.interp(u * (len(q) - 1), np.arange(len(q), dtype=float), q)
+    from scipy.special import ndtri  # the lognormal form only: scipy is slow to import
+
     s = dist.sigma
     return np.exp(s * ndtri(u) - 0.5 * s * s)
 

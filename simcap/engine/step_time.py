@@ -64,7 +64,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 from simcap.catalog import HardwareSpec, dtype_info, resolve_hardware, resolve_model
 from simcap.engine.scheduler import SchedulerOutput
@@ -192,6 +191,8 @@ class StepTimeModel:
 
     def fit(self, X: np.ndarray, y: np.ndarray) -> "StepTimeModel":
         """Non-negative least squares on measured forward seconds; sets ``residuals_``."""
+        from scipy.optimize import nnls  # fitting only: scipy.optimize is slow to import
+
         X = np.asarray(X, dtype=float)
         y = np.asarray(y, dtype=float)
         coef, _ = nnls(X, y)
@@ -544,6 +545,8 @@ class RooflineStepTimeModel:
         """Non-negative least squares on measured forward seconds (sum form), each efficiency
         pulled toward its prior 1.0 with weight ``prior_weight`` (in units of the squared
         residual seconds of one step: ``prior_weight * (e - 1)^2`` is added to the loss)."""
+        from scipy.optimize import nnls  # fitting only: scipy.optimize is slow to import
+
         X = np.asarray(X, dtype=float)
         y = np.asarray(y, dtype=float)
         A, b = X, y

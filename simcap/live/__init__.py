@@ -4,7 +4,8 @@
   streaming), one :class:`~simcap.records.RequestRecord` per request, as the simulator makes.
 - :mod:`simcap.live.prompts` -- exact-length token-id prompts from a request's content segments.
 - :mod:`simcap.live.prom` -- the server's ``/metrics``: snapshots, counter deltas, cross-checks.
-- :mod:`simcap.live.validate` -- :func:`validate`: live repeats vs simulations of the same traces.
+- :mod:`simcap.live.validate` -- ``validate.validate``: live repeats vs simulations of the same
+  traces (the package's ``validate`` is that module, never the function).
 - :mod:`simcap.live.calibration` -- :func:`calibrate_live`: a calibration workload against a live
   server, fitted (from the server's per-step log, else black-box probes) into a profile.
 - :mod:`simcap.live.plot` -- ECDFs of live vs simulated TTFT and ITL (``validate --plot``).
@@ -13,21 +14,23 @@
 - :mod:`simcap.live.cli` -- the ``simcap live`` commands.
 """
 
-from simcap.live.calibration import LiveCalibration, calibrate_live
-from simcap.live.client import LiveError, LiveRun, run_live
-from simcap.live.prompts import PromptBuilder
-from simcap.live.server import VllmServer, VllmServerError
-from simcap.live.validate import Validation, validate
+from simcap._lazy import lazy_exports
 
-__all__ = [
-    "LiveCalibration",
-    "LiveError",
-    "LiveRun",
-    "PromptBuilder",
-    "Validation",
-    "VllmServer",
-    "VllmServerError",
-    "calibrate_live",
-    "run_live",
-    "validate",
-]
+# Imported on first use (PEP 562): ``simcap live --help`` and the ``simcap`` command need
+# none of httpx, prometheus_client or the fitting code until a live command runs.
+_LAZY = {
+    "LiveCalibration": "simcap.live.calibration",
+    "LiveError": "simcap.live.client",
+    "LiveRun": "simcap.live.client",
+    "PromptBuilder": "simcap.live.prompts",
+    "Validation": "simcap.live.validate",
+    "VllmServer": "simcap.live.server",
+    "VllmServerError": "simcap.live.server",
+    "calibrate_live": "simcap.live.calibration",
+    "run_live": "simcap.live.client",
+}
+
+__all__ = sorted(_LAZY)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

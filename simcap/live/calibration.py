@@ -61,7 +61,10 @@ from simcap.calibrate import (
     read_step_samples,
     write_profile,
 )
-from simcap.live.client import LiveError, LiveRun, auth_headers, resolve_model, run_live
+from simcap.calibrate.pipeline import check_options
+from simcap.live.client import (
+    LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
+)
 from simcap.live.prom import ServerMetrics, metrics_delta, parse_metrics
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.validate import _local_port, reset_prefix_cache
@@ -387,6 +390,8 @@ def calibrate_live(
         raise LiveError("--form roofline: fits the server's iteration log; give --log")
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise LiveError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+    check_request_timeout(request_timeout_s)
+    check_options(bootstrap=bootstrap, seed=seed)
 
     facts = _server_facts(base_url, model, api_key)
     model = facts.model

@@ -14,12 +14,9 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 
 from simcap import report
-from simcap.errors import SimcapError
-from simcap.scenario import load_scenario
-from simcap.simulator import SimulationError
+from simcap.errors import SimcapError, SimulationError
 
 live_app = typer.Typer(
     add_completion=False,
@@ -71,10 +68,6 @@ def _command_line(ctx: typer.Context, prefix: str, secret: frozenset[str] = froz
     return " ".join(parts)
 
 
-def _console(width: int = 100) -> Console:
-    return Console(width=max(width, Console().width))
-
-
 @live_app.command("run")
 def run_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file (its workload is sent)."),
@@ -91,6 +84,7 @@ def run_cmd(
 ) -> None:
     """Send the scenario's workload to a live server and summarise what it measured."""
     from simcap.live.client import ENDPOINTS, run_live
+    from simcap.scenario import load_scenario
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
@@ -111,7 +105,7 @@ def run_cmd(
     if json_out:
         typer.echo(report.to_json(data))
         return
-    console = _console()
+    console = report.wide_console()
     report.render_summary(data, console)
     live, check = data["live"], data["cross_check"]
     if live["requested_rate"] is not None:
@@ -189,13 +183,18 @@ def validate_cmd(
 ) -> None:
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
-    from simcap.live.plot import FORMATS, plot_validation_ecdfs
+    from simcap.live.plot import plot_validation_ecdfs
     from simcap.live.validate import ks_line, validate, validation_table
+    from simcap.plots import check_figure_path
+    from simcap.scenario import load_scenario
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
-    if plot is not None and plot.suffix.lower() not in FORMATS:
-        _fail(f"--plot {plot}: the file must end in {', '.join(FORMATS)}")
+    if plot is not None:
+        try:
+            check_figure_path(plot, "--plot")
+        except SimcapError as exc:
+            _fail(str(exc))
     key = _api_key(api_key, api_key_env)
     try:
         sc = load_scenario(scenario, set_ or [])
@@ -219,7 +218,7 @@ def validate_cmd(
     if json_out:
         typer.echo(report.to_json(data))
         return
-    console = _console(150)
+    console = report.wide_console(150)
     console.print(validation_table(data))
     console.print(ks_line(data))
     for note in data["notes"]:
@@ -313,7 +312,7 @@ def calibrate_cmd(
     if json_out:
         typer.echo(report.to_json(data))
     else:
-        console = _console(110)
+        console = report.wide_console(110)
         console.print(f"fitted from: {result.source} ({result.data_path}); {result.wall_s:.0f} s")
         render_fit(result.fit, console)
         host = result.host_overhead

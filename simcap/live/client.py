@@ -435,8 +435,7 @@ async def _run_live_async(
     chat = endpoint == "chat"
     url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    if request_timeout_s is not None and not request_timeout_s > 0:
-        raise LiveError(f"request timeout: must be > 0 s (got {request_timeout_s})")
+    check_request_timeout(request_timeout_s)
     timeout = httpx.Timeout(request_timeout_s, connect=min(30.0, request_timeout_s or 30.0), pool=None)
     notes: list[str] = []
     fixups: list[dict[str, int]] = []
@@ -596,6 +595,12 @@ async def _scrape_settled(client, base_url, before, records) -> ServerMetrics | 
         if after.counters.get("vllm:request_success", 0.0) - base >= answered or time.monotonic() > deadline:
             return after
         await asyncio.sleep(0.1)
+
+
+def check_request_timeout(request_timeout_s: float | None) -> None:
+    """A request timeout is seconds > 0 (None: none); else a one-line LiveError."""
+    if request_timeout_s is not None and not request_timeout_s > 0:
+        raise LiveError(f"--request-timeout: must be > 0 s (got {request_timeout_s})")
 
 
 def run_live(

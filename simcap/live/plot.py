@@ -4,7 +4,7 @@ One figure, two panels (TTFT, ITL per stream chunk), x on a log axis in ms. Each
 the pooled live samples of the repeats the comparison uses (solid), the pooled simulated
 samples of the same traces (dashed), and every used repeat's live ECDF as a thin line, so the
 run-to-run spread the prediction is judged against is visible. The legend gives medians and
-the KS statistic. PNG, SVG or PDF by the file's suffix (matplotlib Agg, no display).
+the KS statistic. The format follows the file's suffix (matplotlib Agg, no display).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from simcap.errors import SimcapError
+from simcap.plots import check_figure_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from simcap.live.validate import Validation
 
 LIVE_COLOR = "#3b78c2"
 SIM_COLOR = "#ef8a17"
-FORMATS = (".png", ".svg", ".pdf")
 
 
 def _ecdf(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -33,9 +33,7 @@ def plot_validation_ecdfs(result: "Validation", path: str | Path) -> Path:
     """Write the TTFT / ITL ECDF overlay of ``result`` to ``path``; returns the path."""
     from simcap.live.validate import samples
 
-    path = Path(path)
-    if path.suffix.lower() not in FORMATS:
-        raise SimcapError(f"--plot {path}: the file must end in {', '.join(FORMATS)}")
+    path = check_figure_path(path, "--plot")
     import matplotlib
 
     matplotlib.use("Agg", force=True)
