@@ -29,6 +29,20 @@ Rules (also carried in every result's ``rules``):
   rate inside a saturated run's window IS ``mu``: the estimate is the median of that rate
   over the saturated runs. When no tested rate saturates, rates above the highest tested
   one are probed (role ``probe``, one replicate each, never used for the safe rate).
+- **early stop** (on by default, ``early_stop=False`` / ``--no-early-stop`` to run every
+  request; ``early_stop="interval"``: only in the bootstrap interval's searches, whose runs
+  give nothing but a verdict and a completion rate): once the arrival window has closed, a run stops as soon as a TTFT or E2E target
+  is certain to fail whatever happens next (:mod:`simcap.early_stop`: e.g. a p95 fails once
+  more than 5% of ALL the run's requests are known to exceed it, a request waiting since
+  ``a`` having TTFT >= t - a). It counts as failed, as it would have; the window's
+  measurements (measured rate, saturation, completion rate) are complete by then, so the
+  search takes the same path as without the stop. What it skips is the drain of the backlog.
+  A stopped run's SLO values are not known (None), nor its verdicts on the SLO keys that
+  did not stop it (TPOT, ITL): a by-SLO safe rate that reaches such a run is a lower bound.
+- **common random numbers**: replicate ``r`` uses seed ``scenario.seed + r`` at every rate,
+  and the workload draws unit-rate gaps scaled by ``1 / rate`` and lengths from streams of
+  their own, so two rates' runs of a replicate have the same requests, arriving at times in
+  the ratio of the rates (:mod:`simcap.workload`).
 
 ``find_capacity(..., auto=True)`` brackets the safe rate by doubling or halving from a start
 rate (jumping to 0.9 x the completion rate of a saturated run), then bisects until the
@@ -48,8 +62,9 @@ from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
 import numpy as np
 
 from simcap._version import __version__
+from simcap.early_stop import SloStop, describe as describe_early_stop
 from simcap.errors import ScenarioError
-from simcap.metrics import SLO_METRICS, SLO_STATS
+from simcap.metrics import ADEQUACY, SLO_METRICS, SLO_STATS, early_stopping_min_queries
 from simcap.scenario import (
     MAX_REQUESTS, MAX_SIMULATED_S, ClosedArrival, GammaArrival, PoissonArrival, Scenario,
     StepTimeConfig, expected_requests,
@@ -198,8 +213,8 @@ class CapacityPoint:
     replicate: int
     seed: int
     measured_rate: float
-    values: dict[str, float | None]  # SLO keys (and REPORTED) -> seconds
-    slo_pass: dict[str, bool]
+    values: dict[str, float | None]  # SLO keys (and REPORTED) -> seconds; None: not known
+    slo_pass: dict[str, bool | None]  # None: not known (the run stopped on another key)
     samples_adequate: dict[str, bool]
     passed: bool
     completed: int
@@ -208,6 +223,7 @@ class CapacityPoint:
     completion_rate: float  # completed per second inside [T/2, T)
     saturated: bool
     role: str = "search"  # "grid", "search", "probe" or "bootstrap"
+    stopped: dict[str, Any] | None = None  # early stop: at_s, key, reason, failed, unfinished
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -223,17 +239,29 @@ class CapacityPoint:
             "completion_rate": self.completion_rate,
             "saturated": self.saturated,
             "role": self.role,
+            **({"stopped_early": dict(self.stopped)} if self.stopped else {}),
         }
 
 
 def point_from_result(
     result: Result, rate: float, replicate: int, duration_s: float, role: str = "search"
 ) -> CapacityPoint:
-    """Measure one finished run: measured rate, SLO values and flags, saturation."""
+    """Measure one finished run: measured rate, SLO values and flags, saturation.
+
+    A run stopped early (after its arrival window) counts as failed; its SLO values are
+    unknown, and so are its verdicts on the keys that did not stop it.
+    """
     summary = result.summary
     slo = summary.slo or {}
     arrival = result.metrics.arrival_times
     finish = result.metrics.finish_times
+    stop = result.stopped
+    if stop is not None:
+        if stop.at_s < duration_s:
+            raise ValueError("a capacity run may only stop after its arrival window")
+        left = stop.unfinished_arrivals
+        arrival = np.concatenate([arrival, left])
+        finish = np.concatenate([finish, np.full(left.size, np.inf)])
     half = duration_s / 2.0
     arrived_w = int(np.count_nonzero((arrival >= half) & (arrival < duration_s)))
     done_w = int(np.count_nonzero((finish >= half) & (finish < duration_s)))
@@ -243,33 +271,44 @@ def point_from_result(
     for key in list(slo) + [k for k in REPORTED if k not in slo]:
         metric, _, stat = key.partition("_")
         dist = getattr(summary, SLO_METRICS[metric])
-        values[key] = dist.stat(stat)
-        adequate[key] = dist.stat_adequate(stat)
+        values[key] = None if stop is not None else dist.stat(stat)
+        # the key that stopped a run (TTFT or E2E: one sample a request) has all its requests
+        adequate[key] = (
+            len(arrival) >= early_stopping_min_queries(ADEQUACY[stat], 1)
+            if stop is not None and key in stop.failed and stat in ADEQUACY
+            else dist.stat_adequate(stat)
+        )
+    verdicts: dict[str, bool | None] = {k: bool(v["pass"]) for k, v in slo.items()}
+    if stop is not None:
+        verdicts = {k: (False if k in stop.failed else None) for k in slo}
     return CapacityPoint(
         rate=float(rate),
         replicate=int(replicate),
         seed=int(result.scenario.seed),
         measured_rate=len(arrival) / duration_s,
         values=values,
-        slo_pass={k: bool(v["pass"]) for k, v in slo.items()},
+        slo_pass=verdicts,
         samples_adequate=adequate,
-        passed=bool(summary.slo_pass),
+        passed=bool(summary.slo_pass) and stop is None,
         completed=summary.completed,
         arrived_in_window=arrived_w,
         completed_in_window=done_w,
         completion_rate=done_w / half if half > 0 else 0.0,
         saturated=bool(saturated),
         role=role,
+        stopped=stop.to_dict() if stop is not None else None,
     )
 
 
 def _run_one(task: tuple) -> CapacityPoint:
-    scenario, rate, replicate, duration_s, slo, step_time, role = task
+    scenario, rate, replicate, duration_s, slo, step_time, role, early_stop = task
     s = at_rate(
         scenario, rate, duration_s=duration_s, seed=scenario.seed + replicate, slo=slo,
         step_time=step_time,
     )
-    return point_from_result(simulate(s), rate, replicate, duration_s, role)
+    stop = (SloStop(s.slo, not_before=duration_s)
+            if early_stop is True or (early_stop == "interval" and role == "bootstrap") else None)
+    return point_from_result(simulate(s, stop=stop), rate, replicate, duration_s, role)
 
 
 def check_workers(workers: int) -> int:
@@ -279,24 +318,37 @@ def check_workers(workers: int) -> int:
     return workers
 
 
-class _Runner:
-    """Runs batches of (rate, replicate) tasks, in worker processes when ``workers > 1``."""
+class Runner:
+    """Runs batches of tasks, in worker processes when ``workers > 1``, results in task order.
 
-    def __init__(self, workers: int = 1) -> None:
+    ``map(tasks)`` runs capacity (rate, replicate) tasks; ``map(tasks, fn)`` any picklable
+    module-level ``fn`` (the crossover's arms). ``early_stop`` applies to capacity tasks.
+    """
+
+    def __init__(self, workers: int = 1, early_stop: bool | str = True) -> None:
         self.workers = check_workers(workers)
+        self.early_stop = early_stop
         self._pool: ProcessPoolExecutor | None = None
 
-    def map(self, tasks: list[tuple]) -> list[CapacityPoint]:
+    def map(self, tasks: list[tuple], fn: Callable[[Any], Any] | None = None) -> list[Any]:
+        if fn is None:
+            fn, tasks = _run_one, [(*t, self.early_stop) for t in tasks]
         if self.workers == 1 or len(tasks) == 1:
-            return [_run_one(t) for t in tasks]
+            return [fn(t) for t in tasks]
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.workers)
-        return list(self._pool.map(_run_one, tasks))
+        return list(self._pool.map(fn, tasks))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------- rules
@@ -305,22 +357,32 @@ class _Runner:
 def safe_rate_of(points: Sequence[CapacityPoint], key: str | None = None) -> tuple[float | None, float | None]:
     """Prefix rule over non-probe points: ``(safe offered rate, its lowest measured rate)``.
 
-    ``key``: judge by that SLO key alone instead of the whole SLO.
+    ``key``: judge by that SLO key alone instead of the whole SLO; a run whose verdict on it
+    is unknown (stopped early on another key) ends the walk like a failure.
     """
+    return _prefix_walk(points, key)[:2]
+
+
+def _prefix_walk(
+    points: Sequence[CapacityPoint], key: str | None = None
+) -> tuple[float | None, float | None, bool]:
+    """:func:`safe_rate_of`, and whether the walk ended on an unknown verdict."""
     by_rate: dict[float, list[CapacityPoint]] = {}
     for p in points:
         if p.role != "probe":
             by_rate.setdefault(p.rate, []).append(p)
     safe: float | None = None
+    unknown = False
     for rate in sorted(by_rate):
         runs = by_rate[rate]
-        ok = all(p.passed if key is None else p.slo_pass.get(key, False) for p in runs)
-        if not ok:
+        verdicts = [p.passed if key is None else p.slo_pass.get(key, False) for p in runs]
+        if not all(verdicts):
+            unknown = False not in verdicts
             break
         safe = rate
     if safe is None:
-        return None, None
-    return safe, min(p.measured_rate for p in by_rate[safe])
+        return None, None, unknown
+    return safe, min(p.measured_rate for p in by_rate[safe]), unknown
 
 
 def saturation_rate_of(points: Sequence[CapacityPoint]) -> float | None:
@@ -354,12 +416,18 @@ class CapacityResult:
     interval_info: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
+    early_stop: bool | str = True
 
     def lower_bounds(self) -> dict[str, bool]:
-        """Per SLO key: whether its safe rate is only a lower bound (every tested rate passed)."""
+        """Per SLO key: whether its safe rate is only a lower bound (every tested rate passed,
+        or the next rate's runs stopped early on another key before this one was known)."""
         tested = [p.rate for p in self.points if p.role != "probe"]
         top = max(tested) if tested else None
-        return {key: safe_rate_of(self.points, key)[0] == top for key in self.slo}
+        out = {}
+        for key in self.slo:
+            safe, _, unknown = _prefix_walk(self.points, key)
+            out[key] = safe == top or unknown
+        return out
 
     @property
     def all_adequate(self) -> bool:
@@ -384,7 +452,8 @@ class CapacityResult:
             "replicates": self.replicates,
             "points": [p.to_dict() for p in self.points],
             "notes": list(self.notes),
-            "rules": dict(RULES),
+            "rules": {**RULES, **({"early_stop": describe_early_stop(self.slo)}
+                                  if self.early_stop else {})},
             "provenance": self.provenance,
         }
 
@@ -393,7 +462,7 @@ class CapacityResult:
 
 
 def _evaluate_rate(
-    runner: _Runner, scenario: Scenario, rate: float, replicates: int, duration_s: float,
+    runner: Runner, scenario: Scenario, rate: float, replicates: int, duration_s: float,
     slo: dict[str, float], step_time: Mapping[str, float] | None, role: str,
 ) -> list[CapacityPoint]:
     tasks = [(scenario, rate, r, duration_s, slo, step_time, role) for r in range(replicates)]
@@ -453,7 +522,7 @@ def _search(
 
 
 def _search_many(
-    runner: "_Runner", scenario: Scenario, starts: list[float], sets: list[dict[str, float]],
+    runner: Runner, scenario: Scenario, starts: list[float], sets: list[dict[str, float]],
     replicates: int, duration_s: float, slo: dict[str, float], **kwargs: Any,
 ) -> list[list[CapacityPoint]]:
     """One search per coefficient set, in lockstep: each round runs every active search's
@@ -561,12 +630,15 @@ def find_capacity(
     interval: bool = True,
     interval_max_sets: int = 8,
     interval_rel_tol: float = 0.04,
+    early_stop: bool | str = True,
 ) -> CapacityResult:
     """The safe rate and saturation rate of ``scenario`` under ``slo`` (see the module doc).
 
     ``slo``: ``{"ttft_p95": 2.0}`` or ``["ttft_p95=2.0"]``; default the scenario's own SLO.
     ``rates``: requested rates (requests/s) to test; or ``auto=True`` to search. Neither:
     search. Every rate is run ``replicates`` times for ``duration_s`` seconds of arrivals.
+    ``early_stop``: stop a run once its SLO is certain to fail (see the module doc); True,
+    False, or ``"interval"`` (only the bootstrap interval's runs).
     """
     targets = parse_slo(slo) if slo else dict(scenario.slo)
     if not targets:
@@ -594,7 +666,9 @@ def find_capacity(
                 f"{MAX_REQUESTS:,} requests"
             )
     mode = "grid" if rates is not None and not auto else "auto"
-    runner = _Runner(workers)
+    if early_stop not in (True, False, "interval"):
+        raise ScenarioError(f"early_stop: must be true, false or 'interval' (got {early_stop!r})")
+    runner = Runner(workers, early_stop=early_stop)
     notes: list[str] = []
     try:
         if mode == "grid":
@@ -629,6 +703,13 @@ def find_capacity(
             notes.append("every tested rate passed: the safe rate may be higher")
         if saturation is None:
             notes.append("no run saturated: the saturation rate is above every rate tried")
+        stopped = [p for p in points if p.stopped]
+        if stopped:
+            notes.append(
+                f"{len(stopped)} run(s) stopped early, once their SLO could no longer hold "
+                f"(rules.early_stop; e.g. {stopped[0].stopped['reason']}); their SLO values "
+                "are not known"
+            )
         if not all(all(p.samples_adequate[k] for k in targets) for p in points):
             notes.append(
                 "some percentiles rest on too few samples for the claim (samples_adequate false)"
@@ -636,7 +717,7 @@ def find_capacity(
         result = CapacityResult(
             slo=targets, points=points, safe_rate=safe, safe_offered_rate=safe_offered,
             saturation_rate=saturation, safe_rate_by_slo=by_slo, duration_s=float(duration_s),
-            replicates=int(replicates), mode=mode, notes=notes,
+            replicates=int(replicates), mode=mode, notes=notes, early_stop=early_stop,
         )
         if interval and safe_offered is not None:
             sets, set_notes, level = bootstrap_sets(scenario, with_level=True)
@@ -650,7 +731,10 @@ def find_capacity(
     prov = provenance(scenario)
     prov.update(
         simcap_version=__version__,
-        method="open-loop arrivals per rate, every request completed, replicate r uses seed + r",
+        method="open-loop arrivals per rate, replicate r uses seed + r at every rate (common "
+        "random numbers), every request completed unless the SLO is certain to fail"
+        + {True: "", False: " (early stop off)",
+           "interval": " (early stop in the bootstrap interval's runs only)"}[early_stop],
         arrival_process=(
             "gamma" if isinstance(scenario.workload.arrival, GammaArrival) else "poisson"
         ),
@@ -661,7 +745,7 @@ def find_capacity(
 
 
 def _interval(
-    result: CapacityResult, runner: _Runner, scenario: Scenario, sets: list[dict[str, float]],
+    result: CapacityResult, runner: Runner, scenario: Scenario, sets: list[dict[str, float]],
     notes: list[str], targets: dict[str, float], duration_s: float, replicates: int,
     max_sets: int, rel_tol: float, level: float,
 ) -> None:
@@ -680,6 +764,7 @@ def _interval(
     mu = result.saturation_rate
     ratio = min(max(center / mu, 0.2), 0.98) if mu else None
     mu_b: list[float | None] = [None] * len(sets)
+    probes_stopped = 0
     if mu:
         probe = 1.5 * mu
         todo = list(range(len(sets)))
@@ -687,6 +772,7 @@ def _interval(
             runs = runner.map([(scenario, probe, 0, duration_s, targets, sets[i], "bootstrap")
                                for i in todo])
             for i, run in zip(todo, runs):
+                probes_stopped += run.stopped is not None
                 if run.saturated:
                     mu_b[i] = run.completion_rate
             todo = [i for i in todo if mu_b[i] is None]
@@ -713,6 +799,7 @@ def _interval(
         "safe_rates": safe_rates,
         "saturation_rates": mu_b,
         "num_runs": sum(len(p) for p in found_points) + len(sets),
+        "stopped_early": probes_stopped + sum(1 for pts in found_points for p in pts if p.stopped),
         "notes": notes,
     }
 
@@ -742,7 +829,10 @@ def render_capacity(result: CapacityResult, console: Any) -> None:
             value = p.values.get(key)
             mark = "" if p.samples_adequate.get(key, True) else "*"
             cells.append("-" if value is None else f"{value * 1e3:,.1f}{mark}")
-        cells += ["yes" if p.passed else "NO", "no" if p.saturated else "yes", p.role]
+        verdict = "yes" if p.passed else "NO"
+        if p.stopped:
+            verdict += f" (stopped {p.stopped['at_s']:.0f} s)"
+        cells += [verdict, "no" if p.saturated else "yes", p.role]
         table.add_row(*cells)
     console.print(table)
     if any(not all(p.samples_adequate.values()) for p in result.points):

@@ -161,6 +161,7 @@ def crossover_cmd(
         None, "--per-stream-tps", help="Per-stream target, output tok/s per request: highest load keeping it."
     ),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a throughput/latency figure (PNG, SVG, PDF)."),
+    workers: int = typer.Option(1, "--workers", help="Worker processes (the arms run in parallel)."),
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -181,6 +182,7 @@ def crossover_cmd(
             concurrencies=None if concurrency is None else xo.parse_load_list(concurrency, "--concurrency", integer=True),
             rates=None if rate is None else xo.parse_load_list(rate, "--rate", integer=False),
             per_stream_tps=per_stream_tps,
+            workers=workers,
         )
     if plot is not None:
         with user_errors():
@@ -210,6 +212,10 @@ def capacity_cmd(
         8, "--interval-sets", help="Profile bootstrap sets to rerun for safe_rate_interval (0: none)."
     ),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write the SLO-vs-rate figure to FILE (PNG)."),
+    early_stop: bool = typer.Option(
+        True, "--early-stop/--no-early-stop",
+        help="Stop a run once its TTFT/E2E target is certain to fail (its SLO values are then not known).",
+    ),
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -233,6 +239,7 @@ def capacity_cmd(
             workers=workers,
             interval=interval_sets != 0,
             interval_max_sets=interval_sets,
+            early_stop=early_stop,
         )
     if plot is not None:
         from simcap.plots import plot_capacity

@@ -36,11 +36,14 @@ Usage::
 
     simcap crossover s.yaml --concurrency 1,2,4,8,16,32,64,128 --per-stream-tps 60 --plot xo.png
 
-The figure is :func:`simcap.plots.plot_crossover` (re-exported here).
+The figure is :func:`simcap.plots.plot_crossover` (re-exported here). ``workers > 1`` runs
+the arms in worker processes (the capacity search's :class:`simcap.capacity.Runner`); the
+result is the same as the serial run's, number for number.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +51,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from simcap.capacity import Runner, check_workers
 from simcap.errors import ScenarioError
 from simcap.plots import plot_crossover  # noqa: F401  (the figure lives with the other plots)
 from simcap.scenario import Scenario, parse_scenario
@@ -56,6 +60,7 @@ from simcap.simulator import Result, provenance, simulate
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128)
 # Closed loop: at least this many requests per client at each point (see the module docstring).
 REQUESTS_PER_CLIENT = 8
+BUNDLES_PER_WORKER = 6  # arms go to worker processes in this many bundles per worker
 
 
 # --------------------------------------------------------------------------- inputs
@@ -333,6 +338,10 @@ def arm_scenarios(
     return spec, base, wl.get("num_requests")
 
 
+def _run_arms(scenarios: list[Scenario]) -> list[ArmPoint]:
+    return [ArmPoint.of(simulate(s)) for s in scenarios]
+
+
 def _rebuild(data: dict[str, Any], like: Scenario) -> Scenario:
     # The dump is already merged with its profile and has its files read in; keep the link
     # to the profile file for results that report its intervals.
@@ -348,16 +357,41 @@ def find_crossover(
     per_stream_tps: float | None = None,
     *,
     requests_per_client: int = REQUESTS_PER_CLIENT,
+    workers: int = 1,
+    runner: Runner | None = None,
 ) -> CrossoverResult:
     """Run ``scenario`` with and without its ``speculative`` section at each load point.
 
     Closed loop at ``concurrencies`` (default 1, 2, 4, ..., 128) or open loop at ``rates``
     (requests/s), never both. ``per_stream_tps``: also report the highest load at which each
-    arm keeps that mean per-stream output rate (tokens/s per request). Raises
-    :class:`ScenarioError` for bad input.
+    arm keeps that mean per-stream output rate (tokens/s per request). ``workers``: processes
+    running the arms (or ``runner``: a :class:`simcap.capacity.Runner` to share between
+    calls, left open). Raises :class:`ScenarioError` for bad input.
     """
-    if scenario.speculative is None:
-        arm_scenarios(scenario, concurrency=1)  # raises the one-line error
+    return find_crossovers(
+        [scenario], concurrencies, rates, per_stream_tps, requests_per_client=requests_per_client,
+        workers=workers, runner=runner,
+    )[0]
+
+
+def find_crossovers(
+    scenarios: Sequence[Scenario],
+    concurrencies: Sequence[int] | None = None,
+    rates: Sequence[float] | None = None,
+    per_stream_tps: float | None = None,
+    *,
+    requests_per_client: int = REQUESTS_PER_CLIENT,
+    workers: int = 1,
+    runner: Runner | None = None,
+) -> list[CrossoverResult]:
+    """:func:`find_crossover` for several scenarios at the same load points, every arm of
+    every scenario in one batch: a few bundles of arms of similar estimated cost per worker
+    process, costliest first, so that the processes finish together and wait little on the
+    parent. Each result is the one :func:`find_crossover` gives for its scenario."""
+    check_workers(workers)
+    for scenario in scenarios:
+        if scenario.speculative is None:
+            arm_scenarios(scenario, concurrency=1)  # raises the one-line error
     if concurrencies is not None and rates is not None:
         raise ScenarioError("--rate: give either concurrencies (closed loop) or rates (open loop), not both")
     if per_stream_tps is not None and (
@@ -376,15 +410,70 @@ def find_crossover(
             "--concurrency", integer=True,
         )
     started = time.perf_counter()
-    points = []
-    for load in loads:
-        kw = {"concurrency": load} if axis == "concurrency" else {"rate": load}
-        spec_sc, base_sc, n = arm_scenarios(scenario, requests_per_client=requests_per_client, **kw)
-        points.append(CrossoverPoint(
-            load=load, num_requests=n,
-            spec=ArmPoint.of(simulate(spec_sc)), baseline=ArmPoint.of(simulate(base_sc)),
-        ))
+    arms = []  # per scenario, per load: (spec scenario, baseline scenario, num_requests)
+    for scenario in scenarios:
+        mine = []
+        for load in loads:
+            kw = {"concurrency": load} if axis == "concurrency" else {"rate": load}
+            mine.append(arm_scenarios(scenario, requests_per_client=requests_per_client, **kw))
+        arms.append(mine)
+    tasks = [sc for mine in arms for spec_sc, base_sc, _ in mine for sc in (spec_sc, base_sc)]
+    own = runner is None
+    pool = Runner(workers) if own else runner
+    bundles = _bundles([_cost(t) for t in tasks], BUNDLES_PER_WORKER * pool.workers)
+    try:
+        ran = pool.map([[tasks[i] for i in b] for b in bundles], _run_arms)
+    finally:
+        if own:
+            pool.close()
+    done: list[ArmPoint | None] = [None] * len(tasks)
+    for bundle, arms_done in zip(bundles, ran):
+        for i, arm in zip(bundle, arms_done):
+            done[i] = arm
     wall = time.perf_counter() - started
+    results = []
+    for j, (scenario, mine) in enumerate(zip(scenarios, arms)):
+        first = 2 * len(loads) * j
+        points = [
+            CrossoverPoint(load=load, num_requests=n, spec=done[first + 2 * i],
+                           baseline=done[first + 2 * i + 1])
+            for i, (load, (_, _, n)) in enumerate(zip(loads, mine))
+        ]
+        results.append(_analyse(scenario, axis, loads, points, per_stream_tps,
+                                requests_per_client, wall))
+    return results
+
+
+def _cost(scenario: Scenario) -> float:
+    """A rough relative cost of simulating one arm: its requests, more when it speculates
+    (a verify step costs several decode steps to simulate)."""
+    wl = scenario.workload
+    n = wl.num_requests
+    if n is None:
+        rate = getattr(wl.arrival, "rate", None)
+        n = rate * wl.duration_s if rate else wl.duration_s
+    spec = scenario.speculative
+    return float(n) * (1 + 2 * (spec.num_speculative_tokens if spec else 0))
+
+
+def _bundles(costs: list[float], count: int) -> list[list[int]]:
+    """Task indices in at most ``count`` bundles of similar cost (costliest task first into
+    the cheapest bundle), costliest bundle first: few hand-offs to the worker processes, which
+    finish at about the same time."""
+    loads = [(0.0, b) for b in range(min(count, len(costs)))]
+    members: list[list[int]] = [[] for _ in loads]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        load, b = heapq.heappop(loads)
+        members[b].append(i)
+        heapq.heappush(loads, (load + costs[i], b))
+    total = {b: load for load, b in loads}
+    return [members[b] for b in sorted(total, key=lambda b: -total[b]) if members[b]]
+
+
+def _analyse(
+    scenario: Scenario, axis: str, loads: list, points: list[CrossoverPoint],
+    per_stream_tps: float | None, requests_per_client: int, wall: float,
+) -> CrossoverResult:
     gains = [p.gain_pct for p in points]
     crossover = locate_crossover(loads, [g["throughput"] for g in gains], axis=axis)
     latency_crossover = locate_crossover(

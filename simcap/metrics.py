@@ -520,6 +520,14 @@ class MetricsAccumulator:
         _, ints = self._table()
         return ints[np.argsort(ints[:, 0], kind="stable"), 2]
 
+    def completed_latencies(self) -> tuple[np.ndarray, np.ndarray]:
+        """(TTFT, E2E) of the completed requests, in the order they were added, computed as
+        the summary computes them."""
+        times, ints = self._table()
+        done = ints[:, 3] != 0
+        arrival = times[done, 0]
+        return times[done, 1] - arrival, times[done, 2] - arrival
+
     def itl_table(self) -> tuple[np.ndarray, np.ndarray]:
         """Per-chunk ITL samples as (sorted distinct values, int64 counts)."""
         values, counts = self._itl.table()

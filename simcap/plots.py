@@ -472,9 +472,13 @@ def plot_capacity(result: "CapacityResult", path: str | Path, *, title: str | No
     pts = [p for p in result.points if p.role != "bootstrap"]
     for ax, key in zip(axes[:, 0], keys):
         target = result.slo[key]
+        shown = [v for p in pts if (v := p.values.get(key)) is not None and v > 0] + [target]
         for p in pts:
             value = p.values.get(key)
             if value is None:
+                if p.stopped and key in p.stopped["failed"]:  # fails; its value is not known
+                    ax.scatter([p.measured_rate], [max(shown)], marker="^", s=44, zorder=3,
+                               color=STALL_COLOR)
                 continue
             ok = p.slo_pass.get(key, False)
             adequate = p.samples_adequate.get(key, True)
@@ -483,7 +487,6 @@ def plot_capacity(result: "CapacityResult", path: str | Path, *, title: str | No
             ax.scatter([p.measured_rate], [value], marker=marker, s=36, zorder=3,
                        facecolor=color if adequate else "none", edgecolor=color, linewidth=1.2)
         ax.axhline(target, color="black", ls="--", lw=1)
-        shown = [v for p in pts if (v := p.values.get(key)) is not None and v > 0] + [target]
         if max(shown) / min(shown) > 20:
             ax.set_yscale("log")
             ax.yaxis.set_minor_formatter(plt.NullFormatter())
@@ -505,6 +508,9 @@ def plot_capacity(result: "CapacityResult", path: str | Path, *, title: str | No
         Line2D([], [], marker="o", color="#555555", markerfacecolor="none", ls="",
                label="too few samples for this percentile"),
     ]
+    if any(p.stopped for p in pts):
+        handles.append(Line2D([], [], marker="^", color=STALL_COLOR, ls="",
+                              label="run stopped early: fails, value not known"))
     if result.safe_rate is not None:
         handles.append(Line2D([], [], color=OK_COLOR, lw=1.5,
                               label=f"safe rate {result.safe_rate:.2f} req/s"))

@@ -12,6 +12,7 @@ records and step-log rows are kept only when asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from array import array
@@ -27,6 +28,7 @@ from simcap.engine.scheduler import Scheduler
 from simcap.engine.noise import StepNoise
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import make_step_model
+from simcap.early_stop import SloStop, StopRecord
 from simcap.errors import SimulationError
 from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
 from simcap.metrics import MetricsAccumulator, Summary
@@ -43,6 +45,8 @@ class Result:
     ``metrics`` holds every request's scalars and the ITL table the summary came from;
     ``records`` (one :class:`RequestRecord` per request, with every stream chunk) is None
     unless ``simulate(..., records=True)``; ``steps`` keeps its rows only with ``steps=True``.
+    ``stopped``: where and why a run given a stop rule ended early (None when it ran to the
+    end); the summary then covers the requests completed by then, and fails the SLO.
     """
 
     scenario: Scenario
@@ -51,12 +55,14 @@ class Result:
     steps: StepLog
     records: list[RequestRecord] | None
     provenance: dict[str, Any]
+    stopped: StopRecord | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Summary fields at the top level, plus where the numbers came from."""
         return {
             **self.summary.to_dict(),
             "num_steps": len(self.steps),
+            **({"stopped_early": self.stopped.to_dict()} if self.stopped else {}),
             "provenance": self.provenance,
         }
 
@@ -89,10 +95,13 @@ GAP_BUFFER = 1 << 16  # per-chunk ITL samples collected before one bulk add to t
 
 class _World:
     def __init__(
-        self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False
+        self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False,
+        stop: SloStop | None = None,
     ) -> None:
         self.scenario = scenario
         self.fast = fast
+        self.stop = stop  # checked between steps: ends the run when it returns True
+        self.num_arrivals = 0  # open loop and replay: every request the run will have
         self.env = Clock()
         spec = scenario.speculative
         self.scheduler = Scheduler(
@@ -280,6 +289,7 @@ class _World:
         kv = scheduler.kv
         fast = self.fast
         waiters = self._on_finish
+        stop = self.stop
         clients = times is None  # closed loop: other SimPy processes share the clock
         num_arrivals = len(times) if times is not None else 0
         k = 0  # the next arrival
@@ -290,6 +300,8 @@ class _World:
                 self.submit(specs(k), next_arrival)
                 k += 1
                 next_arrival = times[k] if k < num_arrivals else math.inf
+            if stop is not None and now >= stop.next_check and stop(self, now):
+                return
             if not scheduler.has_unfinished_requests():
                 if not clients:
                     if next_arrival == math.inf:
@@ -351,15 +363,20 @@ class _World:
         arrival = self.scenario.workload.arrival
         if trace is not None:
             times = list(itertools.accumulate((t for t, _ in trace), max))  # (in send order)
+            self.num_arrivals = len(times)
             self.env.process(self.engine(times, lambda i: trace[i][1]))
         elif isinstance(arrival, ClosedArrival):
+            if self.stop is not None:
+                raise ValueError("a stop rule needs open-loop or replayed arrivals")
             self.closed_loop(arrival)
             self.env.process(self.engine())
         else:
             times = array("d", self.workload.arrival_times().tobytes())  # (compact)
+            self.num_arrivals = len(times)
             self.env.process(self.engine(times, self.workload.spec))
         self.env.run()
-        if self.scheduler.has_unfinished_requests():
+        stopped = self.stop.record if self.stop is not None else None
+        if stopped is None and self.scheduler.has_unfinished_requests():
             raise SimulationError("simulation ended with unfinished requests")
         self._flush_gaps()
         summary = self.metrics.summary(
@@ -367,9 +384,14 @@ class _World:
             kv_usage=self.steps.kv_usage_summary(),
             spec_decode=self.spec_counters.to_dict() if self.spec_counters else None,
         )
+        if stopped is not None:
+            for key in stopped.failed:
+                if summary.slo and key in summary.slo:
+                    summary.slo[key]["pass"] = False
+            summary = dataclasses.replace(summary, slo_pass=False)
         return Result(
             self.scenario, summary, self.metrics, self.steps, self.records,
-            provenance(self.scenario),
+            provenance(self.scenario), stopped,
         )
 
 
@@ -380,6 +402,7 @@ def simulate(
     fast: bool = True,
     records: bool = False,
     steps: bool = False,
+    stop: SloStop | None = None,
 ) -> Result:
     """Run one scenario to completion (every request finishes) and summarise it.
 
@@ -394,8 +417,12 @@ def simulate(
     ``fast=False`` steps the engine one step at a time: the reference path that the fast
     path (:mod:`simcap.fast_forward`, identical results) is tested against.
 
+    ``stop``: a :class:`simcap.early_stop.SloStop` for ``scenario.slo`` (open-loop or
+    replayed arrivals only): the run ends once the SLO is certain to fail, and
+    ``Result.stopped`` says when and why.
+
     A scenario larger than one simulation holds (:func:`simcap.scenario.check_limits`) is a
     ScenarioError before anything is allocated.
     """
     check_limits(scenario, records=records or steps)
-    return _World(scenario, fast, records, steps).run(trace)
+    return _World(scenario, fast, records, steps, stop).run(trace)

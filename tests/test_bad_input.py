@@ -91,6 +91,7 @@ CASES = [
     (["crossover", "{s}", "--plot", "{file}/x.png"], "--plot"),
     (["crossover", "{s}", "--concurrency", "0,2"], "--concurrency"),
     (["crossover", "{s}", "--concurrency", "1", "--rate", "1"], "--rate"),
+    (["crossover", "{s}", "--concurrency", "1", "--workers", "0"], "--workers"),
     # capacity
     (["capacity", "{s}", "--rates", "1", "--workers", "0"], "--workers"),
     (["capacity", "{s}", "--rates", "1", "--workers", "-3"], "--workers"),

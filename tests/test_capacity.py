@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -20,6 +21,7 @@ from typer.testing import CliRunner
 from simcap.cli import app
 from simcap.capacity import (
     CapacityPoint,
+    at_rate,
     find_capacity,
     parse_rates,
     parse_slo,
@@ -27,6 +29,7 @@ from simcap.capacity import (
 )
 from simcap.errors import ScenarioError
 from simcap.scenario import parse_scenario
+from simcap.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 0.01  # seconds per step
@@ -207,3 +210,29 @@ def test_cli_bad_input_is_one_line_exit_2(args, field):
     proc = _cli("capacity", str(ROOT / "examples/chat.yaml"), *args)
     assert proc.exit_code == 2
     assert proc.stderr.startswith(f"error: {field}") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("arrival", [
+    {"process": "poisson", "rate": 1.0},
+    {"process": "gamma", "rate": 1.0, "burstiness": 0.4},
+])
+def test_rates_share_common_random_numbers(arrival):
+    """Replicate r's runs at two rates have the same requests (lengths, prefix groups) and
+    arrival times in the ratio of the rates: the unit-rate gaps are drawn once per seed."""
+    scenario = parse_scenario(dd1_data(
+        arrival=arrival, input_len={"dist": "uniform", "low": 40, "high": 200},
+        output_len={"dist": "uniform", "low": 1, "high": 50},
+        prefix={"shared_tokens": 20, "num_prefixes": 3},
+    ))
+    runs = {}
+    for rate in (3.0, 7.5):
+        s = at_rate(scenario, rate, duration_s=200.0, seed=scenario.seed + 1, slo=SLO)
+        w = Workload(s.workload, s.seed)
+        runs[rate] = (w.arrival_times(), [w.spec(i) for i in range(2000)])
+    (slow, slow_specs), (fast, fast_specs) = runs[3.0], runs[7.5]
+    assert slow_specs == fast_specs
+    n = len(slow)
+    assert 400 < n < len(fast)
+    np.testing.assert_allclose(fast[:n] * 7.5, slow * 3.0, rtol=1e-12, atol=1e-12)
+    other = Workload(at_rate(scenario, 3.0, duration_s=200.0, seed=scenario.seed).workload, 0)
+    assert not np.array_equal(other.arrival_times()[:n], slow[:n])  # replicates differ

@@ -27,6 +27,7 @@ from simcap.crossover import (
     REQUESTS_PER_CLIENT,
     arm_scenarios,
     find_crossover,
+    find_crossovers,
     locate_crossover,
     parse_load_list,
     per_stream_answer,
@@ -227,3 +228,20 @@ def test_cli_scenario_without_speculation(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: speculative: ")
+
+
+def test_parallel_arms_give_the_serial_result():
+    """Arms in two worker processes, and several scenarios in one batch (run costliest
+    first): each result is the serial run's, byte for byte."""
+    noisy = parse_scenario(synthetic(step_time={"noise": {"decode": {"kind": "lognormal", "sigma": 0.3}}}))
+    other = parse_scenario(synthetic(speculative={"acceptance_rates": [0.8, 0.5, 0.2]}, seed=3))
+    serial = [find_crossover(s, [1, 4, 16], per_stream_tps=30.0) for s in (noisy, other)]
+    parallel = [find_crossover(s, [1, 4, 16], per_stream_tps=30.0, workers=2) for s in (noisy, other)]
+    batch = find_crossovers([noisy, other], [1, 4, 16], per_stream_tps=30.0, workers=2)
+
+    def dump(results):
+        return [json.dumps(r.to_dict(), sort_keys=True) for r in results]
+
+    assert dump(parallel) == dump(serial)
+    assert dump(batch) == dump(serial)
+    assert dump(serial)[0] != dump(serial)[1]

@@ -1,8 +1,8 @@
 """A800 MiniMax-M3: where does EAGLE3 stop paying? Regenerates results.{json,md} and the figures.
 
-    python experiments/a800-eagle3-crossover/run.py [--bootstrap N] [--quick]
+    python experiments/a800-eagle3-crossover/run.py [--bootstrap N] [--form roofline] [--workers N]
 
-1. The main run: ``find_crossover`` on scenario.yaml (profile a800-minimax-m3, acceptance
+1. The main run: ``find_crossovers`` on scenario.yaml (profile a800-minimax-m3, acceptance
    length 2.26) at concurrency 1-128, with and without EAGLE3, per-stream target 60 tok/s.
 2. Published vs simulated: the rows the profile was fitted on (no spec at 1-16, EAGLE3 at
    1, 2, 4), with percent errors. These measure the fit, not a prediction.
@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simcap.crossover import CrossoverResult, find_crossover, locate_crossover  # noqa: E402
+from simcap.crossover import CrossoverResult, find_crossovers, locate_crossover  # noqa: E402
 from simcap.plots import plot_crossover  # noqa: E402
 from simcap.profile import load_profile  # noqa: E402
 from simcap.scenario import StepTimeConfig, load_scenario  # noqa: E402
@@ -113,15 +113,16 @@ def crossover_vs_published(result: CrossoverResult, pub: dict) -> dict:
     return out
 
 
-def bootstrap_crossovers(scenario_path: Path, n: int) -> dict | None:
-    """The crossover under each bootstrap coefficient set the profile ships (first n)."""
+def bootstrap_scenarios(scenario_path: Path, n: int) -> tuple[list, set[str]]:
+    """The scenario under each bootstrap coefficient set the profile ships (first n), and the
+    set keys that are not step-time coefficients."""
     data = yaml.safe_load(scenario_path.read_text())
     profile, _ = load_profile((scenario_path.parent / data["profile"]).resolve())
     sets = profile.bootstrap or []
-    if not sets or n <= 0:
-        return None
+    if n <= 0:
+        return [], set()
     fields = set(StepTimeConfig.model_fields)
-    values, ignored = [], set()
+    scenarios, ignored = [], set()
     for coef in sets[:n]:
         overrides = []
         for k, v in coef.items():
@@ -129,8 +130,15 @@ def bootstrap_crossovers(scenario_path: Path, n: int) -> dict | None:
                 overrides.append(f"step_time.{k}={v!r}")
             else:
                 ignored.add(k)
-        r = find_crossover(load_scenario(scenario_path, overrides), CONCURRENCIES)
-        values.append(r.crossover["value"])
+        scenarios.append(load_scenario(scenario_path, overrides))
+    return scenarios, ignored
+
+
+def bootstrap_crossovers(results: list[CrossoverResult], ignored: set[str]) -> dict | None:
+    """The crossover under each bootstrap coefficient set, as a 5-95% range."""
+    if not results:
+        return None
+    values = [r.crossover["value"] for r in results]
     found = [v for v in values if v is not None]
     return {
         "sets_used": len(values),
@@ -251,6 +259,8 @@ def main() -> None:
                          "or roofline (scenario.roofline.yaml, results in roofline/)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--scenario", type=Path, default=None)
+    ap.add_argument("--workers", type=int, default=2,
+                    help="worker processes running the arms (results do not depend on it)")
     args = ap.parse_args()
     if args.scenario is None:
         args.scenario = SCENARIO if args.form == "linear" else HERE / "scenario.roofline.yaml"
@@ -260,13 +270,16 @@ def main() -> None:
     started = time.perf_counter()
     pub = published()
     scenario = load_scenario(args.scenario)
-    main_run = find_crossover(scenario, CONCURRENCIES, per_stream_tps=PER_STREAM_TPS)
+    lengths = [load_scenario(args.scenario, [f"speculative.acceptance_length={length}"])
+               for length in SENSITIVITY.values()]
+    boot_scenarios, ignored = bootstrap_scenarios(args.scenario, args.bootstrap)
+    # Every arm of every crossover below in one batch of worker processes.
+    results = find_crossovers([scenario, *lengths, *boot_scenarios], CONCURRENCIES,
+                              per_stream_tps=PER_STREAM_TPS, workers=args.workers)
+    main_run = results[0]
     data = main_run.to_dict()
-    sens = {"profile, midpoint": main_run}
-    for label, length in SENSITIVITY.items():
-        sens[label] = find_crossover(
-            load_scenario(args.scenario, [f"speculative.acceptance_length={length}"]), CONCURRENCIES
-        )
+    sens = {"profile, midpoint": main_run, **dict(zip(SENSITIVITY, results[1:1 + len(lengths)]))}
+    boot = bootstrap_crossovers(results[1 + len(lengths):], ignored)
     out = {
         "simcap_version": data["provenance"]["simcap_version"],
         "scenario_sha256": data["provenance"]["scenario_sha256"],
@@ -287,7 +300,7 @@ def main() -> None:
             }
             for label, r in sorted(sens.items(), key=lambda kv: kv[1].provenance["speculative"]["acceptance_length"])
         },
-        "bootstrap": bootstrap_crossovers(args.scenario, args.bootstrap),
+        "bootstrap": boot,
         "crossover_result": data,
     }
     out["crossover_vs_published_no_spec"] = crossover_vs_published(main_run, pub)
