@@ -212,6 +212,223 @@ def advance_decode_stretch(
     return end, finishing
 
 
+def advance_verify_stretch(
+    world, now: float, horizon: float, first: SchedulerOutput
+) -> tuple[float, list[Request]] | None:
+    """With speculative decoding: run the already scheduled step ``first`` and the verify
+    steps that follow it while the batch cannot change; None (nothing run) if ``first``
+    is not such a step.
+
+    ``first`` qualifies when nothing was preempted, nothing waits (or ``max_num_seqs``
+    requests run, so that nothing waiting can be admitted), every running request is in it
+    and every one of them samples in it (decodes or verifies, or completes its prompt).
+    Then, until a request finishes (that step included), the next step would start at or
+    after ``horizon``, or the next step could not be scheduled as one of 1 + drafts tokens
+    per request (the token budget, ``long_prefill_token_threshold``, or a KV block the pool
+    cannot give), every step is: each request verifies its drafts (``num_spec_tokens``,
+    capped by ``max_model_len``), accepts a count drawn from the acceptance model's stream
+    (one uniform per scheduled request, in batch order, in steps with drafts), emits
+    ``accepted + 1`` tokens (capped by ``max_tokens`` and ``max_model_len``) and gets its next
+    drafts from the proposer (ngram: one uniform per request from the proposer's stream).
+
+    These are the reference path's operations on plain integers: step periods come from the
+    step-time model (and noise) on each step's counts, start times are added one step at a
+    time, blocks are handed out in (step, batch) order, and every stream is read in the
+    order and amount stepping reads it. Returns the stretch's end time and the requests that
+    finished in its last step (released; the caller reports them at that time).
+    """
+    scheduler = world.scheduler
+    running: list[Request] = scheduler.running
+    reqs = first.reqs
+    num_reqs = len(running)
+    if first.preempted_reqs or not num_reqs or len(reqs) != num_reqs:
+        return None
+    # Requests may wait only if no more can run: then scheduling never looks at them.
+    num_waiting = len(scheduler.waiting)
+    if num_waiting and num_reqs < scheduler.max_num_seqs:
+        return None
+    acceptance = world.acceptance
+    if not acceptance.non_increasing:
+        return None
+    max_model_len = scheduler.max_model_len
+    # Before the first step's update: each request's tokens and drafts; every one samples.
+    nts = []
+    outs = []
+    for req, spec in zip(reqs, first.num_scheduled_spec_tokens):
+        nt = req.num_prompt_tokens + req.num_output_tokens
+        if req.num_computed_tokens - spec != nt:
+            return None  # a prompt chunk that does not complete: no token this step
+        nts.append(nt)
+        outs.append(req.num_output_tokens)
+    maxes = [req.max_tokens for req in reqs]
+    ds = list(first.num_scheduled_spec_tokens)
+
+    proposer = world.proposer
+    k = proposer.k
+    rate = proposer.proposal_rate
+    drafts_all = rate >= 1.0
+    take_proposals = proposer.uniforms.take
+    take_uniforms = acceptance.uniforms.take
+    # accepted = #{i < d : u < r_i} = min(d, rates above u): a bisection on -r.
+    neg_rates = [-r for r in acceptance.rates.tolist()]
+    counters = world.spec_counters
+    accepted_hist = [0] * (k + 1)  # requests (with drafts) by accepted count
+    num_drafts = num_draft_tokens = 0
+
+    # The next steps are scheduled as stepping would: 1 + drafts tokens each, within the
+    # budget and the prefill threshold (nothing waits, the batch is fixed, so both are fixed).
+    threshold = scheduler.prefill_threshold()
+    budget = scheduler.max_num_batched_tokens
+    lookahead = scheduler.num_lookahead_tokens
+    kv = scheduler.kv
+    bs = kv.block_size
+    held_map = kv.req_to_blocks
+    held = [len(held_map[req.request_id]) for req in reqs]
+    free = kv.num_free_blocks
+    scale = kv.num_blocks - 1
+    allocs: list[Request] = []  # the blocks the stretch takes, by holder, in order taken
+
+    model = world.step_model
+    noise = world.noise
+    out = first
+    # Steps after the first: pure verify (or decode) steps of the same requests.
+    verify_out = SchedulerOutput(reqs=reqs, num_decode_reqs=num_reqs, num_decode_tokens=num_reqs)
+    starts = [now]
+    periods: list[float] = []
+    usages = [kv.usage]
+    news_by_step: list[list[int]] = []
+    t = now
+    finishing: list[Request] = []
+    while True:
+        p = model.step_period(out) if noise is None else noise.step_period(model, out)
+        periods.append(p)
+        t += p
+        starts.append(t)
+        # The step's result: accepted drafts, tokens, finishes, next drafts.
+        news = []
+        prev_nts = nts
+        nts = []
+        accs = [0] * num_reqs
+        if out.num_verify_tokens:
+            uniforms, u0 = take_uniforms(num_reqs)
+            for b in range(num_reqs):
+                d = ds[b]
+                if d:
+                    a = bisect_left(neg_rates, -uniforms[u0 + b])
+                    if a > d:
+                        a = d
+                    accs[b] = a
+                    accepted_hist[a] += 1
+                    num_drafts += 1
+                    num_draft_tokens += d
+        done = False
+        for b in range(num_reqs):
+            nt = prev_nts[b]
+            new = accs[b] + 1
+            o = outs[b]
+            room = maxes[b] - o
+            if new > room:
+                new = room
+            room = max_model_len - nt
+            if new > room:
+                new = room
+            o += new
+            nt += new
+            outs[b] = o
+            nts.append(nt)
+            news.append(new)
+            if o >= maxes[b] or nt >= max_model_len:
+                done = True
+        news_by_step.append(news)
+        if drafts_all:
+            proposed = [k] * num_reqs
+        else:
+            draws, v0 = take_proposals(num_reqs)
+            proposed = [k if u < rate else 0 for u in draws[v0 : v0 + num_reqs]]
+        if done:
+            finishing = [req for req, o, nt, m in zip(reqs, outs, nts, maxes)
+                         if o >= m or nt >= max_model_len]
+            break
+        if t >= horizon:
+            break
+        # Schedule the next step: drafts capped by max_model_len, then the budget, the
+        # threshold, and the blocks for 1 + drafts + lookahead slots.
+        total = num_reqs
+        context = 0
+        verify = 0
+        need_blocks = 0
+        new_held = held[:]
+        step_allocs = []
+        ds = []
+        for b in range(num_reqs):
+            nt = nts[b]
+            d = proposed[b]
+            if d > max_model_len - nt - 1:
+                d = max_model_len - nt - 1
+            ds.append(d)
+            verify += d
+            context += nt + d
+            need = nt + d + lookahead
+            if need > max_model_len:
+                need = max_model_len
+            blocks = -(-need // bs)
+            if blocks > held[b]:
+                need_blocks += blocks - held[b]
+                new_held[b] = blocks
+                step_allocs += [reqs[b]] * (blocks - held[b])
+        total += verify
+        if total > budget or (threshold and verify and 1 + max(ds) > threshold):
+            break
+        if need_blocks > free:
+            break  # stepping would preempt: the reference path's business
+        free -= need_blocks
+        held = new_held
+        allocs += step_allocs
+        usages.append(1.0 - free / scale)
+        verify_out.num_scheduled_spec_tokens = ds
+        verify_out.total_num_scheduled_tokens = total
+        verify_out.num_verify_tokens = verify
+        verify_out.num_context_tokens = context
+        out = verify_out
+
+    # Apply: blocks, request state, counters, the step log, the stream chunks, finishes.
+    if allocs:
+        kv.append_blocks(allocs)
+    for req, prev, a, o, d in zip(reqs, prev_nts, accs, outs, proposed):
+        req.num_output_tokens = o
+        req.num_computed_tokens = prev + a
+        req.num_spec_tokens = d
+    if num_drafts:
+        counters.num_drafts += num_drafts
+        counters.num_draft_tokens += num_draft_tokens
+        per_pos = counters.accepted_per_pos
+        for a in range(1, k + 1):
+            count = accepted_hist[a]
+            if count:
+                while len(per_pos) < a:
+                    per_pos.append(0)
+                for i in range(a):
+                    per_pos[i] += count
+                counters.num_accepted_tokens += a * count
+    steps = world.steps
+    for req in first.new_reqs:
+        if req.scheduled_ts is None:
+            req.scheduled_ts = now
+    steps.append(
+        now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, num_reqs,
+        num_reqs, num_waiting, usages[0], 0,
+    )
+    if len(periods) > 1:
+        steps.extend_decode(starts[1:-1], periods[1:], usages[1:], num_reqs, num_waiting)
+    world.emit_steps(reqs, starts, news_by_step)
+    end = starts[-1]
+    if finishing:
+        for req in finishing:
+            req.num_spec_tokens = 0
+        scheduler.finish_requests(finishing)
+    return end, finishing
+
+
 class Clock(simpy.Environment):
     """A SimPy environment that can also wake a process at an absolute time.
 

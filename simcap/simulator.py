@@ -28,7 +28,9 @@ from simcap.engine.noise import StepNoise
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import make_step_model
 from simcap.errors import SimulationError
-from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
+from simcap.fast_forward import (
+    Clock, advance_decode_stretch, advance_verify_stretch, schedule_admission,
+)
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario, check_limits
@@ -213,6 +215,33 @@ class _World:
                 rec.chunk_times.extend(ends)
                 rec.chunk_tokens.extend(ones)
 
+    def emit_steps(self, reqs: list[Request], times: list[float], news: list[list[int]]) -> None:
+        """The chunks of a stretch of steps in which every one of ``reqs`` samples:
+        ``news[j][b]`` tokens reach ``reqs[b]`` at ``times[j + 1]`` (``times[0]`` is its start)."""
+        first = times[1]
+        last = times[-1]
+        gaps = self._gaps
+        gap_tokens = self._gap_tokens
+        for req, n in zip(reqs, news[0]):
+            if req.first_token_ts is None:
+                req.first_token_ts = first
+            else:
+                gaps.append(first - req.last_token_ts)
+                gap_tokens.append(n)
+            req.last_token_ts = last
+        num_reqs = len(reqs)
+        for j in range(1, len(news)):
+            gaps += [times[j + 1] - times[j]] * num_reqs  # every request's gap at step j
+            gap_tokens += news[j]
+        if len(gaps) >= GAP_BUFFER:
+            self._flush_gaps()
+        if self.records is not None:
+            ends = times[1:]
+            for b, req in enumerate(reqs):
+                rec = self.records[req.request_id]
+                rec.chunk_times.extend(ends)
+                rec.chunk_tokens.extend(step[b] for step in news)
+
     def _flush_gaps(self) -> None:
         if self._single_gaps:
             self.metrics.add_itl(np.array(self._single_gaps))
@@ -279,6 +308,7 @@ class _World:
         steps = self.steps
         kv = scheduler.kv
         fast = self.fast
+        speculative = self.proposer is not None
         waiters = self._on_finish
         clients = times is None  # closed loop: other SimPy processes share the clock
         num_arrivals = len(times) if times is not None else 0
@@ -303,8 +333,15 @@ class _World:
                 now = env.now
                 continue
             horizon = env.peek() if clients else next_arrival
-            out = schedule_admission(self) if fast else None
-            if fast and (stretch := advance_decode_stretch(self, now, horizon, out)) is not None:
+            out = stretch = None
+            if fast:
+                if speculative:  # the step is scheduled as stepping would, then run in bulk
+                    out = scheduler.schedule()
+                    stretch = advance_verify_stretch(self, now, horizon, out)
+                else:
+                    out = schedule_admission(self)
+                    stretch = advance_decode_stretch(self, now, horizon, out)
+            if stretch is not None:
                 now, finishing = stretch
                 if clients and (now >= horizon or (finishing and waiters)):
                     yield env.timeout_at(now)

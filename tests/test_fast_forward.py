@@ -40,6 +40,24 @@ def roofline_step_time(draw) -> dict:
 
 
 @st.composite
+def speculative_configs(draw) -> dict:
+    """EAGLE3, EAGLE or ngram (drafting for all requests or some), 1-5 drafts, acceptance as a
+    mean length or as per-position rates (down to none accepted or all)."""
+    k = draw(st.integers(1, 5))
+    method = draw(st.sampled_from(["eagle3", "eagle", "ngram"]))
+    spec = {"method": method, "num_speculative_tokens": k}
+    if draw(st.booleans()):
+        spec["acceptance_length"] = draw(st.sampled_from([1.0, 1.0 + k / 2, 1.0 + k]))
+    else:
+        rates = sorted(draw(st.lists(st.sampled_from([0.0, 0.3, 0.7, 0.95, 1.0]),
+                                     min_size=k, max_size=k)), reverse=True)
+        spec["acceptance_rates"] = rates
+    if method == "ngram":
+        spec["proposal_rate"] = draw(st.sampled_from([1.0, 0.5]))
+    return spec
+
+
+@st.composite
 def scenarios(draw, roofline=False, speculative=False):
     block_size = draw(st.sampled_from([4, 16, 32]))
     max_in = draw(st.integers(1, 400))
@@ -63,9 +81,8 @@ def scenarios(draw, roofline=False, speculative=False):
     spec = None
     lookahead = 0
     if speculative and draw(st.booleans()):
-        lookahead = draw(st.integers(1, 3))
-        spec = {"method": draw(st.sampled_from(["eagle3", "eagle", "ngram"])),
-                "num_speculative_tokens": lookahead, "acceptance_length": 1.0 + lookahead / 2}
+        spec = draw(speculative_configs())
+        lookahead = spec["num_speculative_tokens"] if spec["method"] != "ngram" else 0
     return make_scenario(
         engine=dict(
             vllm_version=draw(st.sampled_from(["0.11", "0.23", "0.32"])),
@@ -75,11 +92,14 @@ def scenarios(draw, roofline=False, speculative=False):
             max_num_seqs=draw(st.integers(1, 16)),
             max_num_batched_tokens=draw(st.integers(4, 512)),
             enable_prefix_caching=draw(st.booleans()),
+            async_scheduling=draw(st.sampled_from([None, False, True])),
         ),
         step_time=roofline_step_time(draw) if roofline else dict(
             base=0.004, per_prefill_token=1e-5, per_decode_token=draw(st.sampled_from([1e-4, 3e-3])),
             per_context_token=draw(st.sampled_from([0.0, 1e-7])),
             host_overhead=draw(st.sampled_from([0.0, 0.0013])),
+            draft_per_pass=draw(st.sampled_from([0.0, 5e-4])),
+            draft_per_request=draw(st.sampled_from([0.0, 1e-5])),
         ),
         speculative=spec,
         workload=workload,
@@ -98,11 +118,14 @@ NOISES = st.sampled_from([
 
 
 @st.composite
-def noisy_scenarios(draw):
+def noisy_scenarios(draw, speculative=False):
     """Scenarios with step-time noise (either form): periods that shrink and grow along a
     stretch."""
-    scenario = draw(scenarios(roofline=draw(st.booleans())))
-    step_time = {**scenario.step_time.model_dump(exclude_none=True), "noise": draw(NOISES)}
+    scenario = draw(scenarios(roofline=draw(st.booleans()), speculative=speculative))
+    noise = draw(NOISES)
+    if speculative and draw(st.booleans()):
+        noise = {**noise, "spec": {"kind": "lognormal", "sigma": 0.3}}
+    step_time = {**scenario.step_time.model_dump(exclude_none=True), "noise": noise}
     return scenario.model_copy(update={"step_time": type(scenario.step_time).model_validate(step_time)})
 
 
@@ -123,6 +146,20 @@ def test_fast_path_equals_reference_path_roofline(scenario):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(noisy_scenarios())
 def test_fast_path_equals_reference_path_with_noise(scenario):
+    check_fast_equals_reference(scenario)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(speculative=True))
+def test_fast_path_equals_reference_path_with_speculation(scenario):
+    """Verify stretches (EAGLE3, EAGLE, ngram; lengths and rates; async scheduling or not)
+    draw acceptance and proposals from the same streams, in the same order, as stepping."""
+    check_fast_equals_reference(scenario)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(noisy_scenarios(speculative=True))
+def test_fast_path_equals_reference_path_with_speculation_and_noise(scenario):
     check_fast_equals_reference(scenario)
 
 
