@@ -20,9 +20,11 @@ reference (``simulate(..., fast=False)``) on random scenarios.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+import math
+from bisect import bisect_left, bisect_right
 from heapq import heappush
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import sub
 
 import simpy
 from simpy.core import NORMAL
@@ -251,32 +253,43 @@ def advance_verify_stretch(
     if not acceptance.non_increasing:
         return None
     max_model_len = scheduler.max_model_len
-    # Before the first step's update: each request's tokens and drafts; every one samples.
+    # Each request's tokens before the step's update; every one samples in it.
     nts = []
-    outs = []
     for req, spec in zip(reqs, first.num_scheduled_spec_tokens):
         nt = req.num_prompt_tokens + req.num_output_tokens
         if req.num_computed_tokens - spec != nt:
             return None  # a prompt chunk that does not complete: no token this step
         nts.append(nt)
-        outs.append(req.num_output_tokens)
+    outs = [req.num_output_tokens for req in reqs]
     maxes = [req.max_tokens for req in reqs]
-    ds = list(first.num_scheduled_spec_tokens)
+    ds = first.num_scheduled_spec_tokens  # the step's drafts, per request
 
     proposer = world.proposer
     k = proposer.k
     rate = proposer.proposal_rate
-    drafts_all = rate >= 1.0
-    take_proposals = proposer.uniforms.take
-    take_uniforms = acceptance.uniforms.take
-    # accepted = #{i < d : u < r_i} = min(d, rates above u): a bisection on -r.
+    drafts_all = rate >= 1.0  # EAGLE: every request that sampled drafts k
+    uncapped = max_model_len - 1 - k  # up to this many tokens, k drafts fit max_model_len
+    # Uniforms are read from the streams' buffers in order and used up at the end (or when
+    # a buffer runs out): acceptance, one per request in steps with drafts; proposals
+    # (ngram), one per request in every step.
+    accept_stream = acceptance.uniforms
+    ub, u0 = accept_stream.reserve(num_reqs)
+    ui = u0
+    propose_stream = proposer.uniforms
+    if drafts_all:
+        pb, p0 = [], 0
+    else:
+        pb, p0 = propose_stream.reserve(num_reqs)
+    pi = p0
+    ps: list[float] = []
+    # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
     neg_rates = [-r for r in acceptance.rates.tolist()]
-    counters = world.spec_counters
-    accepted_hist = [0] * (k + 1)  # requests (with drafts) by accepted count
+    accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
     num_drafts = num_draft_tokens = 0
 
-    # The next steps are scheduled as stepping would: 1 + drafts tokens each, within the
-    # budget and the prefill threshold (nothing waits, the batch is fixed, so both are fixed).
+    # The next steps are scheduled as stepping would: 1 + drafts tokens per request within
+    # the budget and the prefill threshold (both fixed while the batch is), and blocks for
+    # tokens + drafts + lookahead slots (up to max_model_len).
     threshold = scheduler.prefill_threshold()
     budget = scheduler.max_num_batched_tokens
     lookahead = scheduler.num_lookahead_tokens
@@ -284,6 +297,7 @@ def advance_verify_stretch(
     bs = kv.block_size
     held_map = kv.req_to_blocks
     held = [len(held_map[req.request_id]) for req in reqs]
+    limits = [h * bs - lookahead for h in held]  # a step needs a block past nt + d > limit
     free = kv.num_free_blocks
     scale = kv.num_blocks - 1
     allocs: list[Request] = []  # the blocks the stretch takes, by holder, in order taken
@@ -291,114 +305,247 @@ def advance_verify_stretch(
     model = world.step_model
     noise = world.noise
     out = first
-    # Steps after the first: pure verify (or decode) steps of the same requests.
     verify_out = SchedulerOutput(reqs=reqs, num_decode_reqs=num_reqs, num_decode_tokens=num_reqs)
     starts = [now]
     periods: list[float] = []
     usages = [kv.usage]
     news_by_step: list[list[int]] = []
     t = now
-    finishing: list[Request] = []
+    finished: dict[int, int] = {}  # batch index -> computed tokens after its last step
+    # Plain steps (every request verifies k drafts, none finishes, no draft or block is
+    # capped by max_model_len) are run in bulk, request by request, when no noise and no
+    # proposal draws are in play; the step that ends a bulk run is run one by one below.
+    bulk = drafts_all and noise is None
+    full = num_reqs * k
+    tail = min(uncapped, max_model_len - k - lookahead)  # a plain step follows up to here
+    rates_asc = acceptance.rates.tolist()[::-1]
     while True:
+        if bulk and out.num_verify_tokens == full and not out.num_prefill_tokens:
+            # Run steps j, j+1, ... (j: the scheduled step ``out``) in bulk. Each request's
+            # accepted counts come from its column of the stream (one uniform per request
+            # per step, in batch order); its tokens after each step are their running sum.
+            # Every request finishes within ``m`` steps: m = its fewest tokens left.
+            m = min(min(map(sub, maxes, outs)), max_model_len - max(nts))
+            context = out.num_context_tokens
+            if model.decode_nondecreasing and horizon < math.inf:
+                # Periods never shrink here: no more steps than this start before the horizon.
+                p = model.verify_periods(num_reqs, full, (context,))[0]
+                if p > 0 and horizon - t < p * m:
+                    m = min(m, int((horizon - t) / p) + 2)
+            if m >= 2:
+                accept_stream.advance(ui - u0)
+                ub, u0 = accept_stream.reserve(num_reqs * m)
+                ui = u0
+                last = ui + num_reqs * m
+                fin = cap = m  # the first step in which a request finishes; after which one caps
+                xss = []
+                news_of = []
+                cums = []
+                for b in range(num_reqs):
+                    # Rates at or below each uniform: k minus the accepted count.
+                    xs = list(map(bisect_right, repeat(rates_asc, m), ub[ui + b : last : num_reqs]))
+                    news = [k + 1 - x for x in xs]
+                    cum = list(accumulate(news))  # tokens after each step
+                    nt = nts[b]
+                    room = maxes[b] - outs[b]
+                    if room > max_model_len - nt:
+                        room = max_model_len - nt
+                    i = bisect_left(cum, room, 0, fin + 1 if fin < m else m)
+                    if i < fin:
+                        fin = i
+                    i = bisect_right(cum, tail - nt, 0, cap)
+                    if i < cap:
+                        cap = i
+                    xss.append(xs)
+                    news_of.append(news)
+                    cums.append(cum)
+                # Blocks for the steps that plain steps schedule (request b's step after step
+                # i needs its tokens + k + lookahead slots), in (step, batch) order.
+                plain = fin if fin < cap else cap
+                events = []
+                for b in range(num_reqs):
+                    cum = cums[b]
+                    h = held[b] * bs - (nts[b] + k + lookahead)
+                    while True:
+                        i = bisect_right(cum, h, 0, plain)
+                        if i >= plain:
+                            break
+                        events.append(i * num_reqs + b)
+                        h += bs
+                events.sort()
+                kv_stop = m
+                if len(events) > free:
+                    kv_stop = events[free] // num_reqs  # scheduling its successor would preempt
+                stop = min(fin, cap, kv_stop)
+                # Periods and start times up to the last step that may run.
+                priced = stop + 1 if stop < m else m
+                sums = list(map(sum, zip(*[cum[:priced] for cum in cums])))
+                contexts = [context]
+                contexts += [context + x for x in sums[: priced - 1]]
+                bulk_periods = model.verify_periods(num_reqs, full, contexts)
+                bulk_starts = list(accumulate(bulk_periods, initial=t))
+                late = bisect_left(bulk_starts, horizon, 1) - 1  # the first step to end at or after it
+                if late < priced and late < stop:
+                    stop = late
+                # What ends the bulk: a finish, the horizon or the pool (that step runs and
+                # the stretch ends with it), a cap (that step runs one by one), or m.
+                ends = stop < m and (stop == fin or stop == late or stop == kv_stop)
+                ran = stop + 1 if ends else stop  # steps run here
+                scheduled = ran - 1 if ends else ran  # of them, those that schedule the next
+                if ran:
+                    ui += num_reqs * ran
+                    num_drafts += num_reqs * ran
+                    num_draft_tokens += full * ran
+                    xs = []
+                    for x in xss:
+                        xs += x[:ran]
+                    for x in range(k):  # x rates at or below u: k - x accepted
+                        accepted_hist[k - x] += xs.count(x)
+                    if ends and stop == fin:
+                        before = fin - 1
+                        for b in range(num_reqs):
+                            cum = cums[b]
+                            done = cum[before] if fin else 0
+                            room = maxes[b] - outs[b]
+                            if room > max_model_len - nts[b]:
+                                room = max_model_len - nts[b]
+                            if cum[fin] >= room:  # it finishes: tokens past the end are cut
+                                finished[b] = nts[b] + done + k - xss[b][fin]
+                                news_of[b][fin] = room - done
+                                cum[fin] = room
+                    for b in range(num_reqs):
+                        grown = cums[b][ran - 1]
+                        nts[b] += grown
+                        outs[b] += grown
+                    news_by_step += zip(*[news[:ran] for news in news_of])
+                    del events[bisect_left(events, scheduled * num_reqs) :]
+                    i = 0
+                    for e in events:
+                        step = e // num_reqs
+                        if step > i:
+                            usages += [1.0 - free / scale] * (step - i)
+                            i = step
+                        free -= 1
+                        b = e % num_reqs
+                        held[b] += 1
+                        limits[b] += bs
+                    usages += [1.0 - free / scale] * (scheduled - i)
+                    allocs += [reqs[e % num_reqs] for e in events]
+                    periods += bulk_periods[:ran]
+                    starts += bulk_starts[1 : ran + 1]
+                    t = bulk_starts[ran]
+                    if ends:
+                        break
+                    if out is first:
+                        verify_out.num_scheduled_spec_tokens = ds = [k] * num_reqs
+                        verify_out.total_num_scheduled_tokens = num_reqs + full
+                        verify_out.num_verify_tokens = full
+                        out = verify_out
+                    verify_out.num_context_tokens = context + sums[ran - 1]
         p = model.step_period(out) if noise is None else noise.step_period(model, out)
         periods.append(p)
         t += p
         starts.append(t)
-        # The step's result: accepted drafts, tokens, finishes, next drafts.
+        verifying = out.num_verify_tokens
+        if verifying:
+            if ui + num_reqs > len(ub):
+                accept_stream.advance(ui - u0)
+                ub, u0 = accept_stream.reserve(num_reqs)
+                ui = u0
+            us = ub[ui : ui + num_reqs]
+            ui += num_reqs
+            num_drafts += num_reqs - ds.count(0)
+            num_draft_tokens += verifying
+        if not drafts_all:
+            if pi + num_reqs > len(pb):
+                propose_stream.advance(pi - p0)
+                pb, p0 = propose_stream.reserve(num_reqs)
+                pi = p0
+            ps = pb[pi : pi + num_reqs]
+            pi += num_reqs
+        # The step's result (accepted drafts, tokens, finishes), and the next step's drafts.
         news = []
-        prev_nts = nts
-        nts = []
-        accs = [0] * num_reqs
-        if out.num_verify_tokens:
-            uniforms, u0 = take_uniforms(num_reqs)
-            for b in range(num_reqs):
-                d = ds[b]
-                if d:
-                    a = bisect_left(neg_rates, -uniforms[u0 + b])
-                    if a > d:
-                        a = d
-                    accs[b] = a
-                    accepted_hist[a] += 1
-                    num_drafts += 1
-                    num_draft_tokens += d
-        done = False
+        next_ds = []
+        grow = []
         for b in range(num_reqs):
-            nt = prev_nts[b]
-            new = accs[b] + 1
-            o = outs[b]
-            room = maxes[b] - o
-            if new > room:
-                new = room
-            room = max_model_len - nt
-            if new > room:
-                new = room
-            o += new
-            nt += new
+            d = ds[b]
+            if d:
+                a = bisect_left(neg_rates, -us[b])
+                if a > d:
+                    a = d
+                accepted_hist[a] += 1
+            else:
+                a = 0
+            new = a + 1
+            o = outs[b] + new
+            nt = nts[b] + new
+            if o >= maxes[b] or nt >= max_model_len:  # it finishes: tokens past the end are cut
+                new = min(new, maxes[b] - outs[b], max_model_len - nts[b])
+                finished[b] = nts[b] + a
+                o = outs[b] + new
+                nt = nts[b] + new
             outs[b] = o
-            nts.append(nt)
+            nts[b] = nt
             news.append(new)
-            if o >= maxes[b] or nt >= max_model_len:
-                done = True
-        news_by_step.append(news)
-        if drafts_all:
-            proposed = [k] * num_reqs
-        else:
-            draws, v0 = take_proposals(num_reqs)
-            proposed = [k if u < rate else 0 for u in draws[v0 : v0 + num_reqs]]
-        if done:
-            finishing = [req for req, o, nt, m in zip(reqs, outs, nts, maxes)
-                         if o >= m or nt >= max_model_len]
-            break
-        if t >= horizon:
-            break
-        # Schedule the next step: drafts capped by max_model_len, then the budget, the
-        # threshold, and the blocks for 1 + drafts + lookahead slots.
-        total = num_reqs
-        context = 0
-        verify = 0
-        need_blocks = 0
-        new_held = held[:]
-        step_allocs = []
-        ds = []
-        for b in range(num_reqs):
-            nt = nts[b]
-            d = proposed[b]
-            if d > max_model_len - nt - 1:
+            d = k if drafts_all or ps[b] < rate else 0
+            if nt > uncapped and d > max_model_len - nt - 1:
                 d = max_model_len - nt - 1
-            ds.append(d)
-            verify += d
-            context += nt + d
-            need = nt + d + lookahead
-            if need > max_model_len:
-                need = max_model_len
-            blocks = -(-need // bs)
-            if blocks > held[b]:
-                need_blocks += blocks - held[b]
-                new_held[b] = blocks
-                step_allocs += [reqs[b]] * (blocks - held[b])
-        total += verify
-        if total > budget or (threshold and verify and 1 + max(ds) > threshold):
+            next_ds.append(d)
+            if nt + d > limits[b]:
+                grow.append(b)
+        news_by_step.append(news)
+        if finished or t >= horizon:
             break
-        if need_blocks > free:
-            break  # stepping would preempt: the reference path's business
-        free -= need_blocks
-        held = new_held
-        allocs += step_allocs
+        verify = sum(next_ds)
+        if num_reqs + verify > budget or (threshold and verify and max(next_ds) >= threshold):
+            break
+        if grow:
+            need_blocks = 0
+            step_allocs = []
+            for b in grow:
+                need = nts[b] + next_ds[b] + lookahead
+                if need > max_model_len:
+                    need = max_model_len
+                blocks = -(-need // bs) - held[b]
+                if blocks > 0:
+                    need_blocks += blocks
+                    step_allocs += [reqs[b]] * blocks
+            if need_blocks > free:
+                break  # stepping would preempt: the reference path's business
+            free -= need_blocks
+            for b in grow:
+                need = nts[b] + next_ds[b] + lookahead
+                if need > max_model_len:
+                    need = max_model_len
+                blocks = -(-need // bs)
+                if blocks > held[b]:
+                    held[b] = blocks
+                    limits[b] = blocks * bs - lookahead
+            allocs += step_allocs
         usages.append(1.0 - free / scale)
-        verify_out.num_scheduled_spec_tokens = ds
-        verify_out.total_num_scheduled_tokens = total
+        verify_out.num_scheduled_spec_tokens = ds = next_ds
+        verify_out.total_num_scheduled_tokens = num_reqs + verify
         verify_out.num_verify_tokens = verify
-        verify_out.num_context_tokens = context
+        verify_out.num_context_tokens = sum(nts) + verify
         out = verify_out
+    accept_stream.advance(ui - u0)
+    if not drafts_all:
+        propose_stream.advance(pi - p0)
 
     # Apply: blocks, request state, counters, the step log, the stream chunks, finishes.
     if allocs:
         kv.append_blocks(allocs)
-    for req, prev, a, o, d in zip(reqs, prev_nts, accs, outs, proposed):
-        req.num_output_tokens = o
-        req.num_computed_tokens = prev + a
-        req.num_spec_tokens = d
+    for b, req in enumerate(reqs):
+        req.num_output_tokens = outs[b]
+        if b in finished:
+            req.num_computed_tokens = finished[b]
+            req.num_spec_tokens = 0
+        else:
+            req.num_computed_tokens = nts[b] - 1
+            # The proposer's drafts (a step scheduled later caps them, as it would here).
+            req.num_spec_tokens = k if drafts_all or ps[b] < rate else 0
     if num_drafts:
+        counters = world.spec_counters
         counters.num_drafts += num_drafts
         counters.num_draft_tokens += num_draft_tokens
         per_pos = counters.accepted_per_pos
@@ -421,12 +568,10 @@ def advance_verify_stretch(
     if len(periods) > 1:
         steps.extend_decode(starts[1:-1], periods[1:], usages[1:], num_reqs, num_waiting)
     world.emit_steps(reqs, starts, news_by_step)
-    end = starts[-1]
+    finishing = [reqs[b] for b in sorted(finished)]
     if finishing:
-        for req in finishing:
-            req.num_spec_tokens = 0
         scheduler.finish_requests(finishing)
-    return end, finishing
+    return starts[-1], finishing
 
 
 class Clock(simpy.Environment):

@@ -65,13 +65,23 @@ class UniformStream:
     def take(self, n: int) -> tuple[list[float], int]:
         """Use up the next ``n`` uniforms: they are ``buffer[start : start + n]`` of the
         returned ``(buffer, start)`` (a list the caller only reads)."""
+        buffer, start = self.reserve(n)
+        self._next = start + n
+        return buffer, start
+
+    def reserve(self, n: int) -> tuple[list[float], int]:
+        """``(buffer, start)`` with at least ``n`` unused uniforms from ``buffer[start]`` on,
+        none used up (:meth:`advance` does that): a caller reads as many as it needs."""
         buffer, start = self._buffer, self._next
         if start + n > len(buffer):
             buffer = buffer[start:] + self.rng.random(max(self.block, n)).tolist()
             self._buffer = buffer
-            start = 0
-        self._next = start + n
+            self._next = start = 0
         return buffer, start
+
+    def advance(self, n: int) -> None:
+        """Use up the next ``n`` uniforms (reserved before)."""
+        self._next += n
 
 
 class AcceptanceModel:
