@@ -215,23 +215,27 @@ def advance_decode_stretch(
 
 
 def advance_verify_stretch(
-    world, now: float, horizon: float, first: SchedulerOutput
+    world, now: float, horizon: float, first: SchedulerOutput | None = None
 ) -> tuple[float, list[Request]] | None:
-    """With speculative decoding: run the already scheduled step ``first`` and the verify
-    steps that follow it while the batch cannot change; None (nothing run) if ``first``
-    is not such a step.
+    """With speculative decoding: run the verify steps from ``now`` while the batch cannot
+    change; None (nothing changed) if none can run.
 
-    ``first`` qualifies when nothing was preempted, nothing waits (or ``max_num_seqs``
-    requests run, so that nothing waiting can be admitted), every running request is in it
-    and every one of them samples in it (decodes or verifies, or completes its prompt).
-    Then, until a request finishes (that step included), the next step would start at or
-    after ``horizon``, or the next step could not be scheduled as one of 1 + drafts tokens
-    per request (the token budget, ``long_prefill_token_threshold``, or a KV block the pool
-    cannot give), every step is: each request verifies its drafts (``num_spec_tokens``,
-    capped by ``max_model_len``), accepts a count drawn from the acceptance model's stream
-    (one uniform per scheduled request, in batch order, in steps with drafts), emits
-    ``accepted + 1`` tokens (capped by ``max_tokens`` and ``max_model_len``) and gets its next
-    drafts from the proposer (ngram: one uniform per request from the proposer's stream).
+    ``first``: the step the scheduler has just scheduled, run as the stretch's first step
+    (it may admit requests); or None, when every running request decodes or verifies and
+    the stretch schedules its first step itself. Either way nothing may wait (unless
+    ``max_num_seqs`` requests run, so that scheduling never looks at the queue), nothing may
+    be preempted, and every request samples in the first step.
+
+    Then, until a request finishes (that step included), a step ends at or after
+    ``horizon``, or the next step cannot be scheduled as 1 + drafts tokens per request (the
+    token budget, ``long_prefill_token_threshold``, or a KV block the pool cannot give:
+    stepping would preempt), each step is: every request verifies its drafts
+    (``num_spec_tokens``, capped by ``max_model_len``), accepts a count drawn from the
+    acceptance model's stream (one uniform per request, in batch order, in steps with
+    drafts), emits ``accepted + 1`` tokens (capped by ``max_tokens`` and ``max_model_len``) and
+    gets its next drafts from the proposer (ngram: one uniform per request from the
+    proposer's stream). Steps in which every request verifies k drafts and none finishes
+    (EAGLE, no noise) run in bulk, a request at a time; the rest one at a time.
 
     These are the reference path's operations on plain integers: step periods come from the
     step-time model (and noise) on each step's counts, start times are added one step at a
@@ -241,28 +245,36 @@ def advance_verify_stretch(
     """
     scheduler = world.scheduler
     running: list[Request] = scheduler.running
-    reqs = first.reqs
     num_reqs = len(running)
-    if first.preempted_reqs or not num_reqs or len(reqs) != num_reqs:
-        return None
-    # Requests may wait only if no more can run: then scheduling never looks at them.
     num_waiting = len(scheduler.waiting)
-    if num_waiting and num_reqs < scheduler.max_num_seqs:
+    if not num_reqs or (num_waiting and num_reqs < scheduler.max_num_seqs):
         return None
     acceptance = world.acceptance
     if not acceptance.non_increasing:
         return None
     max_model_len = scheduler.max_model_len
-    # Each request's tokens before the step's update; every one samples in it.
+    # Each request's tokens before the first step's update; every one samples in it.
     nts = []
-    for req, spec in zip(reqs, first.num_scheduled_spec_tokens):
-        nt = req.num_prompt_tokens + req.num_output_tokens
-        if req.num_computed_tokens - spec != nt:
-            return None  # a prompt chunk that does not complete: no token this step
-        nts.append(nt)
+    if first is None:
+        reqs = list(running)
+        for req in reqs:
+            nt = req.num_prompt_tokens + req.num_output_tokens
+            if req.num_computed_tokens != nt - 1:
+                return None
+            nts.append(nt)
+        proposed = [req.num_spec_tokens for req in reqs]  # drafts, before any cap
+    else:
+        reqs = first.reqs
+        if first.preempted_reqs or len(reqs) != num_reqs:
+            return None
+        for req, spec in zip(reqs, first.num_scheduled_spec_tokens):
+            nt = req.num_prompt_tokens + req.num_output_tokens
+            if req.num_computed_tokens - spec != nt:
+                return None  # a prompt chunk that does not complete: no token this step
+            nts.append(nt)
+        ds = first.num_scheduled_spec_tokens  # the step's drafts, per request
     outs = [req.num_output_tokens for req in reqs]
     maxes = [req.max_tokens for req in reqs]
-    ds = first.num_scheduled_spec_tokens  # the step's drafts, per request
 
     proposer = world.proposer
     k = proposer.k
@@ -283,12 +295,14 @@ def advance_verify_stretch(
     pi = p0
     ps: list[float] = []
     # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
-    neg_rates = [-r for r in acceptance.rates.tolist()]
+    rates = acceptance.rates.tolist()
+    neg_rates = [-r for r in rates]
+    rates_asc = rates[::-1]
     accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
     num_drafts = num_draft_tokens = 0
 
-    # The next steps are scheduled as stepping would: 1 + drafts tokens per request within
-    # the budget and the prefill threshold (both fixed while the batch is), and blocks for
+    # Steps are scheduled as stepping would: 1 + drafts tokens per request within the
+    # budget and the prefill threshold (both fixed while the batch is), and blocks for
     # tokens + drafts + lookahead slots (up to max_model_len).
     threshold = scheduler.prefill_threshold()
     budget = scheduler.max_num_batched_tokens
@@ -304,27 +318,72 @@ def advance_verify_stretch(
 
     model = world.step_model
     noise = world.noise
-    out = first
     verify_out = SchedulerOutput(reqs=reqs, num_decode_reqs=num_reqs, num_decode_tokens=num_reqs)
     starts = [now]
     periods: list[float] = []
-    usages = [kv.usage]
-    news_by_step: list[list[int]] = []
+    usages = [] if first is None else [kv.usage]
+    news_all: list[int] = []  # tokens per request per step (step-major)
     t = now
     finished: dict[int, int] = {}  # batch index -> computed tokens after its last step
     # Plain steps (every request verifies k drafts, none finishes, no draft or block is
-    # capped by max_model_len) are run in bulk, request by request, when no noise and no
-    # proposal draws are in play; the step that ends a bulk run is run one by one below.
+    # capped by max_model_len) run in bulk when no noise and no proposal draws are in play.
     bulk = drafts_all and noise is None
     full = num_reqs * k
     tail = min(uncapped, max_model_len - k - lookahead)  # a plain step follows up to here
-    rates_asc = acceptance.rates.tolist()[::-1]
+    out = first
     while True:
+        if out is None:
+            # Schedule the next step: drafts capped by max_model_len, then the budget, the
+            # threshold, and the blocks for 1 + drafts + lookahead slots.
+            ds = []
+            grow = []
+            verify = 0
+            for b in range(num_reqs):
+                nt = nts[b]
+                d = proposed[b]
+                if d > max_model_len - nt - 1:
+                    d = max_model_len - nt - 1
+                ds.append(d)
+                verify += d
+                if nt + d > limits[b]:
+                    grow.append(b)
+            if num_reqs + verify > budget or (threshold and verify and max(ds) >= threshold):
+                break
+            if grow:
+                need_blocks = 0
+                step_allocs = []
+                for b in grow:
+                    need = nts[b] + ds[b] + lookahead
+                    if need > max_model_len:
+                        need = max_model_len
+                    blocks = -(-need // bs) - held[b]
+                    if blocks > 0:
+                        need_blocks += blocks
+                        step_allocs += [reqs[b]] * blocks
+                if need_blocks > free:
+                    break  # stepping would preempt: the reference path's business
+                free -= need_blocks
+                for b in grow:
+                    need = nts[b] + ds[b] + lookahead
+                    if need > max_model_len:
+                        need = max_model_len
+                    blocks = -(-need // bs)
+                    if blocks > held[b]:
+                        held[b] = blocks
+                        limits[b] = blocks * bs - lookahead
+                allocs += step_allocs
+            usages.append(1.0 - free / scale)
+            verify_out.num_scheduled_spec_tokens = ds
+            verify_out.total_num_scheduled_tokens = num_reqs + verify
+            verify_out.num_verify_tokens = verify
+            verify_out.num_context_tokens = sum(nts) + verify
+            out = verify_out
+
         if bulk and out.num_verify_tokens == full and not out.num_prefill_tokens:
-            # Run steps j, j+1, ... (j: the scheduled step ``out``) in bulk. Each request's
-            # accepted counts come from its column of the stream (one uniform per request
-            # per step, in batch order); its tokens after each step are their running sum.
-            # Every request finishes within ``m`` steps: m = its fewest tokens left.
+            # Run the scheduled step and those after it in bulk. Request b's accepted
+            # counts come from column b of the stream (one uniform per request per step);
+            # its tokens after each step are their running sum. Each request finishes
+            # within m steps: m = the fewest tokens any has left.
             m = min(min(map(sub, maxes, outs)), max_model_len - max(nts))
             context = out.num_context_tokens
             if model.decode_nondecreasing and horizon < math.inf:
@@ -333,19 +392,17 @@ def advance_verify_stretch(
                 if p > 0 and horizon - t < p * m:
                     m = min(m, int((horizon - t) / p) + 2)
             if m >= 2:
+                size = num_reqs * m
                 accept_stream.advance(ui - u0)
-                ub, u0 = accept_stream.reserve(num_reqs * m)
+                ub, u0 = accept_stream.reserve(size)
                 ui = u0
-                last = ui + num_reqs * m
-                fin = cap = m  # the first step in which a request finishes; after which one caps
-                xss = []
-                news_of = []
+                # Rates at or below each uniform: k minus the accepted count.
+                xs = list(map(bisect_right, repeat(rates_asc, size), ub[ui : ui + size]))
+                news = [k + 1 - x for x in xs]  # tokens per request per step (step-major)
+                fin = cap = m  # the first step in which one finishes; after which one caps
                 cums = []
                 for b in range(num_reqs):
-                    # Rates at or below each uniform: k minus the accepted count.
-                    xs = list(map(bisect_right, repeat(rates_asc, m), ub[ui + b : last : num_reqs]))
-                    news = [k + 1 - x for x in xs]
-                    cum = list(accumulate(news))  # tokens after each step
+                    cum = list(accumulate(news[b::num_reqs]))  # its tokens after each step
                     nt = nts[b]
                     room = maxes[b] - outs[b]
                     if room > max_model_len - nt:
@@ -356,16 +413,14 @@ def advance_verify_stretch(
                     i = bisect_right(cum, tail - nt, 0, cap)
                     if i < cap:
                         cap = i
-                    xss.append(xs)
-                    news_of.append(news)
                     cums.append(cum)
-                # Blocks for the steps that plain steps schedule (request b's step after step
-                # i needs its tokens + k + lookahead slots), in (step, batch) order.
+                # Blocks for the steps that plain steps schedule (request b's step after
+                # step i needs its tokens + k + lookahead slots), in (step, batch) order.
                 plain = fin if fin < cap else cap
                 events = []
                 for b in range(num_reqs):
                     cum = cums[b]
-                    h = held[b] * bs - (nts[b] + k + lookahead)
+                    h = limits[b] - nts[b] - k
                     while True:
                         i = bisect_right(cum, h, 0, plain)
                         if i >= plain:
@@ -379,26 +434,26 @@ def advance_verify_stretch(
                 stop = min(fin, cap, kv_stop)
                 # Periods and start times up to the last step that may run.
                 priced = stop + 1 if stop < m else m
-                sums = list(map(sum, zip(*[cum[:priced] for cum in cums])))
+                sums = list(accumulate(map(sum, zip(*[iter(news)] * num_reqs))))
                 contexts = [context]
                 contexts += [context + x for x in sums[: priced - 1]]
                 bulk_periods = model.verify_periods(num_reqs, full, contexts)
                 bulk_starts = list(accumulate(bulk_periods, initial=t))
-                late = bisect_left(bulk_starts, horizon, 1) - 1  # the first step to end at or after it
+                late = bisect_left(bulk_starts, horizon, 1) - 1  # the first to end at/after it
                 if late < priced and late < stop:
                     stop = late
                 # What ends the bulk: a finish, the horizon or the pool (that step runs and
-                # the stretch ends with it), a cap (that step runs one by one), or m.
+                # the stretch ends with it), a cap (that step runs one at a time), or m.
                 ends = stop < m and (stop == fin or stop == late or stop == kv_stop)
                 ran = stop + 1 if ends else stop  # steps run here
                 scheduled = ran - 1 if ends else ran  # of them, those that schedule the next
                 if ran:
-                    ui += num_reqs * ran
-                    num_drafts += num_reqs * ran
+                    size = num_reqs * ran
+                    ui += size
+                    num_drafts += size
                     num_draft_tokens += full * ran
-                    xs = []
-                    for x in xss:
-                        xs += x[:ran]
+                    if size < len(xs):
+                        del xs[size:], news[size:]
                     for x in range(k):  # x rates at or below u: k - x accepted
                         accepted_hist[k - x] += xs.count(x)
                     if ends and stop == fin:
@@ -410,14 +465,15 @@ def advance_verify_stretch(
                             if room > max_model_len - nts[b]:
                                 room = max_model_len - nts[b]
                             if cum[fin] >= room:  # it finishes: tokens past the end are cut
-                                finished[b] = nts[b] + done + k - xss[b][fin]
-                                news_of[b][fin] = room - done
+                                i = fin * num_reqs + b
+                                finished[b] = nts[b] + done + k - xs[i]
+                                news[i] = room - done
                                 cum[fin] = room
                     for b in range(num_reqs):
                         grown = cums[b][ran - 1]
                         nts[b] += grown
                         outs[b] += grown
-                    news_by_step += zip(*[news[:ran] for news in news_of])
+                    news_all += news
                     del events[bisect_left(events, scheduled * num_reqs) :]
                     i = 0
                     for e in events:
@@ -435,13 +491,16 @@ def advance_verify_stretch(
                     starts += bulk_starts[1 : ran + 1]
                     t = bulk_starts[ran]
                     if ends:
+                        proposed = [k] * num_reqs
                         break
-                    if out is first:
-                        verify_out.num_scheduled_spec_tokens = ds = [k] * num_reqs
-                        verify_out.total_num_scheduled_tokens = num_reqs + full
-                        verify_out.num_verify_tokens = full
-                        out = verify_out
+                    verify_out.num_scheduled_spec_tokens = ds = [k] * num_reqs
+                    verify_out.total_num_scheduled_tokens = num_reqs + full
+                    verify_out.num_verify_tokens = full
                     verify_out.num_context_tokens = context + sums[ran - 1]
+                    out = verify_out
+
+        # One step: price it, then its result (accepted drafts, tokens, finishes) and the
+        # next drafts.
         p = model.step_period(out) if noise is None else noise.step_period(model, out)
         periods.append(p)
         t += p
@@ -456,17 +515,16 @@ def advance_verify_stretch(
             ui += num_reqs
             num_drafts += num_reqs - ds.count(0)
             num_draft_tokens += verifying
-        if not drafts_all:
+        if drafts_all:
+            proposed = [k] * num_reqs
+        else:
             if pi + num_reqs > len(pb):
                 propose_stream.advance(pi - p0)
                 pb, p0 = propose_stream.reserve(num_reqs)
                 pi = p0
             ps = pb[pi : pi + num_reqs]
             pi += num_reqs
-        # The step's result (accepted drafts, tokens, finishes), and the next step's drafts.
-        news = []
-        next_ds = []
-        grow = []
+            proposed = [k if u < rate else 0 for u in ps]
         for b in range(num_reqs):
             d = ds[b]
             if d:
@@ -486,48 +544,12 @@ def advance_verify_stretch(
                 nt = nts[b] + new
             outs[b] = o
             nts[b] = nt
-            news.append(new)
-            d = k if drafts_all or ps[b] < rate else 0
-            if nt > uncapped and d > max_model_len - nt - 1:
-                d = max_model_len - nt - 1
-            next_ds.append(d)
-            if nt + d > limits[b]:
-                grow.append(b)
-        news_by_step.append(news)
+            news_all.append(new)
         if finished or t >= horizon:
             break
-        verify = sum(next_ds)
-        if num_reqs + verify > budget or (threshold and verify and max(next_ds) >= threshold):
-            break
-        if grow:
-            need_blocks = 0
-            step_allocs = []
-            for b in grow:
-                need = nts[b] + next_ds[b] + lookahead
-                if need > max_model_len:
-                    need = max_model_len
-                blocks = -(-need // bs) - held[b]
-                if blocks > 0:
-                    need_blocks += blocks
-                    step_allocs += [reqs[b]] * blocks
-            if need_blocks > free:
-                break  # stepping would preempt: the reference path's business
-            free -= need_blocks
-            for b in grow:
-                need = nts[b] + next_ds[b] + lookahead
-                if need > max_model_len:
-                    need = max_model_len
-                blocks = -(-need // bs)
-                if blocks > held[b]:
-                    held[b] = blocks
-                    limits[b] = blocks * bs - lookahead
-            allocs += step_allocs
-        usages.append(1.0 - free / scale)
-        verify_out.num_scheduled_spec_tokens = ds = next_ds
-        verify_out.total_num_scheduled_tokens = num_reqs + verify
-        verify_out.num_verify_tokens = verify
-        verify_out.num_context_tokens = sum(nts) + verify
-        out = verify_out
+        out = None
+    if not periods:
+        return None  # the first step could not be scheduled here: nothing changed
     accept_stream.advance(ui - u0)
     if not drafts_all:
         propose_stream.advance(pi - p0)
@@ -542,8 +564,7 @@ def advance_verify_stretch(
             req.num_spec_tokens = 0
         else:
             req.num_computed_tokens = nts[b] - 1
-            # The proposer's drafts (a step scheduled later caps them, as it would here).
-            req.num_spec_tokens = k if drafts_all or ps[b] < rate else 0
+            req.num_spec_tokens = proposed[b]  # (a step scheduled later caps them)
     if num_drafts:
         counters = world.spec_counters
         counters.num_drafts += num_drafts
@@ -558,16 +579,19 @@ def advance_verify_stretch(
                     per_pos[i] += count
                 counters.num_accepted_tokens += a * count
     steps = world.steps
-    for req in first.new_reqs:
-        if req.scheduled_ts is None:
-            req.scheduled_ts = now
-    steps.append(
-        now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, num_reqs,
-        num_reqs, num_waiting, usages[0], 0,
-    )
-    if len(periods) > 1:
-        steps.extend_decode(starts[1:-1], periods[1:], usages[1:], num_reqs, num_waiting)
-    world.emit_steps(reqs, starts, news_by_step)
+    if first is not None:
+        for req in first.new_reqs:
+            if req.scheduled_ts is None:
+                req.scheduled_ts = now
+        steps.append(
+            now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, num_reqs,
+            num_reqs, num_waiting, usages[0], 0,
+        )
+        if len(periods) > 1:
+            steps.extend_decode(starts[1:-1], periods[1:], usages[1:], num_reqs, num_waiting)
+    else:
+        steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting)
+    world.emit_steps(reqs, starts, news_all)
     finishing = [reqs[b] for b in sorted(finished)]
     if finishing:
         scheduler.finish_requests(finishing)

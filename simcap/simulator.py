@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from array import array
+from operator import sub
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -215,32 +216,30 @@ class _World:
                 rec.chunk_times.extend(ends)
                 rec.chunk_tokens.extend(ones)
 
-    def emit_steps(self, reqs: list[Request], times: list[float], news: list[list[int]]) -> None:
-        """The chunks of a stretch of steps in which every one of ``reqs`` samples:
-        ``news[j][b]`` tokens reach ``reqs[b]`` at ``times[j + 1]`` (``times[0]`` is its start)."""
+    def emit_steps(self, reqs: list[Request], times: list[float], news: list[int]) -> None:
+        """The chunks of a stretch of steps in which every one of ``reqs`` samples: at
+        ``times[j + 1]`` (``times[0]`` is its start), ``news[j * len(reqs) + b]`` tokens reach
+        ``reqs[b]``."""
         first = times[1]
-        last = times[-1]
-        gaps = self._gaps
-        gap_tokens = self._gap_tokens
-        for req, n in zip(reqs, news[0]):
+        num_reqs = len(reqs)
+        for req, n in zip(reqs, news):
             if req.first_token_ts is None:
                 req.first_token_ts = first
             else:
-                gaps.append(first - req.last_token_ts)
-                gap_tokens.append(n)
-            req.last_token_ts = last
-        num_reqs = len(reqs)
-        for j in range(1, len(news)):
-            gaps += [times[j + 1] - times[j]] * num_reqs  # every request's gap at step j
-            gap_tokens += news[j]
-        if len(gaps) >= GAP_BUFFER:
+                self._gaps.append(first - req.last_token_ts)
+                self._gap_tokens.append(n)
+            req.last_token_ts = times[-1]
+        if len(times) > 2:  # every request's gap at each later step
+            self._gaps += [g for g in map(sub, times[2:], times[1:-1]) for _ in reqs]
+            self._gap_tokens += news[num_reqs:]
+        if len(self._gaps) >= GAP_BUFFER:
             self._flush_gaps()
         if self.records is not None:
             ends = times[1:]
             for b, req in enumerate(reqs):
                 rec = self.records[req.request_id]
                 rec.chunk_times.extend(ends)
-                rec.chunk_tokens.extend(step[b] for step in news)
+                rec.chunk_tokens.extend(news[b::num_reqs])
 
     def _flush_gaps(self) -> None:
         if self._single_gaps:
@@ -335,9 +334,11 @@ class _World:
             horizon = env.peek() if clients else next_arrival
             out = stretch = None
             if fast:
-                if speculative:  # the step is scheduled as stepping would, then run in bulk
-                    out = scheduler.schedule()
-                    stretch = advance_verify_stretch(self, now, horizon, out)
+                if speculative:  # scheduled here, or by the scheduler, then run in bulk
+                    stretch = advance_verify_stretch(self, now, horizon)
+                    if stretch is None:
+                        out = scheduler.schedule()
+                        stretch = advance_verify_stretch(self, now, horizon, out)
                 else:
                     out = schedule_admission(self)
                     stretch = advance_decode_stretch(self, now, horizon, out)
