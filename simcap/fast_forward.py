@@ -11,6 +11,11 @@ requests into such a batch is scheduled without walking the decoders one by one
 (:func:`schedule_admission`) and, when every admitted prompt completes in it, runs as the
 first step of the following stretch.
 
+With speculative decoding, :func:`advance_verify_stretch` does the same for verify steps:
+each request verifies its drafts and emits ``accepted + 1`` tokens, with accepted counts
+(and ngram proposals) read from the engine's buffered uniform streams in the order and
+amount stepping reads them, so that the stretch ends where stepping's batch would change.
+
 The result is the same, float for float, as stepping one by one: step times use the
 step-time model's own operations in its order; start times are accumulated one step at a
 time as SimPy's clock would; the KV manager hands out blocks in exactly the order in which
@@ -295,7 +300,7 @@ def advance_verify_stretch(
     pi = p0
     ps: list[float] = []
     # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
-    rates = acceptance.rates.tolist()
+    rates = acceptance.rate_list
     neg_rates = [-r for r in rates]
     rates_asc = rates[::-1]
     accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
@@ -434,10 +439,11 @@ def advance_verify_stretch(
                 stop = min(fin, cap, kv_stop)
                 # Periods and start times up to the last step that may run.
                 priced = stop + 1 if stop < m else m
-                sums = list(accumulate(map(sum, zip(*[iter(news)] * num_reqs))))
-                contexts = [context]
-                contexts += [context + x for x in sums[: priced - 1]]
-                bulk_periods = model.verify_periods(num_reqs, full, contexts)
+                # Step i attends the context before it plus the tokens of steps 0..i-1.
+                contexts = list(accumulate(
+                    map(sum, zip(*[iter(news[: priced * num_reqs])] * num_reqs)), initial=context
+                ))
+                bulk_periods = model.verify_periods(num_reqs, full, contexts[:priced])
                 bulk_starts = list(accumulate(bulk_periods, initial=t))
                 late = bisect_left(bulk_starts, horizon, 1) - 1  # the first to end at/after it
                 if late < priced and late < stop:
@@ -496,7 +502,7 @@ def advance_verify_stretch(
                     verify_out.num_scheduled_spec_tokens = ds = [k] * num_reqs
                     verify_out.total_num_scheduled_tokens = num_reqs + full
                     verify_out.num_verify_tokens = full
-                    verify_out.num_context_tokens = context + sums[ran - 1]
+                    verify_out.num_context_tokens = contexts[ran]
                     out = verify_out
 
         # One step: price it, then its result (accepted drafts, tokens, finishes) and the
@@ -604,6 +610,11 @@ class Clock(simpy.Environment):
     ``env.timeout(end - now)`` lands on ``now + (end - now)``, which in floats is not always
     ``end``; a stretch must end exactly where stepping would have, so it is scheduled at its
     end time itself (the same heap entry ``Environment.schedule`` makes, minus the addition).
+    No public SimPy call can do that: for some pairs no delay at all lands on ``end``
+    (now = 2**-52, end = 2 + 2**-51), and waking at an intermediate time first would change
+    the order of simultaneous events. So this uses SimPy's internals (``_now``, ``_queue``,
+    ``_eid``, ``Event._ok``, ``_value``), and pyproject.toml pins SimPy to the minor release
+    they were read from; tests/test_clock.py fails with the pin's name when they change.
     """
 
     def timeout_at(self, at: float) -> simpy.Event:

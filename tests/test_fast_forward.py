@@ -257,3 +257,38 @@ def test_fast_path_equals_reference_path_at_scale():
             assert reference.summary.completed == workload["num_requests"]
             preemptions.append(reference.summary.preemptions)
     assert min(preemptions) > 0  # every pool runs out: the fast path meets preemptions
+
+
+def test_verify_stretches_equal_reference_path_at_scale():
+    """Speculation on hundreds of requests: verify stretches of dozens of requests (bulk
+    for EAGLE3, one step at a time for ngram with noise), a tight pool that preempts, shared
+    prefixes, chunked prompts and a closed loop."""
+    preemptions = []
+    for spec, noise, arrival in [
+        ({"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.4}, None,
+         {"process": "poisson", "rate": 40.0}),
+        ({"method": "eagle", "num_speculative_tokens": 4,
+          "acceptance_rates": [0.9, 0.7, 0.5, 0.2]}, None,
+         {"process": "closed", "concurrency": 20, "think_time_s": 0.02}),
+        ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_length": 2.0,
+          "proposal_rate": 0.6}, {"decode": {"kind": "lognormal", "sigma": 0.3}},
+         {"process": "poisson", "rate": 40.0}),
+    ]:
+        scenario = make_scenario(
+            engine=dict(num_gpu_blocks=160, block_size=16, max_num_seqs=24,
+                        max_num_batched_tokens=512, max_model_len=4096),
+            step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
+                           per_context_token=1e-8, draft_per_pass=5e-4, noise=noise),
+            speculative=spec,
+            workload=dict(arrival=arrival, num_requests=250,
+                          input_len={"dist": "uniform", "low": 40, "high": 600},
+                          output_len={"dist": "uniform", "low": 1, "high": 300},
+                          prefix={"shared_tokens": 32, "num_prefixes": 3}),
+        )
+        reference = simulate(scenario, fast=False, records=True, steps=True)
+        fast = simulate(scenario, records=True, steps=True)
+        assert fast.records == reference.records and fast.steps == reference.steps
+        assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+        assert reference.summary.completed == 250
+        preemptions.append(reference.summary.preemptions)
+    assert min(preemptions) > 0  # every pool runs out: the fast path meets preemptions

@@ -93,7 +93,11 @@ class AcceptanceModel:
     def __init__(self, rates: Sequence[float], rng: np.random.Generator) -> None:
         self.rates = np.asarray(rates, dtype=float)
         self.uniforms = UniformStream(rng)
-        self._rates = self.rates.tolist()
+        self.rate_list: list[float] = self.rates.tolist()
+        r = self.rate_list
+        # The rates never rise with position (as vLLM's per-position rates), so the accepted
+        # count for a uniform u is the number of rates above it (see sample).
+        self.non_increasing = all(b <= a for a, b in zip(r, r[1:]))
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
@@ -104,20 +108,13 @@ class AcceptanceModel:
         """``1 + sum(r_i)``: vLLM's mean acceptance length for full-length drafts."""
         return 1.0 + float(self.rates.sum())
 
-    @property
-    def non_increasing(self) -> bool:
-        """The rates never rise with position (as vLLM's per-position rates), so the accepted
-        count for a uniform ``u`` is the number of rates above it (see :meth:`sample`)."""
-        r = self._rates
-        return all(b <= a for a, b in zip(r, r[1:]))
-
     def sample(self, num_drafts: Sequence[int]) -> list[int]:
         """Accepted count for each request that verifies ``num_drafts[i]`` drafts (may be 0)."""
         n = len(num_drafts)
         if n == 0:
             return []
         uniforms, start = self.uniforms.take(n)
-        rates = self._rates
+        rates = self.rate_list
         accepted = []
         for ui, d in zip(uniforms[start : start + n], num_drafts):
             a = 0
