@@ -270,8 +270,8 @@ def advance_verify_stretch(
         proposed = [req.num_spec_tokens for req in reqs]  # drafts, before any cap
     else:
         reqs = first.reqs
-        if first.preempted_reqs or len(reqs) != num_reqs:
-            return None
+        if first.preempted_reqs or first.spec_padded_reqs or len(reqs) != num_reqs:
+            return None  # (padded drafts are never accepted: stepping's business)
         for req, spec in zip(reqs, first.num_scheduled_spec_tokens):
             nt = req.num_prompt_tokens + req.num_output_tokens
             if req.num_computed_tokens - spec != nt:
@@ -330,6 +330,7 @@ def advance_verify_stretch(
     news_all: list[int] = []  # tokens per request per step (step-major)
     t = now
     finished: dict[int, int] = {}  # batch index -> computed tokens after its last step
+    last_accepted = [0] * num_reqs  # each request's accepted drafts in the last step
     # Plain steps (every request verifies k drafts, none finishes, no draft or block is
     # capped by max_model_len) run in bulk when no noise and no proposal draws are in play.
     bulk = drafts_all and noise is None
@@ -492,6 +493,7 @@ def advance_verify_stretch(
                         held[b] += 1
                         limits[b] += bs
                     usages += [1.0 - free / scale] * (scheduled - i)
+                    last_accepted = [k - x for x in xs[size - num_reqs : size]]
                     allocs += [reqs[e % num_reqs] for e in events]
                     periods += bulk_periods[:ran]
                     starts += bulk_starts[1 : ran + 1]
@@ -540,6 +542,7 @@ def advance_verify_stretch(
                 accepted_hist[a] += 1
             else:
                 a = 0
+            last_accepted[b] = a
             new = a + 1
             o = outs[b] + new
             nt = nts[b] + new
@@ -565,6 +568,9 @@ def advance_verify_stretch(
         kv.append_blocks(allocs)
     for b, req in enumerate(reqs):
         req.num_output_tokens = outs[b]
+        req.is_prefill_chunk = False
+        # The last step's accepted drafts: their blocks are cached at the next allocation.
+        req.num_accepted_uncommitted = last_accepted[b]
         if b in finished:
             req.num_computed_tokens = finished[b]
             req.num_spec_tokens = 0

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from simcap.metrics import summarize
 from simcap.report import to_json
-from simcap.simulator import simulate
+from simcap.simulator import _World, simulate
 from tests.conftest import make_scenario
 
 
@@ -163,9 +163,19 @@ def test_fast_path_equals_reference_path_with_speculation_and_noise(scenario):
     check_fast_equals_reference(scenario)
 
 
+def final_pool(scenario, fast):
+    """The KV pool a run leaves: the free queue's order (what later allocations take, and
+    which cached blocks they evict) and the cached content of each block."""
+    world = _World(scenario, fast)
+    world.run()
+    kv = world.scheduler.kv
+    return kv.free_block_ids(), kv.prefix_cache.block_hash
+
+
 def check_fast_equals_reference(scenario):
     reference = simulate(scenario, fast=False, records=True, steps=True)
     fast = simulate(scenario, fast=True, records=True, steps=True)
+    assert final_pool(scenario, True) == final_pool(scenario, False)
     assert fast.records == reference.records
     assert fast.steps == reference.steps
     assert to_json(fast.to_dict()) == to_json(reference.to_dict())
@@ -254,6 +264,7 @@ def test_fast_path_equals_reference_path_at_scale():
             fast = simulate(scenario, records=True, steps=True)
             assert fast.records == reference.records and fast.steps == reference.steps
             assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+            assert final_pool(scenario, True) == final_pool(scenario, False)
             assert reference.summary.completed == workload["num_requests"]
             preemptions.append(reference.summary.preemptions)
     assert min(preemptions) > 0  # every pool runs out: the fast path meets preemptions
@@ -289,6 +300,7 @@ def test_verify_stretches_equal_reference_path_at_scale():
         fast = simulate(scenario, records=True, steps=True)
         assert fast.records == reference.records and fast.steps == reference.steps
         assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+        assert final_pool(scenario, True) == final_pool(scenario, False)
         assert reference.summary.completed == 250
         preemptions.append(reference.summary.preemptions)
     assert min(preemptions) > 0  # every pool runs out: the fast path meets preemptions
