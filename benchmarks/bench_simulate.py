@@ -14,8 +14,10 @@ imports, scenario, simulation), simulated seconds per wall second, engine steps 
 peak RSS. ``--peer`` also times NVIDIA Dynamo's compiled mocker on the same
 workload (when importable: ``pip install --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1``)
 interleaved with simcap, and prints the ratio; ``--reference`` does the same for simcap's
-step-by-step reference path. Machines are shared and noisy: compare medians of runs measured
-side by side, never a lone figure. ``--num-requests 1000000`` is the million-request run: on the reference workload, 246 MiB peak
+step-by-step reference path. ``--eagle3`` times the ``spec`` workload (EAGLE3) against the
+``reference`` one (no speculation), interleaved, and prints their ratio. Machines are shared
+and noisy: compare medians of runs measured side by side, never a lone figure.
+``--num-requests 1000000`` is the million-request run: on the reference workload, 246 MiB peak
 RSS (whole process, 44.3M engine steps; shared 2-core x86-64 machine, Python 3.11.7, numpy 2.4;
 ``simcap simulate`` of the same scenario from the command line peaks at 246 MiB too).
 """
@@ -127,6 +129,20 @@ def _walls(runs: list[dict], key: str = "wall") -> str:
     return ", ".join(f"{r[key]:.3f}" for r in runs)
 
 
+def compare_eagle3(repeats: int, num_requests: int | None) -> None:
+    """The ``spec`` workload (EAGLE3, k=3, acceptance length 2.4) against ``reference``."""
+    runs: dict[str, list[dict]] = {"reference": [], "spec": []}
+    for _ in range(repeats):
+        for name in runs:  # interleaved, so that machine noise hits both alike
+            runs[name].append(measure("simcap", name, num_requests))
+    wall = {name: statistics.median(r["wall"] for r in rs) for name, rs in runs.items()}
+    print("\n== EAGLE3 against no speculation (simulate call, median of interleaved runs)")
+    for name, label in [("reference", "no speculation"), ("spec", "EAGLE3")]:
+        r = runs[name][0]
+        print(f"{label:<16}{wall[name]:.3f} s   steps {r['steps']:,}   all: {_walls(runs[name])}")
+    print(f"EAGLE3 / none    {wall['spec'] / wall['reference']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append")
@@ -135,6 +151,9 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="also time the compiled peer, interleaved")
     parser.add_argument("--reference", action="store_true",
                         help="also time simcap's step-by-step reference path, interleaved")
+    parser.add_argument("--eagle3", action="store_true",
+                        help="time the EAGLE3 workload against the one without speculation, "
+                             "interleaved, and print the ratio")
     parser.add_argument("--child", choices=["simcap", "reference", "peer"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     names = args.workload or list(WORKLOADS)
@@ -146,6 +165,9 @@ def main() -> None:
 
     print(f"simcap {simcap.__version__}, Python {platform.python_version()}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    if args.eagle3:
+        compare_eagle3(args.repeats, args.num_requests)
+        return
     for name in names:
         arms = ["simcap"]
         if args.peer and name != "spec":

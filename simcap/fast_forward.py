@@ -11,6 +11,11 @@ requests into such a batch is scheduled without walking the decoders one by one
 (:func:`schedule_admission`) and, when every admitted prompt completes in it, runs as the
 first step of the following stretch.
 
+With speculative decoding, :func:`advance_verify_stretch` does the same for verify steps:
+each request verifies its drafts and emits ``accepted + 1`` tokens, with accepted counts
+(and ngram proposals) read from the engine's buffered uniform streams in the order and
+amount stepping reads them, so that the stretch ends where stepping's batch would change.
+
 The result is the same, float for float, as stepping one by one: step times use the
 step-time model's own operations in its order; start times are accumulated one step at a
 time as SimPy's clock would; the KV manager hands out blocks in exactly the order in which
@@ -20,9 +25,11 @@ reference (``simulate(..., fast=False)``) on random scenarios.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+import math
+from bisect import bisect_left, bisect_right
 from heapq import heappush
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import sub
 
 import simpy
 from simpy.core import NORMAL
@@ -212,12 +219,408 @@ def advance_decode_stretch(
     return end, finishing
 
 
+def advance_verify_stretch(
+    world, now: float, horizon: float, first: SchedulerOutput | None = None
+) -> tuple[float, list[Request]] | None:
+    """With speculative decoding: run the verify steps from ``now`` while the batch cannot
+    change; None (nothing changed) if none can run.
+
+    ``first``: the step the scheduler has just scheduled, run as the stretch's first step
+    (it may admit requests); or None, when every running request decodes or verifies and
+    the stretch schedules its first step itself. Either way nothing may wait (unless
+    ``max_num_seqs`` requests run, so that scheduling never looks at the queue), nothing may
+    be preempted, and every request samples in the first step.
+
+    Then, until a request finishes (that step included), a step ends at or after
+    ``horizon``, or the next step cannot be scheduled as 1 + drafts tokens per request (the
+    token budget, ``long_prefill_token_threshold``, or a KV block the pool cannot give:
+    stepping would preempt), each step is: every request verifies its drafts
+    (``num_spec_tokens``, capped by ``max_model_len``), accepts a count drawn from the
+    acceptance model's stream (one uniform per request, in batch order, in steps with
+    drafts), emits ``accepted + 1`` tokens (capped by ``max_tokens`` and ``max_model_len``) and
+    gets its next drafts from the proposer (ngram: one uniform per request from the
+    proposer's stream). Steps in which every request verifies k drafts and none finishes
+    (EAGLE, no noise) run in bulk, a request at a time; the rest one at a time.
+
+    These are the reference path's operations on plain integers: step periods come from the
+    step-time model (and noise) on each step's counts, start times are added one step at a
+    time, blocks are handed out in (step, batch) order, and every stream is read in the
+    order and amount stepping reads it. Returns the stretch's end time and the requests that
+    finished in its last step (released; the caller reports them at that time).
+    """
+    scheduler = world.scheduler
+    running: list[Request] = scheduler.running
+    num_reqs = len(running)
+    num_waiting = len(scheduler.waiting)
+    if not num_reqs or (num_waiting and num_reqs < scheduler.max_num_seqs):
+        return None
+    acceptance = world.acceptance
+    if not acceptance.non_increasing:
+        return None
+    max_model_len = scheduler.max_model_len
+    # Each request's tokens before the first step's update; every one samples in it.
+    nts = []
+    if first is None:
+        reqs = list(running)
+        for req in reqs:
+            nt = req.num_prompt_tokens + req.num_output_tokens
+            if req.num_computed_tokens != nt - 1:
+                return None
+            nts.append(nt)
+        proposed = [req.num_spec_tokens for req in reqs]  # drafts, before any cap
+    else:
+        reqs = first.reqs
+        if first.preempted_reqs or first.spec_padded_reqs or len(reqs) != num_reqs:
+            return None  # (padded drafts are never accepted: stepping's business)
+        for req, spec in zip(reqs, first.num_scheduled_spec_tokens):
+            nt = req.num_prompt_tokens + req.num_output_tokens
+            if req.num_computed_tokens - spec != nt:
+                return None  # a prompt chunk that does not complete: no token this step
+            nts.append(nt)
+        ds = first.num_scheduled_spec_tokens  # the step's drafts, per request
+    outs = [req.num_output_tokens for req in reqs]
+    maxes = [req.max_tokens for req in reqs]
+
+    proposer = world.proposer
+    k = proposer.k
+    rate = proposer.proposal_rate
+    drafts_all = rate >= 1.0  # EAGLE: every request that sampled drafts k
+    uncapped = max_model_len - 1 - k  # up to this many tokens, k drafts fit max_model_len
+    # Uniforms are read from the streams' buffers in order and used up at the end (or when
+    # a buffer runs out): acceptance, one per request in steps with drafts; proposals
+    # (ngram), one per request in every step.
+    accept_stream = acceptance.uniforms
+    ub, u0 = accept_stream.reserve(num_reqs)
+    ui = u0
+    propose_stream = proposer.uniforms
+    if drafts_all:
+        pb, p0 = [], 0
+    else:
+        pb, p0 = propose_stream.reserve(num_reqs)
+    pi = p0
+    ps: list[float] = []
+    # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
+    rates = acceptance.rate_list
+    neg_rates = [-r for r in rates]
+    rates_asc = rates[::-1]
+    accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
+    num_drafts = num_draft_tokens = 0
+
+    # Steps are scheduled as stepping would: 1 + drafts tokens per request within the
+    # budget and the prefill threshold (both fixed while the batch is), and blocks for
+    # tokens + drafts + lookahead slots (up to max_model_len).
+    threshold = scheduler.prefill_threshold()
+    budget = scheduler.max_num_batched_tokens
+    lookahead = scheduler.num_lookahead_tokens
+    kv = scheduler.kv
+    bs = kv.block_size
+    held_map = kv.req_to_blocks
+    held = [len(held_map[req.request_id]) for req in reqs]
+    limits = [h * bs - lookahead for h in held]  # a step needs a block past nt + d > limit
+    free = kv.num_free_blocks
+    scale = kv.num_blocks - 1
+    allocs: list[Request] = []  # the blocks the stretch takes, by holder, in order taken
+
+    model = world.step_model
+    noise = world.noise
+    verify_out = SchedulerOutput(reqs=reqs, num_decode_reqs=num_reqs, num_decode_tokens=num_reqs)
+    starts = [now]
+    periods: list[float] = []
+    usages = [] if first is None else [kv.usage]
+    news_all: list[int] = []  # tokens per request per step (step-major)
+    t = now
+    finished: dict[int, int] = {}  # batch index -> computed tokens after its last step
+    last_accepted = [0] * num_reqs  # each request's accepted drafts in the last step
+    # Plain steps (every request verifies k drafts, none finishes, no draft or block is
+    # capped by max_model_len) run in bulk when no noise and no proposal draws are in play.
+    bulk = drafts_all and noise is None
+    full = num_reqs * k
+    tail = min(uncapped, max_model_len - k - lookahead)  # a plain step follows up to here
+    out = first
+    while True:
+        if out is None:
+            # Schedule the next step: drafts capped by max_model_len, then the budget, the
+            # threshold, and the blocks for 1 + drafts + lookahead slots.
+            ds = []
+            grow = []
+            verify = 0
+            for b in range(num_reqs):
+                nt = nts[b]
+                d = proposed[b]
+                if d > max_model_len - nt - 1:
+                    d = max_model_len - nt - 1
+                ds.append(d)
+                verify += d
+                if nt + d > limits[b]:
+                    grow.append(b)
+            if num_reqs + verify > budget or (threshold and verify and max(ds) >= threshold):
+                break
+            if grow:
+                need_blocks = 0
+                step_allocs = []
+                for b in grow:
+                    need = nts[b] + ds[b] + lookahead
+                    if need > max_model_len:
+                        need = max_model_len
+                    blocks = -(-need // bs) - held[b]
+                    if blocks > 0:
+                        need_blocks += blocks
+                        step_allocs += [reqs[b]] * blocks
+                if need_blocks > free:
+                    break  # stepping would preempt: the reference path's business
+                free -= need_blocks
+                for b in grow:
+                    need = nts[b] + ds[b] + lookahead
+                    if need > max_model_len:
+                        need = max_model_len
+                    blocks = -(-need // bs)
+                    if blocks > held[b]:
+                        held[b] = blocks
+                        limits[b] = blocks * bs - lookahead
+                allocs += step_allocs
+            usages.append(1.0 - free / scale)
+            verify_out.num_scheduled_spec_tokens = ds
+            verify_out.total_num_scheduled_tokens = num_reqs + verify
+            verify_out.num_verify_tokens = verify
+            verify_out.num_context_tokens = sum(nts) + verify
+            out = verify_out
+
+        if bulk and out.num_verify_tokens == full and not out.num_prefill_tokens:
+            # Run the scheduled step and those after it in bulk. Request b's accepted
+            # counts come from column b of the stream (one uniform per request per step);
+            # its tokens after each step are their running sum. Each request finishes
+            # within m steps: m = the fewest tokens any has left.
+            m = min(min(map(sub, maxes, outs)), max_model_len - max(nts))
+            context = out.num_context_tokens
+            if model.decode_nondecreasing and horizon < math.inf:
+                # Periods never shrink here: no more steps than this start before the horizon.
+                p = model.verify_periods(num_reqs, full, (context,))[0]
+                if p > 0 and horizon - t < p * m:
+                    m = min(m, int((horizon - t) / p) + 2)
+            if m >= 2:
+                size = num_reqs * m
+                accept_stream.advance(ui - u0)
+                ub, u0 = accept_stream.reserve(size)
+                ui = u0
+                # Rates at or below each uniform: k minus the accepted count.
+                xs = list(map(bisect_right, repeat(rates_asc, size), ub[ui : ui + size]))
+                news = [k + 1 - x for x in xs]  # tokens per request per step (step-major)
+                fin = cap = m  # the first step in which one finishes; after which one caps
+                cums = []
+                for b in range(num_reqs):
+                    cum = list(accumulate(news[b::num_reqs]))  # its tokens after each step
+                    nt = nts[b]
+                    room = maxes[b] - outs[b]
+                    if room > max_model_len - nt:
+                        room = max_model_len - nt
+                    i = bisect_left(cum, room, 0, fin + 1 if fin < m else m)
+                    if i < fin:
+                        fin = i
+                    i = bisect_right(cum, tail - nt, 0, cap)
+                    if i < cap:
+                        cap = i
+                    cums.append(cum)
+                # Blocks for the steps that plain steps schedule (request b's step after
+                # step i needs its tokens + k + lookahead slots), in (step, batch) order.
+                plain = fin if fin < cap else cap
+                events = []
+                for b in range(num_reqs):
+                    cum = cums[b]
+                    h = limits[b] - nts[b] - k
+                    while True:
+                        i = bisect_right(cum, h, 0, plain)
+                        if i >= plain:
+                            break
+                        events.append(i * num_reqs + b)
+                        h += bs
+                events.sort()
+                kv_stop = m
+                if len(events) > free:
+                    kv_stop = events[free] // num_reqs  # scheduling its successor would preempt
+                stop = min(fin, cap, kv_stop)
+                # Periods and start times up to the last step that may run.
+                priced = stop + 1 if stop < m else m
+                # Step i attends the context before it plus the tokens of steps 0..i-1.
+                contexts = list(accumulate(
+                    map(sum, zip(*[iter(news[: priced * num_reqs])] * num_reqs)), initial=context
+                ))
+                bulk_periods = model.verify_periods(num_reqs, full, contexts[:priced])
+                bulk_starts = list(accumulate(bulk_periods, initial=t))
+                late = bisect_left(bulk_starts, horizon, 1) - 1  # the first to end at/after it
+                if late < priced and late < stop:
+                    stop = late
+                # What ends the bulk: a finish, the horizon or the pool (that step runs and
+                # the stretch ends with it), a cap (that step runs one at a time), or m.
+                ends = stop < m and (stop == fin or stop == late or stop == kv_stop)
+                ran = stop + 1 if ends else stop  # steps run here
+                scheduled = ran - 1 if ends else ran  # of them, those that schedule the next
+                if ran:
+                    size = num_reqs * ran
+                    ui += size
+                    num_drafts += size
+                    num_draft_tokens += full * ran
+                    if size < len(xs):
+                        del xs[size:], news[size:]
+                    for x in range(k):  # x rates at or below u: k - x accepted
+                        accepted_hist[k - x] += xs.count(x)
+                    if ends and stop == fin:
+                        before = fin - 1
+                        for b in range(num_reqs):
+                            cum = cums[b]
+                            done = cum[before] if fin else 0
+                            room = maxes[b] - outs[b]
+                            if room > max_model_len - nts[b]:
+                                room = max_model_len - nts[b]
+                            if cum[fin] >= room:  # it finishes: tokens past the end are cut
+                                i = fin * num_reqs + b
+                                finished[b] = nts[b] + done + k - xs[i]
+                                news[i] = room - done
+                                cum[fin] = room
+                    for b in range(num_reqs):
+                        grown = cums[b][ran - 1]
+                        nts[b] += grown
+                        outs[b] += grown
+                    news_all += news
+                    del events[bisect_left(events, scheduled * num_reqs) :]
+                    i = 0
+                    for e in events:
+                        step = e // num_reqs
+                        if step > i:
+                            usages += [1.0 - free / scale] * (step - i)
+                            i = step
+                        free -= 1
+                        b = e % num_reqs
+                        held[b] += 1
+                        limits[b] += bs
+                    usages += [1.0 - free / scale] * (scheduled - i)
+                    last_accepted = [k - x for x in xs[size - num_reqs : size]]
+                    allocs += [reqs[e % num_reqs] for e in events]
+                    periods += bulk_periods[:ran]
+                    starts += bulk_starts[1 : ran + 1]
+                    t = bulk_starts[ran]
+                    if ends:
+                        proposed = [k] * num_reqs
+                        break
+                    verify_out.num_scheduled_spec_tokens = ds = [k] * num_reqs
+                    verify_out.total_num_scheduled_tokens = num_reqs + full
+                    verify_out.num_verify_tokens = full
+                    verify_out.num_context_tokens = contexts[ran]
+                    out = verify_out
+
+        # One step: price it, then its result (accepted drafts, tokens, finishes) and the
+        # next drafts.
+        p = model.step_period(out) if noise is None else noise.step_period(model, out)
+        periods.append(p)
+        t += p
+        starts.append(t)
+        verifying = out.num_verify_tokens
+        if verifying:
+            if ui + num_reqs > len(ub):
+                accept_stream.advance(ui - u0)
+                ub, u0 = accept_stream.reserve(num_reqs)
+                ui = u0
+            us = ub[ui : ui + num_reqs]
+            ui += num_reqs
+            num_drafts += num_reqs - ds.count(0)
+            num_draft_tokens += verifying
+        if drafts_all:
+            proposed = [k] * num_reqs
+        else:
+            if pi + num_reqs > len(pb):
+                propose_stream.advance(pi - p0)
+                pb, p0 = propose_stream.reserve(num_reqs)
+                pi = p0
+            ps = pb[pi : pi + num_reqs]
+            pi += num_reqs
+            proposed = [k if u < rate else 0 for u in ps]
+        for b in range(num_reqs):
+            d = ds[b]
+            if d:
+                a = bisect_left(neg_rates, -us[b])
+                if a > d:
+                    a = d
+                accepted_hist[a] += 1
+            else:
+                a = 0
+            last_accepted[b] = a
+            new = a + 1
+            o = outs[b] + new
+            nt = nts[b] + new
+            if o >= maxes[b] or nt >= max_model_len:  # it finishes: tokens past the end are cut
+                new = min(new, maxes[b] - outs[b], max_model_len - nts[b])
+                finished[b] = nts[b] + a
+                o = outs[b] + new
+                nt = nts[b] + new
+            outs[b] = o
+            nts[b] = nt
+            news_all.append(new)
+        if finished or t >= horizon:
+            break
+        out = None
+    if not periods:
+        return None  # the first step could not be scheduled here: nothing changed
+    accept_stream.advance(ui - u0)
+    if not drafts_all:
+        propose_stream.advance(pi - p0)
+
+    # Apply: blocks, request state, counters, the step log, the stream chunks, finishes.
+    if allocs:
+        kv.append_blocks(allocs)
+    for b, req in enumerate(reqs):
+        req.num_output_tokens = outs[b]
+        req.is_prefill_chunk = False
+        # The last step's accepted drafts: their blocks are cached at the next allocation.
+        req.num_accepted_uncommitted = last_accepted[b]
+        if b in finished:
+            req.num_computed_tokens = finished[b]
+            req.num_spec_tokens = 0
+        else:
+            req.num_computed_tokens = nts[b] - 1
+            req.num_spec_tokens = proposed[b]  # (a step scheduled later caps them)
+    if num_drafts:
+        counters = world.spec_counters
+        counters.num_drafts += num_drafts
+        counters.num_draft_tokens += num_draft_tokens
+        per_pos = counters.accepted_per_pos
+        for a in range(1, k + 1):
+            count = accepted_hist[a]
+            if count:
+                while len(per_pos) < a:
+                    per_pos.append(0)
+                for i in range(a):
+                    per_pos[i] += count
+                counters.num_accepted_tokens += a * count
+    steps = world.steps
+    if first is not None:
+        for req in first.new_reqs:
+            if req.scheduled_ts is None:
+                req.scheduled_ts = now
+        steps.append(
+            now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, num_reqs,
+            num_reqs, num_waiting, usages[0], 0,
+        )
+        if len(periods) > 1:
+            steps.extend_decode(starts[1:-1], periods[1:], usages[1:], num_reqs, num_waiting)
+    else:
+        steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting)
+    world.emit_steps(reqs, starts, news_all)
+    finishing = [reqs[b] for b in sorted(finished)]
+    if finishing:
+        scheduler.finish_requests(finishing)
+    return starts[-1], finishing
+
+
 class Clock(simpy.Environment):
     """A SimPy environment that can also wake a process at an absolute time.
 
     ``env.timeout(end - now)`` lands on ``now + (end - now)``, which in floats is not always
     ``end``; a stretch must end exactly where stepping would have, so it is scheduled at its
     end time itself (the same heap entry ``Environment.schedule`` makes, minus the addition).
+    No public SimPy call can do that: for some pairs no delay at all lands on ``end``
+    (now = 2**-52, end = 2 + 2**-51), and waking at an intermediate time first would change
+    the order of simultaneous events. So this uses SimPy's internals (``_now``, ``_queue``,
+    ``_eid``, ``Event._ok``, ``_value``), and pyproject.toml pins SimPy to the minor release
+    they were read from; tests/test_clock.py fails with the pin's name when they change.
     """
 
     def timeout_at(self, at: float) -> simpy.Event:

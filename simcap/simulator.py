@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import math
 from array import array
+from operator import sub
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -30,7 +31,9 @@ from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCount
 from simcap.engine.step_time import make_step_model
 from simcap.early_stop import SloStop, StopRecord
 from simcap.errors import SimulationError
-from simcap.fast_forward import Clock, advance_decode_stretch, schedule_admission
+from simcap.fast_forward import (
+    Clock, advance_decode_stretch, advance_verify_stretch, schedule_admission,
+)
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario, check_limits
@@ -222,6 +225,31 @@ class _World:
                 rec.chunk_times.extend(ends)
                 rec.chunk_tokens.extend(ones)
 
+    def emit_steps(self, reqs: list[Request], times: list[float], news: list[int]) -> None:
+        """The chunks of a stretch of steps in which every one of ``reqs`` samples: at
+        ``times[j + 1]`` (``times[0]`` is its start), ``news[j * len(reqs) + b]`` tokens reach
+        ``reqs[b]``."""
+        first = times[1]
+        num_reqs = len(reqs)
+        for req, n in zip(reqs, news):
+            if req.first_token_ts is None:
+                req.first_token_ts = first
+            else:
+                self._gaps.append(first - req.last_token_ts)
+                self._gap_tokens.append(n)
+            req.last_token_ts = times[-1]
+        if len(times) > 2:  # every request's gap at each later step
+            self._gaps += [g for g in map(sub, times[2:], times[1:-1]) for _ in reqs]
+            self._gap_tokens += news[num_reqs:]
+        if len(self._gaps) >= GAP_BUFFER:
+            self._flush_gaps()
+        if self.records is not None:
+            ends = times[1:]
+            for b, req in enumerate(reqs):
+                rec = self.records[req.request_id]
+                rec.chunk_times.extend(ends)
+                rec.chunk_tokens.extend(news[b::num_reqs])
+
     def _flush_gaps(self) -> None:
         if self._single_gaps:
             self.metrics.add_itl(np.array(self._single_gaps))
@@ -288,6 +316,7 @@ class _World:
         steps = self.steps
         kv = scheduler.kv
         fast = self.fast
+        speculative = self.proposer is not None
         waiters = self._on_finish
         stop = self.stop
         clients = times is None  # closed loop: other SimPy processes share the clock
@@ -315,8 +344,17 @@ class _World:
                 now = env.now
                 continue
             horizon = env.peek() if clients else next_arrival
-            out = schedule_admission(self) if fast else None
-            if fast and (stretch := advance_decode_stretch(self, now, horizon, out)) is not None:
+            out = stretch = None
+            if fast:
+                if speculative:  # scheduled here, or by the scheduler, then run in bulk
+                    stretch = advance_verify_stretch(self, now, horizon)
+                    if stretch is None:
+                        out = scheduler.schedule()
+                        stretch = advance_verify_stretch(self, now, horizon, out)
+                else:
+                    out = schedule_admission(self)
+                    stretch = advance_decode_stretch(self, now, horizon, out)
+            if stretch is not None:
                 now, finishing = stretch
                 if clients and (now >= horizon or (finishing and waiters)):
                     yield env.timeout_at(now)

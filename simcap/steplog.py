@@ -83,9 +83,11 @@ class StepLog:
             c["num_preempted"].append(num_preempted)
 
     def extend_decode(
-        self, starts: list[float], durations: list[float], usages: list[float], num_reqs: int
+        self, starts: list[float], durations: list[float], usages: list[float], num_reqs: int,
+        num_waiting: int = 0,
     ) -> None:
-        """Rows of pure-decode steps of ``num_reqs`` requests (nothing waits or is preempted)."""
+        """Rows of pure-decode steps of ``num_reqs`` requests, ``num_waiting`` waiting (none
+        preempted)."""
         n = len(starts)
         self._starts += starts
         self._usages += usages
@@ -99,7 +101,7 @@ class StepLog:
             c["kv_cache_usage"].extend(usages)
             zeros = array("q", bytes(8 * n))
             c["num_prefill_tokens"].extend(zeros)
-            c["num_waiting"].extend(zeros)
+            c["num_waiting"].extend(array("q", [num_waiting]) * n if num_waiting else zeros)
             c["num_preempted"].extend(zeros)
             batch = array("q", [num_reqs]) * n
             c["num_decode_tokens"].extend(batch)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from simcap.metrics import summarize
 from simcap.report import to_json
-from simcap.simulator import simulate
+from simcap.simulator import _World, simulate
 from tests.conftest import make_scenario
 
 
@@ -40,6 +40,24 @@ def roofline_step_time(draw) -> dict:
 
 
 @st.composite
+def speculative_configs(draw) -> dict:
+    """EAGLE3, EAGLE or ngram (drafting for all requests or some), 1-5 drafts, acceptance as a
+    mean length or as per-position rates (down to none accepted or all)."""
+    k = draw(st.integers(1, 5))
+    method = draw(st.sampled_from(["eagle3", "eagle", "ngram"]))
+    spec = {"method": method, "num_speculative_tokens": k}
+    if draw(st.booleans()):
+        spec["acceptance_length"] = draw(st.sampled_from([1.0, 1.0 + k / 2, 1.0 + k]))
+    else:
+        rates = sorted(draw(st.lists(st.sampled_from([0.0, 0.3, 0.7, 0.95, 1.0]),
+                                     min_size=k, max_size=k)), reverse=True)
+        spec["acceptance_rates"] = rates
+    if method == "ngram":
+        spec["proposal_rate"] = draw(st.sampled_from([1.0, 0.5]))
+    return spec
+
+
+@st.composite
 def scenarios(draw, roofline=False, speculative=False):
     block_size = draw(st.sampled_from([4, 16, 32]))
     max_in = draw(st.integers(1, 400))
@@ -63,9 +81,8 @@ def scenarios(draw, roofline=False, speculative=False):
     spec = None
     lookahead = 0
     if speculative and draw(st.booleans()):
-        lookahead = draw(st.integers(1, 3))
-        spec = {"method": draw(st.sampled_from(["eagle3", "eagle", "ngram"])),
-                "num_speculative_tokens": lookahead, "acceptance_length": 1.0 + lookahead / 2}
+        spec = draw(speculative_configs())
+        lookahead = spec["num_speculative_tokens"] if spec["method"] != "ngram" else 0
     return make_scenario(
         engine=dict(
             vllm_version=draw(st.sampled_from(["0.11", "0.23", "0.32"])),
@@ -75,11 +92,14 @@ def scenarios(draw, roofline=False, speculative=False):
             max_num_seqs=draw(st.integers(1, 16)),
             max_num_batched_tokens=draw(st.integers(4, 512)),
             enable_prefix_caching=draw(st.booleans()),
+            async_scheduling=draw(st.sampled_from([None, False, True])),
         ),
         step_time=roofline_step_time(draw) if roofline else dict(
             base=0.004, per_prefill_token=1e-5, per_decode_token=draw(st.sampled_from([1e-4, 3e-3])),
             per_context_token=draw(st.sampled_from([0.0, 1e-7])),
             host_overhead=draw(st.sampled_from([0.0, 0.0013])),
+            draft_per_pass=draw(st.sampled_from([0.0, 5e-4])),
+            draft_per_request=draw(st.sampled_from([0.0, 1e-5])),
         ),
         speculative=spec,
         workload=workload,
@@ -98,11 +118,14 @@ NOISES = st.sampled_from([
 
 
 @st.composite
-def noisy_scenarios(draw):
+def noisy_scenarios(draw, speculative=False):
     """Scenarios with step-time noise (either form): periods that shrink and grow along a
     stretch."""
-    scenario = draw(scenarios(roofline=draw(st.booleans())))
-    step_time = {**scenario.step_time.model_dump(exclude_none=True), "noise": draw(NOISES)}
+    scenario = draw(scenarios(roofline=draw(st.booleans()), speculative=speculative))
+    noise = draw(NOISES)
+    if speculative and draw(st.booleans()):
+        noise = {**noise, "spec": {"kind": "lognormal", "sigma": 0.3}}
+    step_time = {**scenario.step_time.model_dump(exclude_none=True), "noise": noise}
     return scenario.model_copy(update={"step_time": type(scenario.step_time).model_validate(step_time)})
 
 
@@ -126,9 +149,33 @@ def test_fast_path_equals_reference_path_with_noise(scenario):
     check_fast_equals_reference(scenario)
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(speculative=True))
+def test_fast_path_equals_reference_path_with_speculation(scenario):
+    """Verify stretches (EAGLE3, EAGLE, ngram; lengths and rates; async scheduling or not)
+    draw acceptance and proposals from the same streams, in the same order, as stepping."""
+    check_fast_equals_reference(scenario)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(noisy_scenarios(speculative=True))
+def test_fast_path_equals_reference_path_with_speculation_and_noise(scenario):
+    check_fast_equals_reference(scenario)
+
+
+def final_pool(scenario, fast):
+    """The KV pool a run leaves: the free queue's order (what later allocations take, and
+    which cached blocks they evict) and the cached content of each block."""
+    world = _World(scenario, fast)
+    world.run()
+    kv = world.scheduler.kv
+    return kv.free_block_ids(), kv.prefix_cache.block_hash
+
+
 def check_fast_equals_reference(scenario):
     reference = simulate(scenario, fast=False, records=True, steps=True)
     fast = simulate(scenario, fast=True, records=True, steps=True)
+    assert final_pool(scenario, True) == final_pool(scenario, False)
     assert fast.records == reference.records
     assert fast.steps == reference.steps
     assert to_json(fast.to_dict()) == to_json(reference.to_dict())
@@ -217,6 +264,43 @@ def test_fast_path_equals_reference_path_at_scale():
             fast = simulate(scenario, records=True, steps=True)
             assert fast.records == reference.records and fast.steps == reference.steps
             assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+            assert final_pool(scenario, True) == final_pool(scenario, False)
             assert reference.summary.completed == workload["num_requests"]
             preemptions.append(reference.summary.preemptions)
+    assert min(preemptions) > 0  # every pool runs out: the fast path meets preemptions
+
+
+def test_verify_stretches_equal_reference_path_at_scale():
+    """Speculation on hundreds of requests: verify stretches of dozens of requests (bulk
+    for EAGLE3, one step at a time for ngram with noise), a tight pool that preempts, shared
+    prefixes, chunked prompts and a closed loop."""
+    preemptions = []
+    for spec, noise, arrival in [
+        ({"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.4}, None,
+         {"process": "poisson", "rate": 40.0}),
+        ({"method": "eagle", "num_speculative_tokens": 4,
+          "acceptance_rates": [0.9, 0.7, 0.5, 0.2]}, None,
+         {"process": "closed", "concurrency": 20, "think_time_s": 0.02}),
+        ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_length": 2.0,
+          "proposal_rate": 0.6}, {"decode": {"kind": "lognormal", "sigma": 0.3}},
+         {"process": "poisson", "rate": 40.0}),
+    ]:
+        scenario = make_scenario(
+            engine=dict(num_gpu_blocks=160, block_size=16, max_num_seqs=24,
+                        max_num_batched_tokens=512, max_model_len=4096),
+            step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
+                           per_context_token=1e-8, draft_per_pass=5e-4, noise=noise),
+            speculative=spec,
+            workload=dict(arrival=arrival, num_requests=250,
+                          input_len={"dist": "uniform", "low": 40, "high": 600},
+                          output_len={"dist": "uniform", "low": 1, "high": 300},
+                          prefix={"shared_tokens": 32, "num_prefixes": 3}),
+        )
+        reference = simulate(scenario, fast=False, records=True, steps=True)
+        fast = simulate(scenario, records=True, steps=True)
+        assert fast.records == reference.records and fast.steps == reference.steps
+        assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+        assert final_pool(scenario, True) == final_pool(scenario, False)
+        assert reference.summary.completed == 250
+        preemptions.append(reference.summary.preemptions)
     assert min(preemptions) > 0  # every pool runs out: the fast path meets preemptions

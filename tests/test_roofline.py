@@ -213,6 +213,12 @@ def test_decode_periods_equal_step_period_float_for_float(form, async_scheduling
                 for j in range(1, 21)]
         assert got == want
         assert got == sorted(got)
+        # Verify steps (k drafts per request), at contexts that rise unevenly.
+        contexts = [context + num_reqs * (k + 1) * j + j * j for j in range(20)]
+        got = m.verify_periods(num_reqs, num_reqs * k, contexts)
+        want = [m.step_period(step(decode=num_reqs, verify=num_reqs * k, context=c))
+                for c in contexts]
+        assert got == want
 
 
 @settings(max_examples=200, deadline=None)

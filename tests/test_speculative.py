@@ -83,7 +83,7 @@ def test_sampled_acceptance_has_the_configured_per_position_rates(rates):
 def test_acceptance_draws_ahead_yet_samples_what_drawing_per_call_gives():
     rates = (0.8, 0.6, 0.45)
     model = AcceptanceModel(rates, np.random.default_rng(7))
-    model.BLOCK = 5  # refills inside and across calls
+    model.uniforms.block = 5  # refills inside and across calls
     rng = np.random.default_rng(7)
     for n in [1, 3, 0, 7, 2, 12, 4]:
         drafts = [(3, 1, 2, 0)[i % 4] for i in range(n)]

@@ -48,22 +48,56 @@ def rates_for_length(acceptance_length: float, k: int) -> tuple[float, ...]:
     return tuple(p**i for i in range(1, k + 1))
 
 
+class UniformStream:
+    """Uniforms from a generator of its own, drawn ahead in blocks and used in order.
+
+    Each :meth:`take` sees the values that drawing its own would have given (numpy's
+    ``Generator.random`` fills an array with successive draws), so callers may take one
+    request's, one step's or a whole stretch's worth at a time and get the same numbers.
+    """
+
+    def __init__(self, rng: np.random.Generator, block: int = 4096) -> None:
+        self.rng = rng
+        self.block = block  # uniforms drawn at once
+        self._buffer: list[float] = []
+        self._next = 0  # the next unused uniform
+
+    def take(self, n: int) -> tuple[list[float], int]:
+        """Use up the next ``n`` uniforms: they are ``buffer[start : start + n]`` of the
+        returned ``(buffer, start)`` (a list the caller only reads)."""
+        buffer, start = self.reserve(n)
+        self._next = start + n
+        return buffer, start
+
+    def reserve(self, n: int) -> tuple[list[float], int]:
+        """``(buffer, start)`` with at least ``n`` unused uniforms from ``buffer[start]`` on,
+        none used up (:meth:`advance` does that): a caller reads as many as it needs."""
+        buffer, start = self._buffer, self._next
+        if start + n > len(buffer):
+            buffer = buffer[start:] + self.rng.random(max(self.block, n)).tolist()
+            self._buffer = buffer
+            self._next = start = 0
+        return buffer, start
+
+    def advance(self, n: int) -> None:
+        """Use up the next ``n`` uniforms (reserved before)."""
+        self._next += n
+
+
 class AcceptanceModel:
     """Samples accepted draft counts from per-position acceptance rates (seeded).
 
-    The generator is the model's own: uniforms are drawn from it ahead, in blocks, and used
-    in order, so each call sees the values that drawing its own would have given (numpy's
-    ``Generator.random`` fills an array with successive draws).
+    One uniform per verifying request, from the model's own :class:`UniformStream`.
     """
-
-    BLOCK = 4096  # uniforms drawn at once
 
     def __init__(self, rates: Sequence[float], rng: np.random.Generator) -> None:
         self.rates = np.asarray(rates, dtype=float)
-        self.rng = rng
-        self._rates = self.rates.tolist()
-        self._uniforms: list[float] = []
-        self._next = 0  # the next unused uniform
+        self.uniforms = UniformStream(rng)
+        self.rate_list: list[float] = self.rates.tolist()
+        r = self.rate_list
+        # The rates never rise with position (as vLLM's per-position rates), so the accepted
+        # count for a uniform u is the number of rates above it (see sample).
+        self.non_increasing = all(b <= a for a, b in zip(r, r[1:]))
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
@@ -79,13 +113,8 @@ class AcceptanceModel:
         n = len(num_drafts)
         if n == 0:
             return []
-        uniforms, start = self._uniforms, self._next
-        if start + n > len(uniforms):
-            uniforms = uniforms[start:] + self.rng.random(max(self.BLOCK, n)).tolist()
-            self._uniforms = uniforms
-            start = 0
-        self._next = start + n
-        rates = self._rates
+        uniforms, start = self.uniforms.take(n)
+        rates = self.rate_list
         accepted = []
         for ui, d in zip(uniforms[start : start + n], num_drafts):
             a = 0
@@ -149,7 +178,8 @@ class Proposer:
         self.k = config.num_speculative_tokens
         self.method = config.method
         self.proposal_rate = config.proposal_rate
-        self.rng = rng
+        # ngram: one uniform per request that sampled, whether it finished or not.
+        self.uniforms = UniformStream(rng)
 
     def propose(self, sampled: Sequence[Request]) -> None:
         """Set ``num_spec_tokens`` for requests that sampled this step and still run."""
@@ -160,7 +190,8 @@ class Proposer:
                 if not req.is_finished:
                     req.num_spec_tokens = k
             return
-        draws = self.rng.random(len(sampled)).tolist()
-        for req, u in zip(sampled, draws):
+        n = len(sampled)
+        draws, start = self.uniforms.take(n)
+        for req, u in zip(sampled, draws[start : start + n]):
             if not req.is_finished and u < self.proposal_rate:
                 req.num_spec_tokens = k

@@ -49,8 +49,9 @@ squares with an optional pull toward efficiency 1. Every term is non-decreasing 
 context, so a pure-decode stretch's periods never shrink (the fast path relies on it).
 Constants are folded at construction: a step costs a few float operations.
 
-Both forms price a stretch of pure-decode steps with ``decode_periods`` (integers in, the
-same float operations as ``step_period`` out), which the fast path uses.
+Both forms price a stretch of pure-decode steps with ``decode_periods``, and of verify steps
+(speculative decoding) with ``verify_periods`` (integers in, the same float operations as
+``step_period`` out), which the fast path uses.
 
 The engine's step period adds ``host_overhead`` (scheduling, output processing, messaging:
 work vLLM's per-iteration log does not time). With async scheduling that host work overlaps
@@ -168,18 +169,29 @@ class StepTimeModel:
         token each, no drafts in play) whose attended context is ``context + num_reqs * j``
         at step j = 1..count: the same float operations, in the same order, as step_period
         on those steps' SchedulerOutputs."""
+        return self.verify_periods(
+            num_reqs, 0, range(context + num_reqs, context + num_reqs * count + 1, num_reqs)
+            if num_reqs else [context] * count,
+        )
+
+    def verify_periods(self, num_reqs: int, num_verify: int, contexts) -> list[float]:
+        """:meth:`step_period` of steps in which each of ``num_reqs`` requests computes one
+        token and the batch verifies ``num_verify`` drafts (no prompt tokens), step i
+        attending ``contexts[i]`` tokens: step_period's float operations, in its order."""
         t0 = self.base + self.per_prefill_token * 0
         t0 += self.per_decode_token * num_reqs
+        if num_verify:
+            t0 += self.per_verify_token * num_verify
         host, asynchronous = self.host_overhead, self.async_scheduling
         per_context = self.per_context_token
         k = self.num_speculative_tokens
         draft = k * (self.draft_per_pass + self.draft_per_request * num_reqs) if k else 0.0
         if not per_context:
             f = t0 + draft if k else t0
-            return [((f if f > host else host) if asynchronous else f + host)] * count
+            return [((f if f > host else host) if asynchronous else f + host)] * len(contexts)
         periods = []
-        for j in range(1, count + 1):
-            f = t0 + per_context * (context + num_reqs * j)
+        for c in contexts:
+            f = t0 + per_context * c
             if k:
                 f += draft
             periods.append((f if f > host else host) if asynchronous else f + host)
@@ -501,18 +513,25 @@ class RooflineStepTimeModel:
 
     def decode_periods(self, num_reqs: int, context: int, count: int) -> list[float]:
         """:meth:`step_period` of ``count`` pure-decode steps (see StepTimeModel's)."""
+        return self.verify_periods(
+            num_reqs, 0, range(context + num_reqs, context + num_reqs * count + 1, num_reqs)
+            if num_reqs else [context] * count,
+        )
+
+    def verify_periods(self, num_reqs: int, num_verify: int, contexts) -> list[float]:
+        """:meth:`step_period` of verify steps (see StepTimeModel's)."""
         host, asynchronous = self.host_overhead, self.async_scheduling
+        n = num_reqs + num_verify  # tokens, and rows of logits
         periods = []
         if self.combine == "max":
-            for j in range(1, count + 1):
-                f = self._forward_max(num_reqs, num_reqs, num_reqs, 0, 0, context + num_reqs * j,
-                                      False)
+            for c in contexts:
+                f = self._forward_max(n, num_reqs, n, 0, 0, c, False)
                 periods.append((f if f > host else host) if asynchronous else f + host)
             return periods
-        head = self._head(num_reqs, num_reqs, num_reqs, 0, 0)
+        head = self._head(n, num_reqs, n, 0, 0)
         per_ctx = self._per_ctx
-        for j in range(1, count + 1):
-            f = head + per_ctx * (context + num_reqs * j)
+        for c in contexts:
+            f = head + per_ctx * c
             periods.append((f if f > host else host) if asynchronous else f + host)
         return periods
 
