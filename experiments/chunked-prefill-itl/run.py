@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -231,7 +232,8 @@ def results_markdown(res: dict) -> str:
 def load(budget: int, profile: str | None, pool_blocks: int) -> simcap.Scenario:
     overrides = [f"engine.max_num_batched_tokens={budget}"]
     if profile:
-        overrides.append(f"profile={Path(profile).resolve()}")
+        # Relative to the scenario, so no machine path reaches results.json.
+        overrides.append(f"profile={os.path.relpath(Path(profile).resolve(), HERE)}")
     scenario = simcap.load_scenario(HERE / "scenario.yaml", overrides)
     if budget != 32768 and scenario.engine.memory is None:
         # The profile's pool is the one measured at 32768; vLLM re-sizes it at other budgets.
@@ -423,8 +425,7 @@ def main() -> None:
     results["provenance"] = {
         **first.provenance,
         "scenario_sha256_by_budget": {str(b): runs[b].scenario.digest() for b in BUDGETS},
-        "command": "python experiments/chunked-prefill-itl/run.py"
-        + (f" --profile {args.profile}" if args.profile else ""),
+        "command": " ".join(["python experiments/chunked-prefill-itl/run.py", *sys.argv[1:]]),
     }
     results["wall_s"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
