@@ -29,7 +29,7 @@ import math
 from bisect import bisect_left, bisect_right
 from heapq import heappush
 from itertools import accumulate, repeat
-from operator import sub
+from operator import neg, sub
 
 import simpy
 from simpy.core import NORMAL
@@ -300,9 +300,8 @@ def advance_verify_stretch(
     pi = p0
     ps: list[float] = []
     # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
-    rates = acceptance.rate_list
-    neg_rates = [-r for r in rates]
-    rates_asc = rates[::-1]
+    neg_rates = acceptance.neg_rates
+    tokens_table = acceptance.tokens_table  # bisect_left(tokens_table, -u): accepted + 1 of k
     accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
     num_drafts = num_draft_tokens = 0
 
@@ -391,6 +390,10 @@ def advance_verify_stretch(
             # its tokens after each step are their running sum. Each request finishes
             # within m steps: m = the fewest tokens any has left.
             m = min(min(map(sub, maxes, outs)), max_model_len - max(nts))
+            # The first finish comes after about m / mean_tokens steps: draw for a margin over
+            # that, not for m one-token steps (a bulk that ends at its m-th step is followed
+            # by a step run one at a time, then by the next bulk).
+            m = min(m, int(m / acceptance.mean_tokens * 1.25) + 4)
             context = out.num_context_tokens
             if model.decode_nondecreasing and horizon < math.inf:
                 # Periods never shrink here: no more steps than this start before the horizon.
@@ -402,9 +405,8 @@ def advance_verify_stretch(
                 accept_stream.advance(ui - u0)
                 ub, u0 = accept_stream.reserve(size)
                 ui = u0
-                # Rates at or below each uniform: k minus the accepted count.
-                xs = list(map(bisect_right, repeat(rates_asc, size), ub[ui : ui + size]))
-                news = [k + 1 - x for x in xs]  # tokens per request per step (step-major)
+                # Tokens per request per step (step-major): accepted + 1.
+                news = list(map(bisect_left, repeat(tokens_table, size), map(neg, ub[ui : ui + size])))
                 fin = cap = m  # the first step in which one finishes; after which one caps
                 cums = []
                 for b in range(num_reqs):
@@ -459,10 +461,11 @@ def advance_verify_stretch(
                     ui += size
                     num_drafts += size
                     num_draft_tokens += full * ran
-                    if size < len(xs):
-                        del xs[size:], news[size:]
-                    for x in range(k):  # x rates at or below u: k - x accepted
-                        accepted_hist[k - x] += xs.count(x)
+                    if size < len(news):
+                        del news[size:]
+                    for a in range(1, k + 1):
+                        accepted_hist[a] += news.count(a + 1)
+                    last_accepted = [n - 1 for n in news[size - num_reqs :]]
                     if ends and stop == fin:
                         before = fin - 1
                         for b in range(num_reqs):
@@ -473,7 +476,7 @@ def advance_verify_stretch(
                                 room = max_model_len - nts[b]
                             if cum[fin] >= room:  # it finishes: tokens past the end are cut
                                 i = fin * num_reqs + b
-                                finished[b] = nts[b] + done + k - xs[i]
+                                finished[b] = nts[b] + done + news[i] - 1
                                 news[i] = room - done
                                 cum[fin] = room
                     for b in range(num_reqs):
@@ -482,18 +485,18 @@ def advance_verify_stretch(
                         outs[b] += grown
                     news_all += news
                     del events[bisect_left(events, scheduled * num_reqs) :]
-                    i = 0
+                    # Usage after scheduling step j + 1: less the blocks of steps 0..j.
+                    usages += [
+                        1.0 - (free - taken) / scale
+                        for taken in map(
+                            bisect_left, repeat(events), range(num_reqs, (scheduled + 1) * num_reqs, num_reqs)
+                        )
+                    ]
+                    free -= len(events)
                     for e in events:
-                        step = e // num_reqs
-                        if step > i:
-                            usages += [1.0 - free / scale] * (step - i)
-                            i = step
-                        free -= 1
                         b = e % num_reqs
                         held[b] += 1
                         limits[b] += bs
-                    usages += [1.0 - free / scale] * (scheduled - i)
-                    last_accepted = [k - x for x in xs[size - num_reqs : size]]
                     allocs += [reqs[e % num_reqs] for e in events]
                     periods += bulk_periods[:ran]
                     starts += bulk_starts[1 : ran + 1]

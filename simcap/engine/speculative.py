@@ -18,6 +18,7 @@ the token budget and rolls rejected ones back; this module decides the rest:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -98,6 +99,11 @@ class AcceptanceModel:
         # The rates never rise with position (as vLLM's per-position rates), so the accepted
         # count for a uniform u is the number of rates above it (see sample).
         self.non_increasing = all(b <= a for a, b in zip(r, r[1:]))
+        # Then accepted = bisect_left(neg_rates, -u), and bisect_left(tokens_table, -u) is
+        # accepted + 1, the tokens a request verifying all its drafts emits (the fast path).
+        self.neg_rates = [-x for x in r]
+        self.tokens_table = [-math.inf, *self.neg_rates]
+        self.mean_tokens = 1.0 + sum(r)  # mean accepted + 1 with every draft verified
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
