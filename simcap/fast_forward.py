@@ -406,7 +406,8 @@ def advance_verify_stretch(
                 ub, u0 = accept_stream.reserve(size)
                 ui = u0
                 # Tokens per request per step (step-major): accepted + 1.
-                news = list(map(bisect_left, repeat(tokens_table, size), map(neg, ub[ui : ui + size])))
+                neg_us = map(neg, ub[ui : ui + size])
+                news = list(map(bisect_left, repeat(tokens_table, size), neg_us))
                 fin = cap = m  # the first step in which one finishes; after which one caps
                 cums = []
                 for b in range(num_reqs):
@@ -486,11 +487,10 @@ def advance_verify_stretch(
                     news_all += news
                     del events[bisect_left(events, scheduled * num_reqs) :]
                     # Usage after scheduling step j + 1: less the blocks of steps 0..j.
+                    ends_of_steps = range(num_reqs, (scheduled + 1) * num_reqs, num_reqs)
                     usages += [
                         1.0 - (free - taken) / scale
-                        for taken in map(
-                            bisect_left, repeat(events), range(num_reqs, (scheduled + 1) * num_reqs, num_reqs)
-                        )
+                        for taken in map(bisect_left, repeat(events), ends_of_steps)
                     ]
                     free -= len(events)
                     for e in events:

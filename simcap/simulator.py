@@ -286,7 +286,9 @@ class _World:
             self._gaps.clear()
             self._gap_tokens.clear()
         if self._stretch_times:
-            gaps, sizes = _stretch_gaps(self._stretch_times, self._stretch_lens, self._stretch_sizes)
+            gaps, sizes = _stretch_gaps(
+                self._stretch_times, self._stretch_lens, self._stretch_sizes
+            )
             self.metrics.add_itl(gaps, weight=sizes)
             self._stretch_times.clear()
             self._stretch_lens.clear()
