@@ -480,23 +480,27 @@ def advance_verify_stretch(
                                 finished[b] = nts[b] + done + news[i] - 1
                                 news[i] = room - done
                                 cum[fin] = room
+                    last = scheduled - 1  # the last step here that schedules the next
                     for b in range(num_reqs):
-                        grown = cums[b][ran - 1]
-                        nts[b] += grown
+                        cum = cums[b]
+                        nt = nts[b]
+                        if scheduled:  # its blocks for the step after step `last` (its events)
+                            blocks = -(-(nt + cum[last] + k + lookahead) // bs)
+                            if blocks > held[b]:
+                                held[b] = blocks
+                                limits[b] = blocks * bs - lookahead
+                        grown = cum[ran - 1]
+                        nts[b] = nt + grown
                         outs[b] += grown
                     news_all += news
                     del events[bisect_left(events, scheduled * num_reqs) :]
-                    # Usage after scheduling step j + 1: less the blocks of steps 0..j.
-                    ends_of_steps = range(num_reqs, (scheduled + 1) * num_reqs, num_reqs)
-                    usages += [
-                        1.0 - (free - taken) / scale
-                        for taken in map(bisect_left, repeat(events), ends_of_steps)
-                    ]
+                    # Usage after scheduling step j + 1: the pool less the blocks taken by
+                    # then (the events before step j + 1's).
+                    usage_after = [1.0 - (free - n) / scale for n in range(len(events) + 1)]
+                    step_ends = range(num_reqs, (scheduled + 1) * num_reqs, num_reqs)
+                    taken = map(bisect_left, repeat(events), step_ends)
+                    usages += map(usage_after.__getitem__, taken)
                     free -= len(events)
-                    for e in events:
-                        b = e % num_reqs
-                        held[b] += 1
-                        limits[b] += bs
                     allocs += [reqs[e % num_reqs] for e in events]
                     periods += bulk_periods[:ran]
                     starts += bulk_starts[1 : ran + 1]
@@ -584,15 +588,16 @@ def advance_verify_stretch(
         counters = world.spec_counters
         counters.num_drafts += num_drafts
         counters.num_draft_tokens += num_draft_tokens
+        # Position i (0-based) is accepted by every request that accepted more than i.
+        accepted_past = list(accumulate(accepted_hist[:0:-1]))[::-1]
+        while accepted_past and not accepted_past[-1]:
+            accepted_past.pop()
         per_pos = counters.accepted_per_pos
-        for a in range(1, k + 1):
-            count = accepted_hist[a]
-            if count:
-                while len(per_pos) < a:
-                    per_pos.append(0)
-                for i in range(a):
-                    per_pos[i] += count
-                counters.num_accepted_tokens += a * count
+        if len(per_pos) < len(accepted_past):
+            per_pos += [0] * (len(accepted_past) - len(per_pos))
+        for i, count in enumerate(accepted_past):
+            per_pos[i] += count
+        counters.num_accepted_tokens += sum(accepted_past)
     steps = world.steps
     if first is not None:
         for req in first.new_reqs:
