@@ -29,8 +29,9 @@ import math
 from bisect import bisect_left, bisect_right
 from heapq import heappush
 from itertools import accumulate, repeat
-from operator import neg, sub
+from operator import sub
 
+import numpy as np
 import simpy
 from simpy.core import NORMAL
 
@@ -301,7 +302,7 @@ def advance_verify_stretch(
     ps: list[float] = []
     # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
     neg_rates = acceptance.neg_rates
-    tokens_table = acceptance.tokens_table  # bisect_left(tokens_table, -u): accepted + 1 of k
+    rates_ascending = acceptance.rates_ascending
     accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
     num_drafts = num_draft_tokens = 0
 
@@ -405,9 +406,11 @@ def advance_verify_stretch(
                 accept_stream.advance(ui - u0)
                 ub, u0 = accept_stream.reserve(size)
                 ui = u0
-                # Tokens per request per step (step-major): accepted + 1.
-                neg_us = map(neg, ub[ui : ui + size])
-                news = list(map(bisect_left, repeat(tokens_table, size), neg_us))
+                # Tokens per request per step (step-major): accepted + 1 (numpy's comparisons
+                # of the same floats: the counts stepping takes, one uniform at a time).
+                drawn = accept_stream.array[ui : ui + size]
+                xs = np.searchsorted(rates_ascending, drawn, side="right")  # k - accepted
+                news = (k + 1 - xs).tolist()
                 fin = cap = m  # the first step in which one finishes; after which one caps
                 cums = []
                 for b in range(num_reqs):
