@@ -467,8 +467,9 @@ def advance_verify_stretch(
                     num_draft_tokens += full * ran
                     if size < len(news):
                         del news[size:]
+                    by_rejected = np.bincount(xs[:size], minlength=k + 1).tolist()
                     for a in range(1, k + 1):
-                        accepted_hist[a] += news.count(a + 1)
+                        accepted_hist[a] += by_rejected[k - a]
                     last_accepted = [n - 1 for n in news[size - num_reqs :]]
                     if ends and stop == fin:
                         before = fin - 1

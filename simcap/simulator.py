@@ -159,11 +159,10 @@ class _World:
         self._stretch_times: list[float] = []  # each stretch's start, then its chunk times
         self._stretch_lens: list[int] = []
         self._stretch_sizes: list[int] = []
-        # (as _stretch_times; typed arrays, which numpy reads without converting each item)
-        self._verify_times = array("d")
+        self._verify_times: list[float] = []  # (as _stretch_times)
         self._verify_lens: list[int] = []
         self._verify_sizes: list[int] = []
-        self._verify_tokens = array("q")  # per gap, per request: the later chunk's tokens
+        self._verify_tokens: list[int] = []  # per gap, per request: the later chunk's tokens
         self._wakeup: simpy.Event | None = None
         self._on_finish: dict[int, Callable[[], None]] = {}
 
@@ -263,10 +262,10 @@ class _World:
                 self._gap_tokens.append(n)
             req.last_token_ts = last
         if len(times) > 2:  # every request's gap at each later step
-            self._verify_times.extend(times)
+            self._verify_times += times
             self._verify_lens.append(len(times))
             self._verify_sizes.append(num_reqs)
-            self._verify_tokens.extend(itertools.islice(news, num_reqs, None))
+            self._verify_tokens += news[num_reqs:]
             if len(self._verify_tokens) >= GAP_BUFFER:
                 self._flush_gaps()
         if len(gaps) >= GAP_BUFFER:
@@ -299,10 +298,10 @@ class _World:
             # that request's tokens at the later step.
             gaps, sizes = _stretch_gaps(self._verify_times, self._verify_lens, self._verify_sizes)
             self.metrics.add_itl(np.repeat(gaps, sizes), tokens=np.array(self._verify_tokens))
-            self._verify_times = array("d")
+            self._verify_times.clear()
             self._verify_lens.clear()
             self._verify_sizes.clear()
-            self._verify_tokens = array("q")
+            self._verify_tokens.clear()
 
     def finish(self, reqs: list[Request], now: float) -> None:
         """Requests that got their last token at ``now``: summarise them, wake their clients."""
