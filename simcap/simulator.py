@@ -103,7 +103,7 @@ def _stretch_gaps(
     Stretch i is segment i of ``times``, ``lens[i]`` long: its start, then its chunk times;
     ``sizes[i]`` requests saw each of its gaps (start -> first chunk is not one).
     """
-    times = np.array(times)
+    times = np.fromiter(times, np.float64, len(times))
     lens = np.array(lens)
     starts = np.cumsum(lens) - lens
     keep = np.ones(len(times) - 1, dtype=bool)
@@ -297,7 +297,8 @@ class _World:
             # Gap j of a verify stretch, once for each of its requests (in batch order), with
             # that request's tokens at the later step.
             gaps, sizes = _stretch_gaps(self._verify_times, self._verify_lens, self._verify_sizes)
-            self.metrics.add_itl(np.repeat(gaps, sizes), tokens=np.array(self._verify_tokens))
+            tokens = np.fromiter(self._verify_tokens, np.int64, len(self._verify_tokens))
+            self.metrics.add_itl(np.repeat(gaps, sizes), tokens=tokens)
             self._verify_times.clear()
             self._verify_lens.clear()
             self._verify_sizes.clear()
