@@ -394,7 +394,7 @@ def advance_verify_stretch(
             # The first finish comes after about m / mean_tokens steps: draw for a margin over
             # that, not for m one-token steps (a bulk that ends at its m-th step is followed
             # by a step run one at a time, then by the next bulk).
-            m = min(m, int(m / acceptance.mean_tokens * 1.25) + 4)
+            m = min(m, int(m / acceptance.mean_tokens * 1.15) + 3)
             context = out.num_context_tokens
             if model.decode_nondecreasing and horizon < math.inf:
                 # Periods never shrink here: no more steps than this start before the horizon.
@@ -498,13 +498,15 @@ def advance_verify_stretch(
                         outs[b] += grown
                     news_all += news
                     del events[bisect_left(events, scheduled * num_reqs) :]
-                    # Usage after scheduling step j + 1: the pool less the blocks taken by
-                    # then (the events before step j + 1's).
-                    usage_after = [1.0 - (free - n) / scale for n in range(len(events) + 1)]
-                    step_ends = range(num_reqs, (scheduled + 1) * num_reqs, num_reqs)
-                    taken = map(bisect_left, repeat(events), step_ends)
-                    usages += map(usage_after.__getitem__, taken)
-                    free -= len(events)
+                    # Usage after scheduling each step: the free count falls at every block.
+                    i = 0
+                    for e in events:
+                        step = e // num_reqs
+                        if step > i:
+                            usages += [1.0 - free / scale] * (step - i)
+                            i = step
+                        free -= 1
+                    usages += [1.0 - free / scale] * (scheduled - i)
                     allocs += [reqs[e % num_reqs] for e in events]
                     periods += bulk_periods[:ran]
                     starts += bulk_starts[1 : ran + 1]
