@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from heapq import heappush
-from itertools import accumulate, repeat
+from itertools import accumulate
 from operator import sub
 
 import numpy as np
