@@ -409,7 +409,7 @@ def advance_verify_stretch(
                 # Tokens per request per step (step-major): accepted + 1 (numpy's comparisons
                 # of the same floats: the counts stepping takes, one uniform at a time).
                 drawn = accept_stream.array[ui : ui + size]
-                xs = np.searchsorted(rates_ascending, drawn, side="right")  # k - accepted
+                xs = rates_ascending.searchsorted(drawn, side="right")  # k - accepted
                 news = (k + 1 - xs).tolist()
                 fin = cap = m  # the first step in which one finishes; after which one caps
                 cums = []
