@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from heapq import heappush
-from itertools import accumulate, repeat
+from itertools import accumulate
 from operator import sub
 
+import numpy as np
 import simpy
 from simpy.core import NORMAL
 
@@ -300,9 +301,8 @@ def advance_verify_stretch(
     pi = p0
     ps: list[float] = []
     # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
-    rates = acceptance.rate_list
-    neg_rates = [-r for r in rates]
-    rates_asc = rates[::-1]
+    neg_rates = acceptance.neg_rates
+    rates_ascending = acceptance.rates_ascending
     accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
     num_drafts = num_draft_tokens = 0
 
@@ -391,6 +391,10 @@ def advance_verify_stretch(
             # its tokens after each step are their running sum. Each request finishes
             # within m steps: m = the fewest tokens any has left.
             m = min(min(map(sub, maxes, outs)), max_model_len - max(nts))
+            # The first finish comes after about m / mean_tokens steps: draw for a margin over
+            # that, not for m one-token steps (a bulk that ends at its m-th step is followed
+            # by a step run one at a time, then by the next bulk).
+            m = min(m, int(m / acceptance.mean_tokens * 1.15) + 3)
             context = out.num_context_tokens
             if model.decode_nondecreasing and horizon < math.inf:
                 # Periods never shrink here: no more steps than this start before the horizon.
@@ -402,9 +406,11 @@ def advance_verify_stretch(
                 accept_stream.advance(ui - u0)
                 ub, u0 = accept_stream.reserve(size)
                 ui = u0
-                # Rates at or below each uniform: k minus the accepted count.
-                xs = list(map(bisect_right, repeat(rates_asc, size), ub[ui : ui + size]))
-                news = [k + 1 - x for x in xs]  # tokens per request per step (step-major)
+                # Tokens per request per step (step-major): accepted + 1 (numpy's comparisons
+                # of the same floats: the counts stepping takes, one uniform at a time).
+                drawn = accept_stream.array[ui : ui + size]
+                xs = rates_ascending.searchsorted(drawn, side="right")  # k - accepted
+                news = (k + 1 - xs).tolist()
                 fin = cap = m  # the first step in which one finishes; after which one caps
                 cums = []
                 for b in range(num_reqs):
@@ -459,10 +465,12 @@ def advance_verify_stretch(
                     ui += size
                     num_drafts += size
                     num_draft_tokens += full * ran
-                    if size < len(xs):
-                        del xs[size:], news[size:]
-                    for x in range(k):  # x rates at or below u: k - x accepted
-                        accepted_hist[k - x] += xs.count(x)
+                    if size < len(news):
+                        del news[size:]
+                    by_rejected = np.bincount(xs[:size], minlength=k + 1).tolist()
+                    for a in range(1, k + 1):
+                        accepted_hist[a] += by_rejected[k - a]
+                    last_accepted = [n - 1 for n in news[size - num_reqs :]]
                     if ends and stop == fin:
                         before = fin - 1
                         for b in range(num_reqs):
@@ -473,15 +481,24 @@ def advance_verify_stretch(
                                 room = max_model_len - nts[b]
                             if cum[fin] >= room:  # it finishes: tokens past the end are cut
                                 i = fin * num_reqs + b
-                                finished[b] = nts[b] + done + k - xs[i]
+                                finished[b] = nts[b] + done + news[i] - 1
                                 news[i] = room - done
                                 cum[fin] = room
+                    last = scheduled - 1  # the last step here that schedules the next
                     for b in range(num_reqs):
-                        grown = cums[b][ran - 1]
-                        nts[b] += grown
+                        cum = cums[b]
+                        nt = nts[b]
+                        if scheduled:  # its blocks for the step after step `last` (its events)
+                            blocks = -(-(nt + cum[last] + k + lookahead) // bs)
+                            if blocks > held[b]:
+                                held[b] = blocks
+                                limits[b] = blocks * bs - lookahead
+                        grown = cum[ran - 1]
+                        nts[b] = nt + grown
                         outs[b] += grown
                     news_all += news
                     del events[bisect_left(events, scheduled * num_reqs) :]
+                    # Usage after scheduling each step: the free count falls at every block.
                     i = 0
                     for e in events:
                         step = e // num_reqs
@@ -489,11 +506,7 @@ def advance_verify_stretch(
                             usages += [1.0 - free / scale] * (step - i)
                             i = step
                         free -= 1
-                        b = e % num_reqs
-                        held[b] += 1
-                        limits[b] += bs
                     usages += [1.0 - free / scale] * (scheduled - i)
-                    last_accepted = [k - x for x in xs[size - num_reqs : size]]
                     allocs += [reqs[e % num_reqs] for e in events]
                     periods += bulk_periods[:ran]
                     starts += bulk_starts[1 : ran + 1]
@@ -581,15 +594,16 @@ def advance_verify_stretch(
         counters = world.spec_counters
         counters.num_drafts += num_drafts
         counters.num_draft_tokens += num_draft_tokens
+        # Position i (0-based) is accepted by every request that accepted more than i.
+        accepted_past = list(accumulate(accepted_hist[:0:-1]))[::-1]
+        while accepted_past and not accepted_past[-1]:
+            accepted_past.pop()
         per_pos = counters.accepted_per_pos
-        for a in range(1, k + 1):
-            count = accepted_hist[a]
-            if count:
-                while len(per_pos) < a:
-                    per_pos.append(0)
-                for i in range(a):
-                    per_pos[i] += count
-                counters.num_accepted_tokens += a * count
+        if len(per_pos) < len(accepted_past):
+            per_pos += [0] * (len(accepted_past) - len(per_pos))
+        for i, count in enumerate(accepted_past):
+            per_pos[i] += count
+        counters.num_accepted_tokens += sum(accepted_past)
     steps = world.steps
     if first is not None:
         for req in first.new_reqs:

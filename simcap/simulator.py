@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import math
 from array import array
-from operator import sub
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -96,6 +95,23 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
 GAP_BUFFER = 1 << 16  # per-chunk ITL samples collected before one bulk add to the metrics
 
 
+def _stretch_gaps(
+    times: list[float], lens: list[int], sizes: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The gaps between the chunks of stretches of steps, and how many requests saw each.
+
+    Stretch i is segment i of ``times``, ``lens[i]`` long: its start, then its chunk times;
+    ``sizes[i]`` requests saw each of its gaps (start -> first chunk is not one).
+    """
+    times = np.fromiter(times, np.float64, len(times))
+    lens = np.array(lens)
+    starts = np.cumsum(lens) - lens
+    keep = np.ones(len(times) - 1, dtype=bool)
+    keep[starts] = False  # start -> first chunk
+    keep[starts[1:] - 1] = False  # last chunk -> next stretch's start
+    return (times[1:] - times[:-1])[keep], np.repeat(np.array(sizes), lens - 2)
+
+
 class _World:
     def __init__(
         self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False,
@@ -134,14 +150,19 @@ class _World:
         self.records: list[RequestRecord] | None = [] if records else None
         self.steps = StepLog(keep=steps)
         # ITL samples not yet in the metrics: single gaps (with the tokens of the later
-        # chunk; one token, in _single_gaps), and stretch gaps that every request of a
-        # stretch saw (with that count).
+        # chunk; one token, in _single_gaps), stretch gaps that every request of a decode
+        # stretch saw (with that count), and the gaps of verify stretches (every request sees
+        # each gap, with its own tokens).
         self._gaps: list[float] = []
         self._gap_tokens: list[int] = []
         self._single_gaps: list[float] = []
         self._stretch_times: list[float] = []  # each stretch's start, then its chunk times
         self._stretch_lens: list[int] = []
         self._stretch_sizes: list[int] = []
+        self._verify_times: list[float] = []  # (as _stretch_times)
+        self._verify_lens: list[int] = []
+        self._verify_sizes: list[int] = []
+        self._verify_tokens: list[int] = []  # per gap, per request: the later chunk's tokens
         self._wakeup: simpy.Event | None = None
         self._on_finish: dict[int, Callable[[], None]] = {}
 
@@ -230,18 +251,24 @@ class _World:
         ``times[j + 1]`` (``times[0]`` is its start), ``news[j * len(reqs) + b]`` tokens reach
         ``reqs[b]``."""
         first = times[1]
+        last = times[-1]
         num_reqs = len(reqs)
+        gaps = self._gaps
         for req, n in zip(reqs, news):
             if req.first_token_ts is None:
                 req.first_token_ts = first
             else:
-                self._gaps.append(first - req.last_token_ts)
+                gaps.append(first - req.last_token_ts)
                 self._gap_tokens.append(n)
-            req.last_token_ts = times[-1]
+            req.last_token_ts = last
         if len(times) > 2:  # every request's gap at each later step
-            self._gaps += [g for g in map(sub, times[2:], times[1:-1]) for _ in reqs]
-            self._gap_tokens += news[num_reqs:]
-        if len(self._gaps) >= GAP_BUFFER:
+            self._verify_times += times
+            self._verify_lens.append(len(times))
+            self._verify_sizes.append(num_reqs)
+            self._verify_tokens += news[num_reqs:]
+            if len(self._verify_tokens) >= GAP_BUFFER:
+                self._flush_gaps()
+        if len(gaps) >= GAP_BUFFER:
             self._flush_gaps()
         if self.records is not None:
             ends = times[1:]
@@ -259,19 +286,23 @@ class _World:
             self._gaps.clear()
             self._gap_tokens.clear()
         if self._stretch_times:
-            # Stretch i's start and chunk times are segment i of _stretch_times; its ITL
-            # samples are the gaps between its chunks, each seen by all its requests.
-            times = np.array(self._stretch_times)
-            lens = np.array(self._stretch_lens)
-            starts = np.cumsum(lens) - lens
-            keep = np.ones(len(times) - 1, dtype=bool)
-            keep[starts] = False  # start -> first chunk
-            keep[starts[1:] - 1] = False  # last chunk -> next stretch's start
-            weights = np.repeat(np.array(self._stretch_sizes), lens - 2)
-            self.metrics.add_itl((times[1:] - times[:-1])[keep], weight=weights)
+            gaps, sizes = _stretch_gaps(
+                self._stretch_times, self._stretch_lens, self._stretch_sizes
+            )
+            self.metrics.add_itl(gaps, weight=sizes)
             self._stretch_times.clear()
             self._stretch_lens.clear()
             self._stretch_sizes.clear()
+        if self._verify_times:
+            # Gap j of a verify stretch, once for each of its requests (in batch order), with
+            # that request's tokens at the later step.
+            gaps, sizes = _stretch_gaps(self._verify_times, self._verify_lens, self._verify_sizes)
+            tokens = np.fromiter(self._verify_tokens, np.int64, len(self._verify_tokens))
+            self.metrics.add_itl(np.repeat(gaps, sizes), tokens=tokens)
+            self._verify_times.clear()
+            self._verify_lens.clear()
+            self._verify_sizes.clear()
+            self._verify_tokens.clear()
 
     def finish(self, reqs: list[Request], now: float) -> None:
         """Requests that got their last token at ``now``: summarise them, wake their clients."""

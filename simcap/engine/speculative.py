@@ -54,12 +54,15 @@ class UniformStream:
     Each :meth:`take` sees the values that drawing its own would have given (numpy's
     ``Generator.random`` fills an array with successive draws), so callers may take one
     request's, one step's or a whole stretch's worth at a time and get the same numbers.
+    The buffer is kept both as a list (for a few at a time) and as an array (:attr:`array`,
+    the same values, for many at once).
     """
 
     def __init__(self, rng: np.random.Generator, block: int = 4096) -> None:
         self.rng = rng
         self.block = block  # uniforms drawn at once
         self._buffer: list[float] = []
+        self.array = np.zeros(0)  # the buffer's values, as float64
         self._next = 0  # the next unused uniform
 
     def take(self, n: int) -> tuple[list[float], int]:
@@ -74,8 +77,8 @@ class UniformStream:
         none used up (:meth:`advance` does that): a caller reads as many as it needs."""
         buffer, start = self._buffer, self._next
         if start + n > len(buffer):
-            buffer = buffer[start:] + self.rng.random(max(self.block, n)).tolist()
-            self._buffer = buffer
+            self.array = np.concatenate((self.array[start:], self.rng.random(max(self.block, n))))
+            buffer = self._buffer = self.array.tolist()
             self._next = start = 0
         return buffer, start
 
@@ -98,6 +101,11 @@ class AcceptanceModel:
         # The rates never rise with position (as vLLM's per-position rates), so the accepted
         # count for a uniform u is the number of rates above it (see sample).
         self.non_increasing = all(b <= a for a, b in zip(r, r[1:]))
+        # Then accepted = bisect_left(neg_rates, -u); and for many uniforms at once (the fast
+        # path) k - accepted = searchsorted(rates_ascending, u, side="right").
+        self.neg_rates = [-x for x in r]
+        self.rates_ascending = self.rates[::-1].copy()
+        self.mean_tokens = 1.0 + sum(r)  # mean accepted + 1 with every draft verified
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
