@@ -16,7 +16,10 @@ workload (when importable: ``pip install --no-deps ai-dynamo==1.6.1 ai-dynamo-ru
 interleaved with simcap, and prints the ratio; ``--reference`` does the same for simcap's
 step-by-step reference path. ``--eagle3`` times the ``spec`` workload (EAGLE3) against the
 ``reference`` one (no speculation), interleaved, and prints their ratio. Machines are shared
-and noisy: compare medians of runs measured side by side, never a lone figure.
+and noisy: compare medians of runs measured side by side, never a lone figure. simcap's
+bytecode (``__pycache__``) is compiled first, as a user's install has it (pip compiles an
+installed package; an editable one writes it on first import unless PYTHONDONTWRITEBYTECODE
+is set): without it every process compiles simcap again, some 0.1-0.15 s.
 ``--num-requests 1000000`` is the million-request run: on the reference workload, 246 MiB peak
 RSS (whole process, 44.3M engine steps; shared 2-core x86-64 machine, Python 3.11.7, numpy 2.4;
 ``simcap simulate`` of the same scenario from the command line peaks at 246 MiB too).
@@ -25,6 +28,7 @@ RSS (whole process, 44.3M engine steps; shared 2-core x86-64 machine, Python 3.1
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import platform
@@ -33,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 BASE = {
     "engine": {
@@ -117,6 +122,11 @@ def measure(which: str, name: str, num_requests: int | None) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "process": process}
 
 
+def compile_bytecode(tree: Path) -> None:
+    """Write ``tree``'s simcap bytecode, as an installed package has it (module doc)."""
+    compileall.compile_dir(str(tree / "simcap"), quiet=1)
+
+
 def peer_available() -> bool:
     try:
         import dynamo._core  # noqa: F401
@@ -163,6 +173,7 @@ def main() -> None:
 
     import simcap
 
+    compile_bytecode(Path(simcap.__file__).parents[1])
     print(f"simcap {simcap.__version__}, Python {platform.python_version()}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     if args.eagle3:
