@@ -77,6 +77,24 @@ def schedule_admission(world) -> SchedulerOutput | None:
     return scheduler.schedule_decoders_and_admit(context)
 
 
+def usages_by_step(
+    events: list[int], num_reqs: int, num_steps: int, free: int, scale: int
+) -> tuple[list[float], int]:
+    """KV usage after each of ``num_steps`` steps whose new blocks are ``events`` (``step *
+    num_reqs + b``, ascending), with ``free`` blocks before the first and ``scale`` usable in
+    all: the free count falls at every new block. Returns the usages and the free count left."""
+    usages: list[float] = []
+    done = 0
+    for e in events:
+        step = e // num_reqs
+        if step > done:
+            usages += [1.0 - free / scale] * (step - done)
+            done = step
+        free -= 1
+    usages += [1.0 - free / scale] * (num_steps - done)
+    return usages, free
+
+
 def advance_decode_stretch(
     world, now: float, horizon: float, first: SchedulerOutput | None = None
 ) -> tuple[float, list[Request]] | None:
@@ -175,17 +193,7 @@ def advance_decode_stretch(
                 return None
             del events[free:], starts[m + 1 :], periods[m:]
 
-    # Usage after each step's allocations: the free count falls at every new block.
-    scale = kv.num_blocks - 1
-    usages: list[float] = []
-    j = 0
-    for e in events:
-        step = e // num_reqs
-        if step > j:
-            usages += [1.0 - free / scale] * (step - j)
-            j = step
-        free -= 1
-    usages += [1.0 - free / scale] * (m - j)
+    usages, free = usages_by_step(events, num_reqs, m, free, kv.num_blocks - 1)
 
     # Apply: blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
     # that fill up are committed when the request releases them (KVCacheManager.free), not
@@ -498,15 +506,8 @@ def advance_verify_stretch(
                         outs[b] += grown
                     news_all += news
                     del events[bisect_left(events, scheduled * num_reqs) :]
-                    # Usage after scheduling each step: the free count falls at every block.
-                    i = 0
-                    for e in events:
-                        step = e // num_reqs
-                        if step > i:
-                            usages += [1.0 - free / scale] * (step - i)
-                            i = step
-                        free -= 1
-                    usages += [1.0 - free / scale] * (scheduled - i)
+                    bulk_usages, free = usages_by_step(events, num_reqs, scheduled, free, scale)
+                    usages += bulk_usages
                     allocs += [reqs[e % num_reqs] for e in events]
                     periods += bulk_periods[:ran]
                     starts += bulk_starts[1 : ran + 1]
