@@ -81,7 +81,9 @@ class ClosedLoopTrace:
         """
         done = sorted((r for r in records if r.succeeded), key=lambda r: (r.arrival_time, r.request_id))
         if any(r.client_id is None for r in done):
-            raise ValueError("records: a closed-loop replay needs each record's client_id (an open-loop run has none)")
+            raise ValueError(
+                "records: a closed-loop replay needs each record's client_id (an open-loop run has none)"
+            )
         per_client: dict[int, list[ClientRequest]] = {}
         last_end: dict[int, float] = {}
         for j, rec in enumerate(done):
