@@ -7,8 +7,9 @@ arrivals are known in advance, so the engine takes them itself: before each step
 request that has arrived by then. Tokens a step produces reach the client at the end of the
 step, as one stream chunk per request. Clients (closed loop) are SimPy processes that wait on
 their request's completion; a replayed closed-loop run (:class:`simcap.workload.ClosedLoopTrace`)
-has one such client per recorded client, sending that client's requests after its gaps. Finished requests go straight into the run's metrics; full
-records and step-log rows are kept only when asked for.
+has one such client per recorded client, sending that client's requests after its gaps.
+Finished requests go straight into the run's metrics; full records and step-log rows are kept
+only when asked for.
 """
 
 from __future__ import annotations
@@ -419,7 +420,7 @@ class _World:
         arrival = self.scenario.workload.arrival
         if isinstance(trace, ClosedLoopTrace):
             if self.stop is not None:
-                raise ValueError("a stop rule needs open-loop or replayed arrivals")
+                raise ValueError("a stop rule needs open-loop arrivals or a trace of send times")
             self.num_arrivals = trace.num_requests
             self.replay_clients(trace)
             self.env.process(self.engine())

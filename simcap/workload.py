@@ -11,6 +11,7 @@ sequence of requests and the gap between each response's end and that client's n
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
@@ -64,6 +65,13 @@ class ClosedLoopTrace:
     """
 
     clients: tuple[tuple[ClientRequest, ...], ...]
+
+    def __post_init__(self) -> None:
+        ids = sorted(r.spec.request_id for c in self.clients for r in c)
+        if ids != list(range(len(ids))):
+            raise ValueError("trace: request ids must be 0..N-1, each once")
+        if any(r.gap_s < 0 or not math.isfinite(r.gap_s) for c in self.clients for r in c):
+            raise ValueError("trace: gaps must be finite and >= 0")
 
     @property
     def num_requests(self) -> int:

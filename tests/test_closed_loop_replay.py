@@ -118,3 +118,10 @@ def test_gaps_are_measured_from_each_clients_previous_response():
     gaps = [[(round(g, 9), s.request_id) for g, s in c] for c in trace.clients]
     assert gaps == [[(0.0, 0), (0.05, 2)], [(0.01, 1), (0.25, 3)]]
     assert trace.num_requests == 4
+
+
+def test_a_trace_names_each_request_once_with_finite_gaps():
+    with pytest.raises(ValueError, match="0..N-1"):
+        ClosedLoopTrace(((ClientRequest(0.0, _spec(0, 10, 1)),), (ClientRequest(0.0, _spec(2, 10, 1)),)))
+    with pytest.raises(ValueError, match="gaps"):
+        ClosedLoopTrace(((ClientRequest(-1.0, _spec(0, 10, 1)),),))
