@@ -10,7 +10,7 @@ in its order, each send the measured gap after the end of that client's previous
 Replaying it at fixed send times instead (``replay="times"``) sends a request into a full
 engine whenever a step is priced a little slow, where a real client would still be waiting
 for its previous response: at concurrency = ``max_num_seqs`` a step model 5 % slow inflates
-the replayed TTFT median many times over. Run-to-run noise of a real server is
+the replayed TTFT median several times over. Run-to-run noise of a real server is
 large (medians move +-15-20 %, tails 2-3x), so each prediction is judged against the live
 runs' own spread: per metric it reports every repeat's live value, their min-max range, the
 prediction, its relative error against the live median, and whether it lies inside the range.
