@@ -4,7 +4,8 @@ Reading guide, in the order data flows:
 
 1. :mod:`simcap.scenario` -- the input: engine flags (vLLM's names), step-time model,
    workload, SLO, seed; loaded from YAML with ``--set`` overrides.
-2. :mod:`simcap.workload` -- the requests: arrival times, prompt/output lengths, shared prefixes.
+2. :mod:`simcap.workload` -- the requests: arrival times, prompt/output lengths, shared prefixes;
+   a recorded closed-loop run to replay client by client.
 3. :mod:`simcap.engine` -- the pure engine model: scheduler, KV cache, step time.
 4. :mod:`simcap.simulator` -- the SimPy world around it: one event per engine step on the
    reference path, bulk stretches of steps on the fast path (:mod:`simcap.fast_forward`);
@@ -40,6 +41,7 @@ from simcap.errors import ScenarioError, SimcapError, SimulationError
 # The rest of the public API is imported on first use (PEP 562), so that ``import simcap``
 # and ``simcap --help`` do not pay for numpy, pydantic and SimPy before a command needs them.
 _LAZY = {
+    "ClosedLoopTrace": "simcap.workload",
     "RequestRecord": "simcap.records",
     "Result": "simcap.simulator",
     "Scenario": "simcap.scenario",
@@ -51,6 +53,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "ClosedLoopTrace",
     "RequestRecord",
     "Result",
     "Scenario",

@@ -4,6 +4,9 @@ Times are float seconds on the run's own clock (0 = start of the run). A record 
 what a streaming client sees: when the request was sent (``arrival_time``), when each stream
 chunk arrived and how many tokens it carried. One engine step that emits tokens for a
 request is one chunk, so chunk gaps are the field's ITL (per step, not per token).
+In a closed-loop run, ``client_id`` says which client (0..concurrency-1) sent the request
+(None in an open-loop run), so the run can be replayed client by client
+(:class:`simcap.workload.ClosedLoopTrace`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class RequestRecord:
     finish_time: float | None = None
     finish_reason: str | None = None  # "length", "stop", "abort" or "error"
     error: str | None = None
+    client_id: int | None = None  # closed loop: the client that sent it
 
     @property
     def num_output_tokens(self) -> int:

@@ -453,6 +453,10 @@ def _length_shorthand(value: Any) -> Any:
         return value  # let validation reject it
     if isinstance(value, int):
         return {"dist": "fixed", "value": value}
+    if isinstance(value, dict) and isinstance(value.get("values"), list):
+        # This runs before validation, which then sees Python objects: a strict tuple field
+        # takes a tuple, not the list a YAML or JSON array parsed into.
+        return {**value, "values": tuple(value["values"])}
     return value
 
 

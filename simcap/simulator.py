@@ -6,8 +6,10 @@ stretches of steps at once, with an event only where a client is due. Open-loop 
 arrivals are known in advance, so the engine takes them itself: before each step, every
 request that has arrived by then. Tokens a step produces reach the client at the end of the
 step, as one stream chunk per request. Clients (closed loop) are SimPy processes that wait on
-their request's completion. Finished requests go straight into the run's metrics; full
-records and step-log rows are kept only when asked for.
+their request's completion; a replayed closed-loop run (:class:`simcap.workload.ClosedLoopTrace`)
+has one such client per recorded client, sending that client's requests after its gaps.
+Finished requests go straight into the run's metrics; full records and step-log rows are kept
+only when asked for.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario, check_limits
 from simcap.steplog import StepLog
-from simcap.workload import RequestSpec, Workload
+from simcap.workload import ClosedLoopTrace, RequestSpec, Workload
 
 
 @dataclass
@@ -147,7 +149,8 @@ class _World:
         self.noise = StepNoise.from_config(scenario.step_time.noise, scenario.seed)
         self.workload = Workload(scenario.workload, scenario.seed)
         self.metrics = MetricsAccumulator()
-        self.records: list[RequestRecord] | None = [] if records else None
+        # Records by request id (a replayed closed loop may send them out of id order).
+        self.records: dict[int, RequestRecord] | None = {} if records else None
         self.steps = StepLog(keep=steps)
         # ITL samples not yet in the metrics: single gaps (with the tokens of the later
         # chunk; one token, in _single_gaps), stretch gaps that every request of a decode
@@ -168,11 +171,11 @@ class _World:
 
     # ------------------------------------------------------------------ actors
 
-    def submit(self, spec: RequestSpec, now: float) -> None:
-        """``spec`` arrives at ``now``."""
+    def submit(self, spec: RequestSpec, now: float, client_id: int | None = None) -> None:
+        """``spec`` arrives at ``now`` (sent by closed-loop client ``client_id``)."""
         if self.records is not None:
-            self.records.append(
-                RequestRecord(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens)
+            self.records[spec.request_id] = RequestRecord(
+                spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, client_id=client_id
             )
         self.scheduler.add_request(
             Request(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments)
@@ -187,19 +190,35 @@ class _World:
         duration = self.workload.duration_s
         counter = iter(range(limit) if limit is not None else itertools.count())
 
-        def client():
+        def client(c: int):
             for i in counter:
                 if duration is not None and env.now >= duration:
                     return
                 done = env.event()
                 self._on_finish[i] = done.succeed
-                self.submit(self.workload.spec(i), env.now)
+                self.submit(self.workload.spec(i), env.now, c)
                 yield done
                 if arrival.think_time_s:
                     yield env.timeout(arrival.think_time_s)
 
-        for _ in range(arrival.concurrency):
-            env.process(client())
+        for c in range(arrival.concurrency):
+            env.process(client(c))
+
+    def replay_clients(self, trace: ClosedLoopTrace) -> None:
+        """One client per ``trace.clients[c]``: wait the gap, send, wait for the response."""
+        env = self.env
+
+        def client(c: int, requests):
+            for gap, spec in requests:
+                if gap > 0:
+                    yield env.timeout(gap)
+                done = env.event()
+                self._on_finish[spec.request_id] = done.succeed
+                self.submit(spec, env.now, c)
+                yield done
+
+        for c, requests in enumerate(trace.clients):
+            env.process(client(c, requests))
 
     # ------------------------------------------------------------------ client view
 
@@ -428,9 +447,15 @@ class _World:
 
     # ------------------------------------------------------------------ run
 
-    def run(self, trace: list[tuple[float, RequestSpec]] | None = None) -> Result:
+    def run(self, trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace | None = None) -> Result:
         arrival = self.scenario.workload.arrival
-        if trace is not None:
+        if isinstance(trace, ClosedLoopTrace):
+            if self.stop is not None:
+                raise ValueError("a stop rule needs open-loop arrivals or a trace of send times")
+            self.num_arrivals = trace.num_requests
+            self.replay_clients(trace)
+            self.env.process(self.engine())
+        elif trace is not None:
             times = list(itertools.accumulate((t for t, _ in trace), max))  # (in send order)
             self.num_arrivals = len(times)
             self.env.process(self.engine(times, lambda i: trace[i][1]))
@@ -458,15 +483,16 @@ class _World:
                 if summary.slo and key in summary.slo:
                     summary.slo[key]["pass"] = False
             summary = dataclasses.replace(summary, slo_pass=False)
+        records = None if self.records is None else [self.records[i] for i in sorted(self.records)]
         return Result(
-            self.scenario, summary, self.metrics, self.steps, self.records,
+            self.scenario, summary, self.metrics, self.steps, records,
             provenance(self.scenario), stopped,
         )
 
 
 def simulate(
     scenario: Scenario,
-    trace: list[tuple[float, RequestSpec]] | None = None,
+    trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace | None = None,
     *,
     fast: bool = True,
     records: bool = False,
@@ -477,7 +503,9 @@ def simulate(
 
     ``trace``: replay these (send time, request) pairs instead of the scenario's workload,
     e.g. the arrivals and lengths a live run actually produced. Request ids must be
-    0..N-1 in send order.
+    0..N-1 in send order. A :class:`~simcap.workload.ClosedLoopTrace` replays a closed-loop
+    run as one: its clients, each sending its own requests in order, each after the previous
+    response ended and that request's gap (the scenario's arrival process is not used).
 
     Requests are summarised as they finish, so memory does not grow with every token of
     every request; ``records=True`` also keeps each request's full record (every stream

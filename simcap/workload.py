@@ -4,15 +4,21 @@ Deterministic in the scenario's seed: independent random streams (spawned from o
 ``numpy.random.SeedSequence``) drive arrivals, input lengths, output lengths and prefix
 groups, so that changing the arrival rate leaves the i-th request's lengths unchanged.
 The same object feeds the simulator and the live client.
+
+:class:`ClosedLoopTrace` is a closed-loop run to replay as one: its clients, each with its own
+sequence of requests and the gap between each response's end and that client's next send.
 """
 
 from __future__ import annotations
 
+import math
 from array import array
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
+from simcap.records import RequestRecord
 from simcap.scenario import (
     ClosedArrival,
     EmpiricalLength,
@@ -35,6 +41,66 @@ class RequestSpec(NamedTuple):
     # (content key, tokens): prompts sharing a key share those tokens (prefix caching); a
     # key below zero is the request's own (see simcap.engine.request).
     segments: tuple[tuple[int, int], ...]
+
+
+class ClientRequest(NamedTuple):
+    """One request of a replayed client: how long the client waits before sending it, and what.
+
+    ``gap_s``: for the client's first request, its send time on the run's clock; for each
+    later one, the time from the end of the client's previous response to this send.
+    """
+
+    gap_s: float
+    spec: RequestSpec
+
+
+@dataclass(frozen=True)
+class ClosedLoopTrace:
+    """A closed-loop run, client by client: ``clients[c]`` is client c's requests in its order.
+
+    Replayed (``simulate(scenario, trace=...)``), each client sends its first request at its
+    first gap, waits for the response to end, waits the next gap, sends its next request, and
+    so on: a step priced slower delays the client's next send instead of queueing it. Request
+    ids are 0..N-1 (in the recorded run's send order).
+    """
+
+    clients: tuple[tuple[ClientRequest, ...], ...]
+
+    def __post_init__(self) -> None:
+        ids = sorted(r.spec.request_id for c in self.clients for r in c)
+        if ids != list(range(len(ids))):
+            raise ValueError("trace: request ids must be 0..N-1, each once")
+        if any(r.gap_s < 0 or not math.isfinite(r.gap_s) for c in self.clients for r in c):
+            raise ValueError("trace: gaps must be finite and >= 0")
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c) for c in self.clients)
+
+    @classmethod
+    def from_records(
+        cls, records: Iterable[RequestRecord], spec_of: Callable[[RequestRecord, int], RequestSpec]
+    ) -> "ClosedLoopTrace":
+        """The trace of a closed-loop run's completed records (each with its ``client_id``).
+
+        ``spec_of(record, j)``: the request to replay for ``record``, with id ``j`` (0..N-1 in
+        send order). A failed request is left out; its time folds into the gap before its
+        client's next send.
+        """
+        done = sorted((r for r in records if r.succeeded), key=lambda r: (r.arrival_time, r.request_id))
+        if any(r.client_id is None for r in done):
+            raise ValueError(
+                "records: a closed-loop replay needs each record's client_id (an open-loop run has none)"
+            )
+        per_client: dict[int, list[ClientRequest]] = {}
+        last_end: dict[int, float] = {}
+        for j, rec in enumerate(done):
+            c = rec.client_id
+            assert c is not None and rec.finish_time is not None
+            gap = rec.arrival_time - last_end[c] if c in last_end else rec.arrival_time
+            per_client.setdefault(c, []).append(ClientRequest(max(gap, 0.0), spec_of(rec, j)))
+            last_end[c] = rec.finish_time
+        return cls(tuple(tuple(per_client[c]) for c in sorted(per_client)))
 
 
 class _LengthSampler:

@@ -265,3 +265,14 @@ def test_readme_states_the_limits():
     for value in (f"{MAX_REQUESTS:,}", f"{MAX_SIMULATED_S:.0e}", f"{MAX_KV_BLOCKS:,}", f"{MAX_TOKENS:,}",
                   f"{MAX_NUM_SEQS:,}", f"{MAX_CLIENTS:,}", f"{MAX_RECORDED_TOKENS:,}"):
         assert value in text, value
+
+
+def test_empirical_lengths_parse_and_are_checked(tmp_path):
+    # The workload's shorthand step runs before validation; strict validation still takes the
+    # list of an inline (or file) empirical length, and still names a bad entry.
+    from tests.conftest import make_scenario
+
+    sc = make_scenario(workload=dict(input_len={"dist": "empirical", "values": [16, 64]}))
+    assert sc.workload.input_len.values == (16, 64)
+    with pytest.raises(ScenarioError, match=r"^workload.input_len.values.0: input should be a valid integer"):
+        make_scenario(workload=dict(input_len={"dist": "empirical", "values": [True, 64]}))

@@ -180,16 +180,24 @@ def validate_cmd(
     api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
     api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
+    replay: Optional[str] = typer.Option(
+        None, "--replay",
+        help="How each live run is simulated: closed (a closed-loop workload: its clients, each "
+             "request sent the measured gap after the client's previous response; the default "
+             "there) or times (each request at its live send time; the default for open loop).",
+    ),
 ) -> None:
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
     from simcap.live.plot import plot_validation_ecdfs
-    from simcap.live.validate import ks_line, validate, validation_table
+    from simcap.live.validate import REPLAYS, ks_line, replay_line, validate, validation_table
     from simcap.plots import check_figure_path
     from simcap.scenario import load_scenario
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
+    if replay is not None and replay not in REPLAYS:
+        _fail(f"--replay: must be one of {', '.join(REPLAYS)} (got {replay!r})")
     if plot is not None:
         try:
             check_figure_path(plot, "--plot")
@@ -201,6 +209,7 @@ def validate_cmd(
         result = validate(
             sc, base_url, model, repeats, endpoint=endpoint, progress=not json_out,
             warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
+            replay=replay,
         )  # fmt: skip
         if plot is not None:
             plot_validation_ecdfs(result, plot)
@@ -219,6 +228,7 @@ def validate_cmd(
         typer.echo(report.to_json(data))
         return
     console = report.wide_console(150)
+    console.print(replay_line(data))
     console.print(validation_table(data))
     console.print(ks_line(data))
     for note in data["notes"]:

@@ -6,7 +6,8 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
 
 - Open loop: request ``i`` is sent at ``Workload.arrival_times()[i]`` after the run starts,
   whether or not earlier ones finished. Closed loop: ``concurrency`` workers, each with one
-  request in flight (plus ``think_time_s``), pull request ids in order.
+  request in flight (plus ``think_time_s``), pull request ids in order; each record's
+  ``client_id`` says which worker sent it.
 - Prompts (completions endpoint) are lists of token ids built from the spec's content segments
   (:mod:`simcap.live.prompts`): exact lengths, shared prefixes shared token for token. The chat
   endpoint cannot take token ids: there each segment's ids are turned into text with the
@@ -482,8 +483,9 @@ async def _run_live_async(
             tasks: list[asyncio.Task] = []
             stopping = False
 
-            async def one(spec: RequestSpec, body: bytes, t0: float) -> None:
-                rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens)
+            async def one(spec: RequestSpec, body: bytes, t0: float, client_id: int | None = None) -> None:
+                rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens,
+                                    client_id=client_id)
                 records[spec.request_id] = rec
                 await stream_request(client, url, body, rec, t0, chat, fixups, request_timeout_s)
                 if rec.error and api_key:
@@ -504,17 +506,17 @@ async def _run_live_async(
                     duration = workload.duration_s
                     t0 = time.perf_counter()
 
-                    async def worker() -> None:
+                    async def worker(c: int) -> None:
                         for i in counter:
                             if duration is not None and time.perf_counter() - t0 >= duration:
                                 return
                             spec = workload.spec(i)
                             specs[i] = spec
-                            await one(spec, await body_for(spec), t0)
+                            await one(spec, await body_for(spec), t0, c)
                             if arrival.think_time_s:
                                 await asyncio.sleep(arrival.think_time_s)
 
-                    tasks.extend(asyncio.create_task(worker()) for _ in range(arrival.concurrency))
+                    tasks.extend(asyncio.create_task(worker(c)) for c in range(arrival.concurrency))
                     await asyncio.gather(*tasks)
                 else:
                     assert times is not None

@@ -2,8 +2,15 @@
 
 :func:`validate` runs the scenario's workload live ``repeats`` times (resetting the server's
 prefix cache between runs where it allows it), and for each live run simulates EXACTLY that
-run's trace: the same send times, prompt lengths (as the server counted them), output lengths
-and prefix segments (``simulate(scenario, trace=...)``). Run-to-run noise of a real server is
+run's trace: prompt lengths (as the server counted them), output lengths and prefix segments,
+sent as the live run sent them (``simulate(scenario, trace=...)``). An open-loop run is
+replayed at its send times. A closed-loop run is replayed as a closed loop
+(:class:`~simcap.workload.ClosedLoopTrace`): the same clients, each sending its own requests
+in its order, each send the measured gap after the end of that client's previous response.
+Replaying it at fixed send times instead (``replay="times"``) sends a request into a full
+engine whenever a step is priced a little slow, where a real client would still be waiting
+for its previous response: at concurrency = ``max_num_seqs`` a step model 5 % slow inflates
+the replayed TTFT median several times over. Run-to-run noise of a real server is
 large (medians move +-15-20 %, tails 2-3x), so each prediction is judged against the live
 runs' own spread: per metric it reports every repeat's live value, their min-max range, the
 prediction, its relative error against the live median, and whether it lies inside the range.
@@ -35,11 +42,12 @@ from simcap.metrics import Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
 from simcap.simulator import simulate
-from simcap.workload import RequestSpec
+from simcap.workload import ClosedLoopTrace, RequestSpec
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p95", "p99")
 METRICS = tuple(f"{m}_{s}" for m in LATENCY_METRICS for s in STATS) + ("output_throughput",)
+REPLAYS = ("closed", "times")
 
 
 def metric_value(summary: Summary, key: str) -> float | None:
@@ -61,27 +69,34 @@ def samples(records: Iterable[RequestRecord]) -> dict[str, np.ndarray]:
     return {"ttft": np.asarray(ttft), "itl": np.asarray(itl)}
 
 
-def trace_of(run: LiveRun) -> list[tuple[float, RequestSpec]]:
-    """The live run as a simulator trace: completed requests in send order, ids 0..N-1.
+def _replayed_spec(run: LiveRun, rec: RequestRecord, j: int) -> RequestSpec:
+    """What ``rec`` asked for, as request ``j`` of the replay.
 
     Prompt lengths are the server's (``usage.prompt_tokens``); when they differ from the spec
     (chat endpoint), the request's own last segment absorbs the difference so shared prefix
     segments stay shared.
     """
+    spec = run.specs[rec.request_id]
+    segments = list(spec.segments)
+    diff = rec.num_prompt_tokens - spec.num_prompt_tokens
+    if diff:
+        key, n = segments[-1]
+        if n + diff > 0:
+            segments[-1] = (key, n + diff)
+        else:
+            segments = [(key, rec.num_prompt_tokens)]
+    return RequestSpec(j, rec.num_prompt_tokens, rec.max_tokens, tuple(segments))
+
+
+def trace_of(run: LiveRun) -> list[tuple[float, RequestSpec]]:
+    """The live run as a simulator trace of send times: completed requests in send order, ids 0..N-1."""
     done = sorted((r for r in run.records if r.succeeded), key=lambda r: (r.arrival_time, r.request_id))
-    trace = []
-    for j, rec in enumerate(done):
-        spec = run.specs[rec.request_id]
-        segments = list(spec.segments)
-        diff = rec.num_prompt_tokens - spec.num_prompt_tokens
-        if diff:
-            key, n = segments[-1]
-            if n + diff > 0:
-                segments[-1] = (key, n + diff)
-            else:
-                segments = [(key, rec.num_prompt_tokens)]
-        trace.append((rec.arrival_time, RequestSpec(j, rec.num_prompt_tokens, rec.max_tokens, tuple(segments))))
-    return trace
+    return [(rec.arrival_time, _replayed_spec(run, rec, j)) for j, rec in enumerate(done)]
+
+
+def closed_trace_of(run: LiveRun) -> ClosedLoopTrace:
+    """A closed-loop live run as a closed-loop trace: its clients, requests and measured gaps."""
+    return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j))
 
 
 @dataclass
@@ -129,6 +144,7 @@ class Validation:
     metrics: dict[str, dict[str, Any]]
     ks: dict[str, dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    replay: dict[str, Any] = field(default_factory=dict)  # how live runs were simulated
 
     @property
     def used(self) -> list[Repeat]:
@@ -141,6 +157,7 @@ class Validation:
             "scenario_name": self.scenario.name,
             "scenario_sha256": self.scenario.digest(),
             "simulated_engine": self.simulated_scenario.engine.model_dump(mode="json"),
+            "replay": dict(self.replay),
             "repeats": [r.to_dict() for r in self.repeats],
             "used_repeats": [r.index for r in self.used],
             "metrics": self.metrics,
@@ -309,6 +326,7 @@ def validate(
     disturbance_threshold_cores: float = DEFAULT_THRESHOLD_CORES,
     out_prefix: str | None = None,
     api_key: str | None = None,
+    replay: str | None = None,
     **live_kwargs: Any,
 ) -> Validation:
     """Run ``scenario`` live ``repeats`` times and compare each run with its simulated twin.
@@ -319,10 +337,20 @@ def validate(
     acceptance (see the module doc). ``server_pids``: PIDs of the server when known (a local :class:`VllmServer`);
     vLLM-named processes are recognised anyway. ``out_prefix``: write each live run's records
     to ``{out_prefix}{i}.jsonl``. ``api_key``: Bearer token for every request (never stored).
+    ``replay``: how each live run is simulated, ``"closed"`` (a closed-loop workload only: its
+    clients and their measured gaps, the default for one) or ``"times"`` (its send times, the
+    default and the only choice for an open-loop workload).
     Other keyword options go to :func:`~simcap.live.client.run_live`.
     """
     if repeats < 1:
         raise LiveError(f"repeats: must be >= 1 (got {repeats})")
+    closed = isinstance(scenario.workload.arrival, ClosedArrival)
+    if replay is None:
+        replay = "closed" if closed else "times"
+    if replay not in REPLAYS:
+        raise LiveError(f"replay: must be one of {', '.join(REPLAYS)} (got {replay!r})")
+    if replay == "closed" and not closed:
+        raise LiveError("replay: closed needs a closed-loop workload (workload.arrival.process: closed)")
     notes: list[str] = []
     if warmup:
         _warmup(scenario, base_url, model, endpoint, api_key=api_key, **live_kwargs)
@@ -339,9 +367,10 @@ def validate(
         cpu = watch.stop()
         if i == 0 and adopt_server_cache_config:
             simulated = _adopt_server_config(scenario, run, notes)
-        trace = trace_of(run)
-        if not trace:
+        if not any(r.succeeded for r in run.records):
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
+        trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace
+        trace = closed_trace_of(run) if replay == "closed" else trace_of(run)
         this = _adopt_spec_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
         sim = simulate(this, trace=trace, records=True)
         if run.num_failed:
@@ -362,7 +391,14 @@ def validate(
             "always runs without async scheduling (set engine.async_scheduling=false)"
         )
     metrics, ks = compare(results)
-    return Validation(scenario, simulated, results, metrics, ks, notes)
+    if replay == "closed":
+        assert isinstance(scenario.workload.arrival, ClosedArrival)
+        described = {"mode": "closed", "clients": scenario.workload.arrival.concurrency,
+                     "text": f"closed loop, {scenario.workload.arrival.concurrency} clients (each client's "
+                             "requests in its order, sent the measured gap after its previous response)"}
+    else:
+        described = {"mode": "times", "clients": None, "text": "send times (each request at its live send time)"}
+    return Validation(scenario, simulated, results, metrics, ks, notes, described)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -397,6 +433,11 @@ def validation_table(data: dict[str, Any]) -> Table:
             {True: "yes", False: "NO", None: "-"}[m["in_range"]],
         )
     return table
+
+
+def replay_line(data: dict[str, Any]) -> str:
+    """How the live runs were simulated, from ``to_dict()``."""
+    return f"replay: {data['replay']['text']}"
 
 
 def ks_line(data: dict[str, Any]) -> str:

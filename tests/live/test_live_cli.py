@@ -63,3 +63,22 @@ def test_api_key_env_unset_plot_suffix_and_calibrate_unreachable(tmp_path, monke
     code, err = run(*common, "--log", str(tmp_path / "missing.log"))
     assert code == 2 and len(err) == 1 and "missing.log" in err[0]
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_validate_replay_choice_is_checked_before_anything_is_sent(tmp_path):
+    from typer.testing import CliRunner
+
+    from simcap.live.cli import live_app
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(SCENARIO))
+    open_loop = tmp_path / "open.yaml"
+    open_loop.write_text(yaml.safe_dump({**SCENARIO, "workload": {**SCENARIO["workload"],
+                                                                  "arrival": {"process": "poisson", "rate": 1.0}}}))
+    url = "http://127.0.0.1:9"  # nothing listens: these fail before any request
+    for scenario, replay, expected in (
+        (path, "fixed", "error: --replay: must be one of closed, times (got 'fixed')"),
+        (open_loop, "closed", "error: replay: closed needs a closed-loop workload (workload.arrival.process: closed)"),
+    ):
+        result = CliRunner().invoke(live_app, ["validate", "--base-url", url, "--replay", replay, str(scenario)])
+        assert result.exit_code == 2 and result.stderr.strip().splitlines() == [expected]
