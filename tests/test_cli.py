@@ -113,7 +113,11 @@ workload: {arrival: {process: poisson, rate: 2.0}, num_requests: 10, input_len: 
     ],
 )
 def test_bad_input_is_one_clear_line_with_exit_code_2(tmp_path, text, overrides, expected):
-    path = write(tmp_path, text)
+    assert expected in simulate_error_line(write(tmp_path, text), overrides)
+
+
+def simulate_error_line(path: Path, overrides: list[str]) -> str:
+    """``simcap simulate PATH --set ...``'s error: exit code 2, one line, no traceback."""
     args = ["simulate", str(path)]
     for item in overrides:
         args += ["--set", item]
@@ -121,8 +125,8 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(tmp_path, text, overrides,
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert expected in lines[0]
     assert "Traceback" not in proc.stderr
+    return lines[0]
 
 
 def test_missing_file_is_one_line(tmp_path):
@@ -189,14 +193,7 @@ MODEL_JSON = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads":
 )
 def test_bad_roofline_input_is_one_line_with_exit_code_2(tmp_path, overrides, expected):
     (tmp_path / "model.json").write_text(json.dumps(MODEL_JSON))
-    path = write(tmp_path, ROOFLINE)
-    args = ["simulate", str(path)]
-    for item in overrides:
-        args += ["--set", item]
-    proc = run(*args)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert expected in simulate_error_line(write(tmp_path, ROOFLINE), overrides)
 
 
 def test_roofline_scenario_runs_and_top_k_is_checked(tmp_path):
