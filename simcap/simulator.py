@@ -97,21 +97,36 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
 GAP_BUFFER = 1 << 16  # per-chunk ITL samples collected before one bulk add to the metrics
 
 
-def _stretch_gaps(
-    times: list[float], lens: list[int], sizes: list[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """The gaps between the chunks of stretches of steps, and how many requests saw each.
+class _StretchGaps:
+    """Buffered stretches of steps in which each of a stretch's requests gets a chunk at every
+    step: each stretch's start then its chunk times, and how many requests it had."""
 
-    Stretch i is segment i of ``times``, ``lens[i]`` long: its start, then its chunk times;
-    ``sizes[i]`` requests saw each of its gaps (start -> first chunk is not one).
-    """
-    times = np.fromiter(times, np.float64, len(times))
-    lens = np.array(lens)
-    starts = np.cumsum(lens) - lens
-    keep = np.ones(len(times) - 1, dtype=bool)
-    keep[starts] = False  # start -> first chunk
-    keep[starts[1:] - 1] = False  # last chunk -> next stretch's start
-    return (times[1:] - times[:-1])[keep], np.repeat(np.array(sizes), lens - 2)
+    __slots__ = ("times", "lens", "sizes")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.lens: list[int] = []
+        self.sizes: list[int] = []
+
+    def add(self, times: list[float], num_reqs: int) -> None:
+        self.times += times
+        self.lens.append(len(times))
+        self.sizes.append(num_reqs)
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """The gaps between the chunks of the buffered stretches (start -> first chunk is not
+        one), and how many requests saw each; the buffer is emptied."""
+        times = np.fromiter(self.times, np.float64, len(self.times))
+        lens = np.array(self.lens)
+        starts = np.cumsum(lens) - lens
+        keep = np.ones(len(times) - 1, dtype=bool)
+        keep[starts] = False  # start -> first chunk
+        keep[starts[1:] - 1] = False  # last chunk -> next stretch's start
+        gaps, sizes = (times[1:] - times[:-1])[keep], np.repeat(np.array(self.sizes), lens - 2)
+        self.times.clear()
+        self.lens.clear()
+        self.sizes.clear()
+        return gaps, sizes
 
 
 class _World:
@@ -159,12 +174,8 @@ class _World:
         self._gaps: list[float] = []
         self._gap_tokens: list[int] = []
         self._single_gaps: list[float] = []
-        self._stretch_times: list[float] = []  # each stretch's start, then its chunk times
-        self._stretch_lens: list[int] = []
-        self._stretch_sizes: list[int] = []
-        self._verify_times: list[float] = []  # (as _stretch_times)
-        self._verify_lens: list[int] = []
-        self._verify_sizes: list[int] = []
+        self._decode_stretches = _StretchGaps()
+        self._verify_stretches = _StretchGaps()
         self._verify_tokens: list[int] = []  # per gap, per request: the later chunk's tokens
         self._wakeup: simpy.Event | None = None
         self._on_finish: dict[int, Callable[[], None]] = {}
@@ -250,10 +261,8 @@ class _World:
         m = len(times) - 1
         if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
-            self._stretch_times += times
-            self._stretch_lens.append(m + 1)
-            self._stretch_sizes.append(len(reqs))
-            if len(self._stretch_times) >= GAP_BUFFER:
+            self._decode_stretches.add(times, len(reqs))
+            if len(self._decode_stretches.times) >= GAP_BUFFER:
                 self._flush_gaps()
         if len(gaps) >= GAP_BUFFER:
             self._flush_gaps()
@@ -281,9 +290,7 @@ class _World:
                 self._gap_tokens.append(n)
             req.last_token_ts = last
         if len(times) > 2:  # every request's gap at each later step
-            self._verify_times += times
-            self._verify_lens.append(len(times))
-            self._verify_sizes.append(num_reqs)
+            self._verify_stretches.add(times, num_reqs)
             self._verify_tokens += news[num_reqs:]
             if len(self._verify_tokens) >= GAP_BUFFER:
                 self._flush_gaps()
@@ -304,23 +311,15 @@ class _World:
             self.metrics.add_itl(np.array(self._gaps), tokens=np.array(self._gap_tokens))
             self._gaps.clear()
             self._gap_tokens.clear()
-        if self._stretch_times:
-            gaps, sizes = _stretch_gaps(
-                self._stretch_times, self._stretch_lens, self._stretch_sizes
-            )
+        if self._decode_stretches.times:
+            gaps, sizes = self._decode_stretches.take()
             self.metrics.add_itl(gaps, weight=sizes)
-            self._stretch_times.clear()
-            self._stretch_lens.clear()
-            self._stretch_sizes.clear()
-        if self._verify_times:
+        if self._verify_stretches.times:
             # Gap j of a verify stretch, once for each of its requests (in batch order), with
             # that request's tokens at the later step.
-            gaps, sizes = _stretch_gaps(self._verify_times, self._verify_lens, self._verify_sizes)
+            gaps, sizes = self._verify_stretches.take()
             tokens = np.fromiter(self._verify_tokens, np.int64, len(self._verify_tokens))
             self.metrics.add_itl(np.repeat(gaps, sizes), tokens=tokens)
-            self._verify_times.clear()
-            self._verify_lens.clear()
-            self._verify_sizes.clear()
             self._verify_tokens.clear()
 
     def finish(self, reqs: list[Request], now: float) -> None:
