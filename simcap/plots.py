@@ -500,6 +500,8 @@ def plot_sessions(result: "Result", path: str | Path) -> Path:
         ax2.legend(loc="upper left", fontsize=8)
     ax2.set_yscale("log")
     ax2.yaxis.set_major_formatter(plt.FuncFormatter(_ms_label))
+    ax2.yaxis.set_minor_formatter(plt.FuncFormatter(_ms_label))
+    ax2.tick_params(axis="y", which="minor", labelsize=7)
     ax2.set_xlabel("turn index (0 = a session's first turn)")
     ax2.set_ylabel("TTFT")
     ax2.set_title("TTFT by turn", fontsize=10)
