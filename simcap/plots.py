@@ -456,7 +456,7 @@ def session_token_series(result: "Result", bins: int = 60) -> dict[str, np.ndarr
     hits, counted when the request is first scheduled, as vLLM counts them) and ``computed``
     (prompt tokens the engine's steps computed, at each step's start), in tokens per second;
     ``edges`` the windows' bounds. Needs the run's records and step rows."""
-    if result.records is None or len(result.steps) == 0:
+    if result.records is None or not result.steps.keep or len(result.steps) == 0:
         raise SimcapError("session plot: the run kept no records and steps (simulate with records and steps)")
     st = result.steps.as_arrays()
     end = float(st["start"][-1] + st["duration"][-1])
