@@ -545,8 +545,10 @@ class SessionsConfig(_Model):
     Each turn's prompt is the whole conversation so far (every earlier turn's new tokens and
     answer) plus the turn's new tokens (``workload.input_len``; the first turn's from
     ``first_input_len`` when given); its answer is ``workload.output_len`` tokens. The next
-    turn is sent ``think_time_s`` after the answer's last token. ``workload.arrival`` paces
-    sessions: ``rate`` is sessions per second, a closed loop's ``concurrency`` is sessions in
+    turn is sent ``think_time_s`` after the answer's last token. ``workload.prefix``, when
+    given, opens every session's first turn with one of the shared prefixes (a system prompt
+    and tool definitions, counted in the first turn's new tokens), kept when a turn is
+    truncated. ``workload.arrival`` paces sessions: ``rate`` is sessions per second, a closed loop's ``concurrency`` is sessions in
     flight (its ``think_time_s`` is the pause between one session's end and the client's next).
     """
 
@@ -618,11 +620,6 @@ class WorkloadConfig(_Model):
                 raise ValueError(
                     "workload.sessions.num_sessions: give exactly one of "
                     "sessions.num_sessions or workload.duration_s"
-                )
-            if self.prefix is not None:
-                raise ValueError(
-                    "workload.prefix: not with sessions (a session's first turn is its own "
-                    "content); give sessions.first_input_len for a long first prompt"
                 )
             return self
         if (self.num_requests is None) == (self.duration_s is None):
@@ -868,7 +865,14 @@ def check_feasible(scenario: Scenario) -> None:
     if wl.sessions is not None:
         _check_sessions_fit(scenario)
         max_in = max_session_context(wl) - max_out
-    if wl.prefix is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
+    first_len = wl.input_len if wl.sessions is None else (wl.sessions.first_input_len or wl.input_len)
+    if wl.sessions is not None and wl.prefix is not None and wl.prefix.shared_tokens >= first_len.min_value:
+        key = "sessions.first_input_len" if wl.sessions.first_input_len is not None else "input_len"
+        raise ScenarioError(
+            f"workload.prefix.shared_tokens: must be < the shortest first turn "
+            f"(workload.{key}: {first_len.min_value}), got {wl.prefix.shared_tokens}"
+        )
+    if wl.sessions is None and wl.prefix is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
         raise ScenarioError(
             f"workload.prefix.shared_tokens: must be < the shortest input_len "
             f"({wl.input_len.min_value}), got {wl.prefix.shared_tokens}"
@@ -913,6 +917,13 @@ def _check_sessions_fit(scenario: Scenario) -> None:
                 f"workload.{key}: a turn's new tokens ({spec.max_value}) + output ({max_out}) "
                 f"exceed engine.max_model_len ({eng.max_model_len}) even with no earlier turns"
             )
+    shared = wl.prefix.shared_tokens if wl.prefix is not None else 0
+    if shared and shared + wl.input_len.max_value + max_out > eng.max_model_len:
+        raise ScenarioError(
+            f"workload.prefix.shared_tokens: a later turn keeps the shared prefix ({shared}), "
+            f"so its new tokens ({wl.input_len.max_value}) + output ({max_out}) + the prefix "
+            f"exceed engine.max_model_len ({eng.max_model_len}) even with no earlier turns"
+        )
 
 
 def _mean_length(spec: FixedLength | UniformLength | EmpiricalLength) -> float:

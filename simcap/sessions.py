@@ -53,6 +53,9 @@ class Turn(NamedTuple):
 class SessionPlan(NamedTuple):
     session_id: int
     turns: tuple[Turn, ...]
+    # (group key, tokens) of the shared prefix opening the first turn (counted in its new
+    # tokens and kept through truncation); None without workload.prefix.
+    prefix: tuple[int, int] | None = None
 
 
 def draw_seconds(
@@ -101,9 +104,11 @@ class SessionWorkload:
             new[0] = draw_lengths(cfg.first_input_len, rng, 1)[0]
         out = draw_lengths(self.config.output_len, rng, n)
         think = draw_seconds(cfg.think_time_s, rng, n)
+        shared = self.config.prefix
+        prefix = None if shared is None else (int(rng.integers(0, shared.num_prefixes)), shared.shared_tokens)
         return SessionPlan(i, tuple(
             Turn(int(a), int(b), float(c)) for a, b, c in zip(new.tolist(), out.tolist(), think.tolist())
-        ))
+        ), prefix)
 
     def start_times(self) -> np.ndarray:
         """Open loop: when each session sends its first turn (the first at 0)."""
@@ -120,7 +125,8 @@ class Conversation:
     ``request(rid)`` gives the next turn's request (or None when the session is over), and
     ``answered(n)`` appends the ``n`` answer tokens that actually came back. ``history`` holds
     the segments of the turns still in the context, one ``[(new key, tokens), (answer key,
-    tokens)]`` pair per turn.
+    tokens)]`` pair per turn; a shared prefix (``plan.prefix``) opens every prompt ahead of it
+    and is never dropped (as a client keeps its system prompt).
     """
 
     def __init__(self, plan: SessionPlan, max_model_len: int, on_overflow: str = "truncate") -> None:
@@ -128,7 +134,8 @@ class Conversation:
         self.max_model_len = max_model_len
         self.on_overflow = on_overflow
         self.history: list[tuple[tuple[int, int], tuple[int, int]]] = []
-        self.num_tokens = 0  # tokens of the history
+        self.system: tuple[tuple[int, int], ...] = (plan.prefix,) if plan.prefix else ()
+        self.num_tokens = plan.prefix[1] if plan.prefix else 0  # tokens of the prefix and history
         self.next_turn = 0
         self.truncated_turns = 0  # turns sent with their oldest turns dropped
         self.dropped_turns = 0  # turns dropped from the context, all told
@@ -146,7 +153,9 @@ class Conversation:
         if self.done:
             return None
         turn = self.plan.turns[self.next_turn]
-        need = turn.new_tokens + turn.max_tokens
+        # The first turn's new tokens include the shared prefix, already in num_tokens.
+        new_tokens = turn.new_tokens - (self.num_tokens if self.next_turn == 0 else 0)
+        need = new_tokens + turn.max_tokens
         if self.num_tokens + need > self.max_model_len:
             if self.on_overflow == "end":
                 self.ended = True
@@ -160,10 +169,10 @@ class Conversation:
             self.truncated_turns += 1
             self.dropped_turns += dropped
         new_key = SESSION_KEY_BASE + 2 * request_id
-        segments = tuple(seg for pair in self.history for seg in pair) + ((new_key, turn.new_tokens),)
-        self._pending = (new_key, turn.new_tokens, new_key + 1)
+        segments = (*self.system, *(seg for pair in self.history for seg in pair), (new_key, new_tokens))
+        self._pending = (new_key, new_tokens, new_key + 1)
         return RequestSpec(
-            request_id, self.num_tokens + turn.new_tokens, turn.max_tokens, segments,
+            request_id, self.num_tokens + new_tokens, turn.max_tokens, segments,
             output_key=new_key + 1, session_id=self.plan.session_id, turn=self.next_turn,
         )
 

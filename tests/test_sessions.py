@@ -63,6 +63,17 @@ def test_two_turn_session_hits_the_blocks_turn_one_computed(output_len, expected
     assert [r.num_cached_tokens for r in off.records] == [0, 0]
 
 
+def test_a_shared_system_prompt_is_hit_across_sessions():
+    """Every session's first turn (100 tokens) opens with the one shared 64-token prefix: the
+    second session's first turn hits its 4 blocks; each second turn (100 + 24 + 40 = 164
+    tokens) hits the 123 tokens its first turn computed, 7 full blocks = 112."""
+    sc = make({"num_sessions": 2, "turns": 2, "first_input_len": 100},
+              workload={"prefix": {"shared_tokens": 64}})
+    turns = by_session(simulate(sc, records=True).records)
+    assert [[(r.num_prompt_tokens, r.num_cached_tokens) for r in turns[s]] for s in (0, 1)] == [
+        [(100, 0), (164, 112)], [(100, 64), (164, 112)]]
+
+
 def test_sessions_do_not_share_content():
     """Two sessions with the same lengths side by side: neither hits the other's blocks."""
     res = simulate(make({"num_sessions": 2, "turns": 2}, arrival={"process": "closed", "concurrency": 2}),
@@ -126,6 +137,19 @@ def test_overflow_truncates_oldest_turns_or_ends(on_overflow):
         # Dropping turn 0 leaves 50 + 30 + 20 = 100 <= 110.
         assert third.num_prompt_tokens == 80 and third.segments[0][0] == SESSION_KEY_BASE + 2
         assert (conv.truncated_turns, conv.dropped_turns, conv.ended) == (1, 1, False)
+
+
+def test_truncation_keeps_the_shared_prefix():
+    plan = SessionPlan(0, (Turn(40, 20, 0.0), Turn(30, 20, 0.0), Turn(30, 20, 0.0)), prefix=(3, 16))
+    conv = Conversation(plan, max_model_len=120)
+    first = conv.request(0)
+    assert first.segments == ((3, 16), (SESSION_KEY_BASE, 24)) and first.num_prompt_tokens == 40
+    conv.answered(20)
+    conv.request(1)  # 60 + 30 + 20 = 110
+    conv.answered(20)
+    third = conv.request(2)  # 110 + 50 > 120: turn 0 goes (24 + 20 tokens), the prefix stays
+    assert third.segments[0] == (3, 16) and third.segments[1][0] == SESSION_KEY_BASE + 2
+    assert third.num_prompt_tokens == 16 + 50 + 30 and conv.dropped_turns == 1
 
 
 def test_overflow_is_counted_in_the_summary():
@@ -209,6 +233,8 @@ def test_fast_path_equals_reference_path(name):
                 "output_len": {"dist": "uniform", "low": 8, "high": 64}}
     if name == "duration":
         workload["duration_s"] = 5.0
+    if name == "open":  # first turns open with one of two shared prefixes
+        workload["prefix"] = {"shared_tokens": 64, "num_prefixes": 2}
     sc = make(sessions, arrival=arrival, speculative=spec, workload=workload,
               engine={"num_gpu_blocks": 60, "max_model_len": 800})
     fast = simulate(sc, records=True, steps=True)

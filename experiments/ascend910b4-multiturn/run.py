@@ -53,6 +53,9 @@ SENSITIVITY = [
         ("1,024", ["workload.sessions.first_input_len=1024"]),
         ("16,384", ["workload.sessions.first_input_len=16384"]),
     ]),
+    ("first turn shared across sessions", "none", [
+        ("2,048 of its 4,096 tokens", ["workload.prefix={shared_tokens: 2048}"]),
+    ]),
     ("turns per session", "uniform 1-32", [
         ("uniform 16-32", ["workload.sessions.turns={dist: uniform, low: 16, high: 32}"]),
         ("32", ["workload.sessions.turns=32"]),
