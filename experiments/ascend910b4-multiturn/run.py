@@ -21,7 +21,6 @@ prompt tokens (vllm:prompt_tokens, prefix hits included) / run duration; actual 
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
