@@ -224,6 +224,7 @@ class CapacityPoint:
     saturated: bool
     role: str = "search"  # "grid", "search", "probe" or "bootstrap"
     stopped: dict[str, Any] | None = None  # early stop: at_s, key, reason, failed, unfinished
+    live: dict[str, Any] | None = None  # a live run's facts (simcap.live.capacity)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -240,22 +241,48 @@ class CapacityPoint:
             "saturated": self.saturated,
             "role": self.role,
             **({"stopped_early": dict(self.stopped)} if self.stopped else {}),
+            **({"live": dict(self.live)} if self.live is not None else {}),
         }
 
 
 def point_from_result(
     result: Result, rate: float, replicate: int, duration_s: float, role: str = "search"
 ) -> CapacityPoint:
-    """Measure one finished run: measured rate, SLO values and flags, saturation.
+    """Measure one finished simulated run (see :func:`point_from_measurements`)."""
+    return point_from_measurements(
+        result.summary, result.metrics.arrival_times, result.metrics.finish_times,
+        rate=rate, replicate=replicate, seed=result.scenario.seed, duration_s=duration_s,
+        role=role, stop=result.stopped,
+    )
 
-    A run stopped early (after its arrival window) counts as failed; its SLO values are
-    unknown, and so are its verdicts on the keys that did not stop it.
+
+def point_from_measurements(
+    summary: Any,
+    arrival: np.ndarray,
+    finish: np.ndarray,
+    *,
+    rate: float,
+    replicate: int,
+    seed: int,
+    duration_s: float,
+    role: str = "search",
+    stop: Any = None,
+    measured_rate: float | None = None,
+    live: dict[str, Any] | None = None,
+) -> CapacityPoint:
+    """Measure one finished run, simulated or live: measured rate, SLO values and flags,
+    saturation.
+
+    ``summary``: the run's :class:`~simcap.metrics.Summary` with its SLO; ``arrival`` /
+    ``finish``: every request's arrival and finish time on the run's clock (``inf``: never
+    finished). ``measured_rate``: default arrivals / ``duration_s``. A run stopped early
+    (``stop``, after its arrival window) counts as failed; its SLO values are unknown, and so
+    are its verdicts on the keys that did not stop it. ``live``: a live run's facts, kept on
+    the point.
     """
-    summary = result.summary
     slo = summary.slo or {}
-    arrival = result.metrics.arrival_times
-    finish = result.metrics.finish_times
-    stop = result.stopped
+    arrival = np.asarray(arrival, dtype=float)
+    finish = np.asarray(finish, dtype=float)
     if stop is not None:
         if stop.at_s < duration_s:
             raise ValueError("a capacity run may only stop after its arrival window")
@@ -284,8 +311,8 @@ def point_from_result(
     return CapacityPoint(
         rate=float(rate),
         replicate=int(replicate),
-        seed=int(result.scenario.seed),
-        measured_rate=len(arrival) / duration_s,
+        seed=int(seed),
+        measured_rate=float(measured_rate) if measured_rate is not None else len(arrival) / duration_s,
         values=values,
         slo_pass=verdicts,
         samples_adequate=adequate,
@@ -297,6 +324,7 @@ def point_from_result(
         saturated=bool(saturated),
         role=role,
         stopped=stop.to_dict() if stop is not None else None,
+        live=live,
     )
 
 
@@ -461,14 +489,6 @@ class CapacityResult:
 # --------------------------------------------------------------------------- search
 
 
-def _evaluate_rate(
-    runner: Runner, scenario: Scenario, rate: float, replicates: int, duration_s: float,
-    slo: dict[str, float], step_time: Mapping[str, float] | None, role: str,
-) -> list[CapacityPoint]:
-    tasks = [(scenario, rate, r, duration_s, slo, step_time, role) for r in range(replicates)]
-    return runner.map(tasks)
-
-
 def _search_steps(
     start: float, *, rel_tol: float, max_points: int, step: float = 2.0, min_rate: float = 1e-3
 ) -> Generator[float, list[CapacityPoint], None]:
@@ -613,6 +633,99 @@ def bootstrap_sets(scenario: Scenario, with_level: bool = False):
     return (sets, notes, level) if with_level else (sets, notes)
 
 
+Evaluate = Callable[[Sequence[float], int, str], list[CapacityPoint]]
+"""``evaluate(rates, replicates, role)``: run every rate ``replicates`` times (replicate
+``r`` = 0, 1, ...) and return the runs rate by rate; simulated (:func:`find_capacity`) or
+live (:mod:`simcap.live.capacity`)."""
+
+
+def check_targets(
+    scenario: Scenario, slo: Mapping[str, float] | Iterable[str] | None, duration_s: float,
+    replicates: int, max_duration_s: float = MAX_SIMULATED_S,
+) -> dict[str, float]:
+    """The SLO targets (``slo``, else the scenario's), with duration and replicates checked."""
+    targets = parse_slo(slo) if slo else dict(scenario.slo)
+    if not targets:
+        raise ScenarioError(
+            "slo: capacity needs an SLO: give --slo ttft_p95=2.0 or an slo section in the scenario"
+        )
+    if not (0 < duration_s <= max_duration_s):
+        raise ScenarioError(
+            f"--duration: must be > 0 and <= {max_duration_s:g} seconds (got {duration_s})"
+        )
+    if not 1 <= replicates <= MAX_REPLICATES:
+        raise ScenarioError(f"--replicates: must be in [1, {MAX_REPLICATES}] (got {replicates})")
+    return targets
+
+
+def run_search(
+    evaluate: Evaluate,
+    *,
+    rates: Sequence[float] | None,
+    replicates: int,
+    start: float,
+    rel_tol: float = 0.02,
+    max_points: int = 14,
+    max_probes: int = 5,
+) -> list[CapacityPoint]:
+    """Every run of one capacity search, sorted by (rate, replicate).
+
+    ``rates``: test exactly these (role ``grid``); None: bracket and bisect from ``start``
+    (role ``search``, :func:`_search_steps`). Then, when no run saturated, up to
+    ``max_probes`` rates at 1.5x steps above the highest (one replicate each, role ``probe``)
+    until one saturates.
+    """
+    if rates is not None:
+        points = evaluate(sorted(rates), replicates, "grid")
+    else:
+        points = _search(lambda r: evaluate([r], replicates, "search"), start,
+                         rel_tol=rel_tol, max_points=max_points)
+    if max_probes > 0 and not any(p.saturated for p in points):
+        top = max(p.rate for p in points)
+        for _ in range(max_probes):
+            top *= 1.5
+            probe = evaluate([top], 1, "probe")
+            points.extend(probe)
+            if probe[0].saturated:
+                break
+    points.sort(key=lambda p: (p.rate, p.replicate))
+    return points
+
+
+def capacity_result(
+    points: list[CapacityPoint], targets: dict[str, float], *, duration_s: float,
+    replicates: int, mode: str, early_stop: bool | str = False,
+) -> CapacityResult:
+    """Apply the rules (module doc) to a search's runs: safe and saturation rates, notes."""
+    notes: list[str] = []
+    safe_offered, safe = safe_rate_of(points)
+    by_slo = {key: safe_rate_of(points, key)[1] for key in targets}
+    saturation = saturation_rate_of(points)
+    tested = sorted({p.rate for p in points if p.role != "probe"})
+    if safe_offered is None:
+        notes.append(f"no tested rate passed: the safe rate is below {tested[0]:g} req/s")
+    elif safe_offered == tested[-1]:
+        notes.append("every tested rate passed: the safe rate may be higher")
+    if saturation is None:
+        notes.append("no run saturated: the saturation rate is above every rate tried")
+    stopped = [p for p in points if p.stopped]
+    if stopped:
+        notes.append(
+            f"{len(stopped)} run(s) stopped early, once their SLO could no longer hold "
+            f"(rules.early_stop; e.g. {stopped[0].stopped['reason']}); their SLO values "
+            "are not known"
+        )
+    if not all(all(p.samples_adequate[k] for k in targets) for p in points):
+        notes.append(
+            "some percentiles rest on too few samples for the claim (samples_adequate false)"
+        )
+    return CapacityResult(
+        slo=targets, points=points, safe_rate=safe, safe_offered_rate=safe_offered,
+        saturation_rate=saturation, safe_rate_by_slo=by_slo, duration_s=float(duration_s),
+        replicates=int(replicates), mode=mode, notes=notes, early_stop=early_stop,
+    )
+
+
 def find_capacity(
     scenario: Scenario,
     slo: Mapping[str, float] | Iterable[str] | None = None,
@@ -640,17 +753,7 @@ def find_capacity(
     ``early_stop``: stop a run once its SLO is certain to fail (see the module doc); True,
     False, or ``"interval"`` (only the bootstrap interval's runs).
     """
-    targets = parse_slo(slo) if slo else dict(scenario.slo)
-    if not targets:
-        raise ScenarioError(
-            "slo: capacity needs an SLO: give --slo ttft_p95=2.0 or an slo section in the scenario"
-        )
-    if not (0 < duration_s <= MAX_SIMULATED_S):
-        raise ScenarioError(
-            f"--duration: must be > 0 and <= {MAX_SIMULATED_S:.0e} seconds (got {duration_s})"
-        )
-    if not 1 <= replicates <= MAX_REPLICATES:
-        raise ScenarioError(f"--replicates: must be in [1, {MAX_REPLICATES}] (got {replicates})")
+    targets = check_targets(scenario, slo, duration_s, replicates)
     if interval and interval_max_sets < 1:
         raise ScenarioError(f"--interval-sets: must be >= 0 (got {interval_max_sets})")
     check_workers(workers)
@@ -669,57 +772,20 @@ def find_capacity(
     if early_stop not in (True, False, "interval"):
         raise ScenarioError(f"early_stop: must be true, false or 'interval' (got {early_stop!r})")
     runner = Runner(workers, early_stop=early_stop)
-    notes: list[str] = []
     try:
-        if mode == "grid":
-            tasks = [
-                (scenario, r, k, duration_s, targets, None, "grid")
-                for r in rates for k in range(replicates)
-            ]
-            points = runner.map(tasks)
-        else:
-            start = start_rate or (rates[0] if rates else _start_rate(scenario))
-            points = _search(
-                lambda r: _evaluate_rate(runner, scenario, r, replicates, duration_s, targets,
-                                         None, "search"),
-                start, rel_tol=rel_tol, max_points=max_points,
-            )
-        if probe_saturation and not any(p.saturated for p in points):
-            top = max(p.rate for p in points)
-            for _ in range(max_probes):
-                top *= 1.5
-                probe = _evaluate_rate(runner, scenario, top, 1, duration_s, targets, None, "probe")
-                points.extend(probe)
-                if probe[0].saturated:
-                    break
-        points.sort(key=lambda p: (p.rate, p.replicate))
-        safe_offered, safe = safe_rate_of(points)
-        by_slo = {key: safe_rate_of(points, key)[1] for key in targets}
-        saturation = saturation_rate_of(points)
-        tested = sorted({p.rate for p in points if p.role != "probe"})
-        if safe_offered is None:
-            notes.append(f"no tested rate passed: the safe rate is below {tested[0]:g} req/s")
-        elif safe_offered == tested[-1]:
-            notes.append("every tested rate passed: the safe rate may be higher")
-        if saturation is None:
-            notes.append("no run saturated: the saturation rate is above every rate tried")
-        stopped = [p for p in points if p.stopped]
-        if stopped:
-            notes.append(
-                f"{len(stopped)} run(s) stopped early, once their SLO could no longer hold "
-                f"(rules.early_stop; e.g. {stopped[0].stopped['reason']}); their SLO values "
-                "are not known"
-            )
-        if not all(all(p.samples_adequate[k] for k in targets) for p in points):
-            notes.append(
-                "some percentiles rest on too few samples for the claim (samples_adequate false)"
-            )
-        result = CapacityResult(
-            slo=targets, points=points, safe_rate=safe, safe_offered_rate=safe_offered,
-            saturation_rate=saturation, safe_rate_by_slo=by_slo, duration_s=float(duration_s),
-            replicates=int(replicates), mode=mode, notes=notes, early_stop=early_stop,
+        def evaluate(rs: Sequence[float], n: int, role: str) -> list[CapacityPoint]:
+            return runner.map([(scenario, r, k, duration_s, targets, None, role)
+                               for r in rs for k in range(n)])
+
+        points = run_search(
+            evaluate, rates=rates if mode == "grid" else None, replicates=replicates,
+            start=start_rate or (rates[0] if rates else _start_rate(scenario)),
+            rel_tol=rel_tol, max_points=max_points,
+            max_probes=max_probes if probe_saturation else 0,
         )
-        if interval and safe_offered is not None:
+        result = capacity_result(points, targets, duration_s=duration_s, replicates=replicates,
+                                 mode=mode, early_stop=early_stop)
+        if interval and result.safe_offered_rate is not None:
             sets, set_notes, level = bootstrap_sets(scenario, with_level=True)
             if not sets:
                 result.notes.extend(set_notes)
