@@ -419,6 +419,22 @@ def saturation_rate_of(points: Sequence[CapacityPoint]) -> float | None:
     return float(np.median(sat)) if sat else None
 
 
+def safe_rate_bracket(points: Sequence[CapacityPoint]) -> tuple[float | None, float | None]:
+    """(safe rate, lowest measured rate among the failing runs of the first failing tested
+    rate): the prefix rule's safe rate lies inside; an end is None where no tested rate
+    passed or none failed."""
+    by_rate: dict[float, list[CapacityPoint]] = {}
+    for p in points:
+        if p.role != "probe":
+            by_rate.setdefault(p.rate, []).append(p)
+    _, safe = safe_rate_of(points)
+    for rate in sorted(by_rate):
+        failing = [p.measured_rate for p in by_rate[rate] if not p.passed]
+        if failing:
+            return safe, min(failing)
+    return safe, None
+
+
 def saturation_bracket(points: Sequence[CapacityPoint]) -> tuple[float | None, float | None]:
     """(highest measured rate of a run that kept up, lowest measured rate of one that did not)."""
     ok = [p.measured_rate for p in points if not p.saturated]
@@ -890,7 +906,8 @@ def render_capacity(result: CapacityResult, console: Any) -> None:
     for p in result.points:
         if p.role == "bootstrap":
             continue
-        cells = [f"{p.rate:.3f}", f"{p.measured_rate:.3f}", str(p.replicate)]
+        short = p.live is not None and not p.live.get("rate_reached", True)
+        cells = [f"{p.rate:.3f}", f"{p.measured_rate:.3f}" + ("!" if short else ""), str(p.replicate)]
         for key in keys:
             value = p.values.get(key)
             mark = "" if p.samples_adequate.get(key, True) else "*"
@@ -901,6 +918,9 @@ def render_capacity(result: CapacityResult, console: Any) -> None:
         cells += [verdict, "no" if p.saturated else "yes", p.role]
         table.add_row(*cells)
     console.print(table)
+    if any(p.live is not None and not p.live.get("rate_reached", True) for p in result.points):
+        console.print("! the load generator did not reach this rate: its achieved rate is shown",
+                      style="dim")
     if any(not all(p.samples_adequate.values()) for p in result.points):
         console.print("* too few samples for this percentile (MLPerf early stopping, 99% "
                       "confidence, one sample over the bound)", style="dim")
