@@ -23,7 +23,11 @@ Rules (also carried in every result's ``rules``):
   following the arrival rate and the backlog grows. The second half skips the fill-up at
   the start; the window ends with the arrivals, so the drain afterwards is not counted.
   A stable queue's fluctuations are a few percent of the window's arrivals at most; a
-  diverging one loses ``1 - mu/lambda`` of them.
+  diverging one loses ``1 - mu/lambda`` of them. In a short window (few arrivals) a few
+  percent is one or two requests, within a stable queue's own noise: the shortfall must also
+  exceed ``SATURATION_Z`` x ``sqrt(2 n)`` requests, ``n`` the window's time-average number of
+  requests in the system (a stable queue's backlog changes by about ``sqrt(2 n)`` over the
+  window; a diverging one's grows with the window).
 - **saturation rate**: the server's maximum throughput ``mu``, the rate at which the queue
   starts to diverge. Past it the engine runs full batches back to back, so the completion
   rate inside a saturated run's window IS ``mu``: the estimate is the median of that rate
@@ -76,6 +80,7 @@ DEFAULT_REPLICATES = 2
 MAX_RATES = 1000  # rates one grid tests (each a whole simulation per replicate)
 MAX_REPLICATES = 1000
 SATURATION_RATIO = 0.95
+SATURATION_Z = 2.0  # the shortfall must also exceed this many sd of a stable queue's
 REPORTED = ("ttft_p95", "tpot_p95")  # always reported per point, SLO or not
 
 RULES = {
@@ -85,7 +90,8 @@ RULES = {
     "replicate fails (so it and every lower tested rate passed in every replicate); reported "
     "as the lowest measured arrival rate among its replicates",
     "saturated": f"completed < {SATURATION_RATIO} x arrived in the second half of the arrival "
-    "window [T/2, T)",
+    f"window [T/2, T), by more than {SATURATION_Z:g} x sqrt(2 n) requests (n: the window's mean "
+    "number of requests in the system; a stable queue's backlog moves by about sqrt(2 n))",
     "saturation_rate": "median completion rate (requests/s) inside that window over the "
     "saturated runs: the server's maximum throughput, where the queue starts to diverge",
 }
@@ -292,7 +298,11 @@ def point_from_measurements(
     half = duration_s / 2.0
     arrived_w = int(np.count_nonzero((arrival >= half) & (arrival < duration_s)))
     done_w = int(np.count_nonzero((finish >= half) & (finish < duration_s)))
-    saturated = arrived_w > 0 and done_w < SATURATION_RATIO * arrived_w
+    # time-average number in the system over the window (Little's n; an unfinished one to T)
+    inside = np.clip(np.minimum(finish, duration_s), half, duration_s) - np.clip(arrival, half, duration_s)
+    n_bar = float(np.clip(inside, 0.0, None).sum()) / half if half > 0 else 0.0
+    saturated = (arrived_w > 0 and done_w < SATURATION_RATIO * arrived_w
+                 and arrived_w - done_w > SATURATION_Z * math.sqrt(2.0 * n_bar))
     values: dict[str, float | None] = {}
     adequate: dict[str, bool] = {}
     for key in list(slo) + [k for k in REPORTED if k not in slo]:
@@ -436,10 +446,23 @@ def safe_rate_bracket(points: Sequence[CapacityPoint]) -> tuple[float | None, fl
 
 
 def saturation_bracket(points: Sequence[CapacityPoint]) -> tuple[float | None, float | None]:
-    """(highest measured rate of a run that kept up, lowest measured rate of one that did not)."""
-    ok = [p.measured_rate for p in points if not p.saturated]
-    bad = [p.measured_rate for p in points if p.saturated]
-    return (max(ok) if ok else None, min(bad) if bad else None)
+    """Where the queue starts to diverge, in measured arrival rates, by the prefix rule: (the
+    highest measured rate of a run that kept up below the first tested rate at which a run
+    saturated, the lowest measured rate of a saturated run at that rate). As for the safe
+    rate, a run that kept up above the first saturating rate (noise) is not trusted. An end
+    is None where no run kept up below that rate, or none saturated."""
+    by_rate: dict[float, list[CapacityPoint]] = {}
+    for p in points:
+        by_rate.setdefault(p.rate, []).append(p)
+    lo: float | None = None
+    for rate in sorted(by_rate):
+        runs = by_rate[rate]
+        sat = [p.measured_rate for p in runs if p.saturated]
+        if sat:
+            return lo, min(sat)
+        top = max(p.measured_rate for p in runs)
+        lo = top if lo is None else max(lo, top)
+    return lo, None
 
 
 # --------------------------------------------------------------------------- result

@@ -23,9 +23,12 @@ The field's method, run against the live server by the same search and the same 
   (:func:`~simcap.capacity.safe_rate_bracket`, :func:`~simcap.capacity.saturation_bracket`).
 
 The prediction: :func:`~simcap.capacity.find_capacity` on the same scenario (its step-time
-model, or ``profile``'s), with the server's reported cache shape, the same duration,
-replicates, rates (or the same bisection from the same start) and rules; its error against
-the measured value and whether it falls inside the measured bracket.
+model, or a profile's), with the server's reported cache shape, the same duration,
+replicates, rates (or the same bisection to the same tolerance, with the simulator's point
+budget) and rules; its error
+against the measured value and whether it falls inside the measured bracket. It runs first:
+the live bisection starts at the predicted safe rate (unless given a start), so a good
+prediction costs two live rates to bracket.
 
 Every run's records are written to ``out_dir/runs/`` as its requests complete, and a
 finished run is appended to ``out_dir/points.jsonl``. ``resume=True`` takes every finished run
@@ -64,6 +67,8 @@ from simcap.simulator import provenance
 from simcap.workload import Workload
 
 REACHED_RATIO = 0.95
+SIM_MAX_POINTS = 14  # the prediction's search budget (find_capacity's defaults)
+SIM_MAX_PROBES = 5
 MAX_LIVE_DURATION_S = 3600.0
 LIVE_RULES = {
     "measured_rate": "requests sent / max(duration, last send): the rate the server was offered",
@@ -73,8 +78,9 @@ LIVE_RULES = {
     "failed_requests": "a run with any failed request (HTTP error, cut stream, timeout) fails",
     "safe_rate_bracket": "[safe rate, lowest measured rate among the failing runs of the first "
     "failing tested rate]: the safe rate lies inside it",
-    "saturation_bracket": "[highest measured rate of a run that kept up, lowest measured rate "
-    "of a saturated run]: the queue starts to diverge inside it",
+    "saturation_bracket": "[highest measured rate of a run that kept up below the first tested "
+    "rate at which a run saturated, lowest measured rate of a saturated run at that rate]: the "
+    "queue starts to diverge inside it",
 }
 
 
@@ -340,6 +346,7 @@ def live_capacity(
     """Search the live server's safe and saturation rates, and predict them (module doc).
 
     ``rates``: test these; None: bracket and bisect from ``start_rate`` (default the
+    predicted safe rate; the prediction's own search starts at ``start_rate``, default the
     scenario's rate) to ``rel_tol`` or ``max_points`` rates. ``predict_scenario``: the scenario
     the prediction simulates (default ``scenario``). ``adopt_server_config``: where the
     server's engine flags differ from the scenario's, simulate the server's (noted) instead of
@@ -372,7 +379,27 @@ def live_capacity(
     if snap is None:
         notes.append("server exposes no /metrics: its engine flags could not be checked")
     mode = "grid" if rates is not None else "auto"
-    start = float(start_rate or (rates[0] if rates else scenario.workload.arrival.rate))  # type: ignore[union-attr]
+    sim = predict_scenario or scenario
+    if snap is not None:
+        update = server_cache_update(sim.engine, snap)
+        if sim.engine.num_gpu_blocks is None:
+            update.pop("num_gpu_blocks", None)
+        if update:
+            notes.append("predicted with the server's cache config " + ", ".join(
+                f"{k}={v} (scenario: {getattr(sim.engine, k)})" for k, v in update.items()))
+            sim = sim.model_copy(update={"engine": sim.engine.model_copy(update=update)})
+    if diff.get("max_model_len"):
+        sim = sim.model_copy(update={"engine": sim.engine.model_copy(
+            update={"max_model_len": diff["max_model_len"][0]})})
+    sim_start = float(start_rate or (rates[0] if rates else sim.workload.arrival.rate))  # type: ignore[union-attr]
+    predicted = find_capacity(  # a simulated rate costs seconds: the simulator's point budget
+        sim, targets, rates=rates, auto=rates is None, duration_s=duration_s,
+        replicates=replicates, start_rate=sim_start, rel_tol=rel_tol,
+        max_points=max(max_points, SIM_MAX_POINTS), max_probes=max(max_probes, SIM_MAX_PROBES),
+    )
+    # The live search starts where the prediction put the safe rate: a good prediction
+    # brackets it in two rates.
+    start = float(start_rate or (rates[0] if rates else predicted.safe_offered_rate or sim_start))
     settings = {
         "scenario_sha256": scenario.digest(), "slo": targets, "duration_s": float(duration_s),
         "replicates": int(replicates), "mode": mode, "rates": rates, "start_rate": start,
@@ -439,23 +466,6 @@ def live_capacity(
     if disturbed:
         notes.append(f"{len(disturbed)} run(s) ran while other processes loaded the CPU (disturbed)")
 
-    sim = predict_scenario or scenario
-    if snap is not None:
-        update = server_cache_update(sim.engine, snap)
-        if sim.engine.num_gpu_blocks is None:
-            update.pop("num_gpu_blocks", None)
-        if update:
-            notes.append("predicted with the server's cache config " + ", ".join(
-                f"{k}={v} (scenario: {getattr(sim.engine, k)})" for k, v in update.items()))
-            sim = sim.model_copy(update={"engine": sim.engine.model_copy(update=update)})
-    if diff.get("max_model_len"):
-        sim = sim.model_copy(update={"engine": sim.engine.model_copy(
-            update={"max_model_len": diff["max_model_len"][0]})})
-    predicted = find_capacity(
-        sim, targets, rates=rates, auto=rates is None, duration_s=duration_s,
-        replicates=replicates, start_rate=start, rel_tol=rel_tol, max_points=max_points,
-        max_probes=max_probes,
-    )
     server = {
         "base_url": base_url.rstrip("/"), "model": model, "max_model_len": facts["max_model_len"],
         "vllm_version": facts["vllm_version"],

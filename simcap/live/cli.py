@@ -354,7 +354,7 @@ def capacity_cmd(
     auto: bool = typer.Option(False, "--auto", help="Bracket and bisect the safe rate (default without --rates)."),
     duration: float = typer.Option(60.0, "--duration", help="Seconds of arrivals per run."),
     replicates: int = typer.Option(2, "--replicates", help="Runs per rate; replicate r uses seed + r."),
-    start_rate: Optional[float] = typer.Option(None, "--start-rate", help="--auto: first rate (default the scenario's)."),
+    start_rate: Optional[float] = typer.Option(None, "--start-rate", help="--auto: first rate (default the predicted safe rate)."),
     rel_tol: float = typer.Option(0.1, "--rel-tol", help="--auto: stop when the bracket is this narrow (relative)."),
     max_points: int = typer.Option(8, "--max-points", help="--auto: at most this many rates."),
     max_probes: int = typer.Option(

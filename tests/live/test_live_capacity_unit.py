@@ -109,7 +109,9 @@ def test_brackets_and_the_comparison():
     points = [_pt(1, 0, True, 0.97), _pt(1, 1, True, 1.04), _pt(2, 0, True, 2.1), _pt(2, 1, False, 1.9),
               _pt(4, 0, False, 4.2, True), _pt(4, 1, False, 3.8, True), _pt(6, 0, False, 6.1, True, "probe")]
     assert safe_rate_bracket(points) == (0.97, 1.9)  # the failing replicate's rate, not 2.1
-    assert saturation_bracket(points) == (2.1, 3.8)
+    assert saturation_bracket(points) == (2.1, 3.8)  # below the first saturating rate, 4
+    noisy = [_pt(1, 0, True, 1.0), _pt(2, 0, True, 2.2, True), _pt(3, 0, True, 3.1), _pt(4, 0, False, 3.9, True)]
+    assert saturation_bracket(noisy) == (1.0, 2.2)  # the run that kept up at 3 is above it: not trusted
     assert safe_rate_bracket(points[:2]) == (0.97, None)  # nothing failed: open above
     assert safe_rate_bracket(points[3:4]) == (None, 1.9)  # nothing passed: open below
     measured = capacity_result(points, {"ttft_p95": 1.0}, duration_s=5, replicates=2, mode="auto")
