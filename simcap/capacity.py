@@ -80,7 +80,7 @@ DEFAULT_REPLICATES = 2
 MAX_RATES = 1000  # rates one grid tests (each a whole simulation per replicate)
 MAX_REPLICATES = 1000
 SATURATION_RATIO = 0.95
-SATURATION_Z = 2.0  # the shortfall must also exceed this many sd of a stable queue's
+SATURATION_Z = 2.5  # the shortfall must also exceed this many sd of a stable queue's
 REPORTED = ("ttft_p95", "tpot_p95")  # always reported per point, SLO or not
 
 RULES = {
