@@ -205,9 +205,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, extra, field):
 
 
 def test_a_short_window_needs_a_shortfall_beyond_a_stable_queues_noise():
-    """Ten arrivals in [T/2, T), each served in 0.3 s: the two sent in the last 0.3 s are still
-    running at T. That is 20 % of the window, but a stable queue's in-flight count (about
-    one request here) moves by that much; a backlog that grows by 60 % is saturation."""
+    """Ten arrivals in [T/2, T), each served in 1.2 s: the two sent in the last 1.2 s are still
+    running at T. That is 20 % of the window, but a stable queue's in-flight count (2.4 on
+    average here) moves by that much; a backlog that grows by 60 % is saturation."""
     from simcap.capacity import point_from_measurements
     from simcap.metrics import summarize
 
@@ -222,7 +222,7 @@ def test_a_short_window_needs_a_shortfall_beyond_a_stable_queues_noise():
                                        seed=0, duration_s=10.0)
 
     arrival = [5.0 + 0.5 * i for i in range(10)]  # 5.0 ... 9.5
-    stable = point(arrival, [a + 0.6 for a in arrival])  # 9.0 and 9.5 finish after T = 10
+    stable = point(arrival, [a + 1.2 for a in arrival])  # 9.0 and 9.5 finish after T = 10
     assert (stable.arrived_in_window, stable.completed_in_window) == (10, 8) and not stable.saturated
     arrival = [5.0 + 0.1 * i for i in range(50)]
     growing = point(arrival, [5.2 + 0.25 * i for i in range(50)])  # served at 4/s, sent at 10/s
