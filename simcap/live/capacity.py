@@ -362,8 +362,12 @@ def live_capacity(
         rates = sorted({float(r) for r in rates})
         if not rates or any(r <= 0 or not math.isfinite(r) for r in rates):
             raise ScenarioError("--rates: every rate must be > 0 requests/s")
-    if not (rel_tol > 0 and max_points >= 1 and max_probes >= 0):
-        raise ScenarioError("--rel-tol must be > 0, --max-points >= 1, --max-probes >= 0")
+    if not (rel_tol > 0 and math.isfinite(rel_tol)):
+        raise ScenarioError(f"--rel-tol: must be > 0 (got {rel_tol})")
+    if max_points < 1:
+        raise ScenarioError(f"--max-points: must be >= 1 (got {max_points})")
+    if max_probes < 0:
+        raise ScenarioError(f"--max-probes: must be >= 0 (got {max_probes})")
     check_request_timeout(request_timeout_s)
     notes: list[str] = []
     facts = server_facts(base_url, model, api_key)
