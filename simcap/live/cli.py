@@ -1,8 +1,8 @@
 """``simcap live``: run a scenario's workload against a real vLLM server, validate against it,
-or calibrate a profile from it.
+calibrate a profile from it, or measure its capacity.
 
 Thin: parse, call :mod:`simcap.live.client` / :mod:`simcap.live.validate` /
-:mod:`simcap.live.calibration`, render. Mounted by ``simcap.cli`` as
+:mod:`simcap.live.calibration` / :mod:`simcap.live.capacity`, render. Mounted by ``simcap.cli`` as
 ``app.add_typer(live_app, name="live")``. An API key comes from ``--api-key``, else the
 variable ``--api-key-env`` names, else ``$SIMCAP_API_KEY``; it is sent as a Bearer header
 and never printed or written (a profile's ``fitted_with`` masks it).
@@ -21,7 +21,7 @@ from simcap.errors import SimcapError, SimulationError
 live_app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Drive a real vLLM server with a scenario's workload; compare it with the simulation; calibrate from it.",
+    help="Drive a real vLLM server with a scenario's workload; compare it with the simulation; calibrate from it; measure its capacity.",
 )
 
 _SET_HELP = "Override a scenario key: dotted.key=value (repeatable)."
