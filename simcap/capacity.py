@@ -731,6 +731,10 @@ def run_search(
     return points
 
 
+def _fmt_end(value: float | None) -> str:
+    return "open" if value is None else f"{value:.4g}"
+
+
 def capacity_result(
     points: list[CapacityPoint], targets: dict[str, float], *, duration_s: float,
     replicates: int, mode: str, early_stop: bool | str = False,
@@ -747,6 +751,16 @@ def capacity_result(
         notes.append("every tested rate passed: the safe rate may be higher")
     if saturation is None:
         notes.append("no run saturated: the saturation rate is above every rate tried")
+    else:
+        lo, hi = saturation_bracket(points)
+        # a run may keep up (by the rule) at up to mu / SATURATION_RATIO
+        if (lo is not None and saturation < SATURATION_RATIO * lo) or (hi is not None and saturation > hi):
+            notes.append(
+                f"the saturation rate ({saturation:.4g} req/s, a completion rate) lies outside "
+                f"the arrival rates that bracket the divergence ({_fmt_end(lo)}-{_fmt_end(hi)}): "
+                "the runs are too short to tell a slow queue from a diverging one; a longer "
+                "duration settles it"
+            )
     stopped = [p for p in points if p.stopped]
     if stopped:
         notes.append(
