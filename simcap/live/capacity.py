@@ -440,7 +440,9 @@ def live_capacity(
         tally["made"] += 1
         tally["live_s"] += wall
         run_facts = {"wall_s": round(wall, 3), "prefix_cache_reset": reset,
-                     "disturbed": bool(cpu.get("disturbed", False))}
+                     "disturbed": bool(cpu.get("disturbed", False)),
+                     "foreign_cores": (round(float(cpu["foreign_cores"]), 3)
+                                       if cpu.get("foreign_cores") is not None else None)}
         point = live_point(run.records, scenario, rate=rate, replicate=k, duration_s=duration_s,
                            slo=targets, role=role, facts=run_facts)
         store.finish(point, run_facts)
