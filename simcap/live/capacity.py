@@ -56,7 +56,9 @@ from simcap.capacity import (
     point_from_measurements, run_search, safe_rate_bracket, saturation_bracket,
 )
 from simcap.errors import ScenarioError
-from simcap.live.client import LiveError, auth_headers, check_request_timeout, resolve_model, run_live
+from simcap.live.client import (
+    LiveError, auth_headers, check_request_timeout, redact, resolve_model, run_live,
+)
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics, scrape
 from simcap.live.validate import _local_port, _warmup, reset_prefix_cache, server_cache_update
@@ -230,7 +232,10 @@ async def _server_facts_async(base_url: str, model: str | None, api_key: str | N
 
 def server_facts(base_url: str, model: str | None = None, api_key: str | None = None) -> dict[str, Any]:
     """The served model, its max_model_len, one ``/metrics`` snapshot and vLLM's version."""
-    return asyncio.run(_server_facts_async(base_url, model, api_key))
+    try:
+        return asyncio.run(_server_facts_async(base_url, model, api_key))
+    except LiveError as exc:  # a server may echo the Authorization header in an error text
+        raise LiveError(redact(str(exc), api_key)) from None
 
 
 def engine_differences(scenario: Scenario, metrics: ServerMetrics | None,
