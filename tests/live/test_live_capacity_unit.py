@@ -227,3 +227,17 @@ def test_a_short_window_needs_a_shortfall_beyond_a_stable_queues_noise():
     arrival = [5.0 + 0.1 * i for i in range(50)]
     growing = point(arrival, [5.2 + 0.25 * i for i in range(50)])  # served at 4/s, sent at 10/s
     assert growing.completed_in_window == 20 and growing.saturated
+
+
+def test_a_saturation_rate_outside_its_bracket_is_noted():
+    """Kept up (by the rule) at 16.6 req/s, yet the saturated run completed only 10 req/s: the
+    runs were too short to tell, and the result says so."""
+    short = [_pt(9, 0, True, 9.6), _pt(18, 0, False, 16.6), _pt(36, 0, False, 30.3, True)]
+    short[2] = dataclasses.replace(short[2], completion_rate=10.0)
+    result = capacity_result(short, {"ttft_p95": 1.0}, duration_s=5, replicates=1, mode="auto")
+    assert result.saturation_rate == 10.0 and saturation_bracket(short) == (16.6, 30.3)
+    assert any("lies outside the arrival rates that bracket the divergence (16.6-30.3)" in n for n in result.notes)
+    # Within the rule's own 5 % slack (a run keeps up at up to mu / 0.95), nothing is noted.
+    close = short[:2] + [dataclasses.replace(short[2], completion_rate=16.0)]
+    assert not any("lies outside" in n for n in capacity_result(close, {"ttft_p95": 1.0}, duration_s=5,
+                                                                replicates=1, mode="auto").notes)
