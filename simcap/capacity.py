@@ -48,6 +48,11 @@ Rules (also carried in every result's ``rules``):
   their own, so two rates' runs of a replicate have the same requests, arriving at times in
   the ratio of the rates (:mod:`simcap.workload`).
 
+The search (:func:`run_search`) and the rules (:func:`capacity_result`) take the runs from
+an evaluator (:data:`Evaluate`): :func:`find_capacity` simulates them, ``simcap live capacity``
+(:mod:`simcap.live.capacity`) sends them to a real server; a run becomes a point through
+:func:`point_from_measurements` either way.
+
 ``find_capacity(..., auto=True)`` brackets the safe rate by doubling or halving from a start
 rate (jumping to 0.9 x the completion rate of a saturated run), then bisects until the
 bracket is within ``rel_tol`` or ``max_points`` rates were tried. With a profile that carries
