@@ -24,7 +24,7 @@ from pydantic import (
 
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
-from simcap.profile import apply_profile
+from simcap.profile import _merge, apply_profile
 from simcap.yaml_files import load_yaml, read_yaml_mapping
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
@@ -517,6 +517,81 @@ class ProfileRef(_Model):
     simcap_version: str | None = None
 
 
+# --------------------------------------------------------------------------- deployment
+
+# Router policies (simcap.router); each named after its counterpart in a real router.
+ROUTERS = ("roundrobin", "least_request", "kv_cache_utilization", "session", "prefix_cache")
+# The prefix_cache router's scorers and their default weights (llm-d's default profile
+# weighs its prefix-cache scorer 3 and its queue scorer 2).
+PREFIX_CACHE_WEIGHTS = {"prefix_cache": 3.0, "queue": 2.0, "kv_cache_utilization": 0.0}
+GROUP_SECTIONS = ("engine", "step_time", "speculative")
+
+
+class ReplicaGroup(_Model):
+    """Replicas sharing one configuration: the scenario's, with these sections merged over it
+    (a ``profile`` is merged first, as for the scenario itself)."""
+
+    replicas: int = Field(gt=0, le=MAX_NUM_SEQS)
+    name: str | None = None
+    profile: ProfileRef | None = None
+    engine: dict[str, Any] | None = None
+    step_time: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
+
+
+class DeploymentConfig(_Model):
+    """Replicas behind a router, all on one clock (simcap.fleet)."""
+
+    replicas: int | None = Field(None, gt=0, le=MAX_NUM_SEQS)
+    router: str = "roundrobin"
+    scrape_interval_s: float = Field(1.0, gt=0.0, le=MAX_SIMULATED_S)
+    weights: dict[str, float] | None = Field(
+        None, description="prefix_cache router: weight of each scorer, >= 0"
+    )
+    groups: list[ReplicaGroup] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeploymentConfig":
+        if self.router not in ROUTERS:
+            raise ValueError(
+                f"deployment.router: unknown router {self.router!r}; known: {', '.join(ROUTERS)}"
+            )
+        if self.weights is not None:
+            if self.router != "prefix_cache":
+                raise ValueError("deployment.weights: only the prefix_cache router has weights")
+            for key, value in self.weights.items():
+                if key not in PREFIX_CACHE_WEIGHTS:
+                    raise ValueError(
+                        f"deployment.weights.{key}: unknown scorer; known: "
+                        f"{', '.join(PREFIX_CACHE_WEIGHTS)}"
+                    )
+                if not value >= 0.0:
+                    raise ValueError(f"deployment.weights.{key}: must be >= 0 (got {value!r})")
+            if not any(self.weights.values()):
+                raise ValueError("deployment.weights: at least one weight must be > 0")
+        if self.groups is not None:
+            if not self.groups:
+                raise ValueError("deployment.groups: give at least one group, or leave it out")
+            total = sum(g.replicas for g in self.groups)
+            if self.replicas is not None and self.replicas != total:
+                raise ValueError(
+                    f"deployment.replicas: {self.replicas} but the groups have {total} replicas; "
+                    "give one or make them agree"
+                )
+        return self
+
+    @property
+    def num_replicas(self) -> int:
+        if self.groups is not None:
+            return sum(g.replicas for g in self.groups)
+        return 1 if self.replicas is None else self.replicas
+
+    @property
+    def scorer_weights(self) -> dict[str, float]:
+        """The prefix_cache router's weights: the defaults, overridden by ``weights``."""
+        return {**PREFIX_CACHE_WEIGHTS, **(self.weights or {})}
+
+
 class Scenario(_Model):
     """Everything a simulation needs; the same scenario and seed give the same bytes out."""
 
@@ -530,6 +605,16 @@ class Scenario(_Model):
         default_factory=dict, description="e.g. {ttft_p95: 2.0, tpot_p95: 0.05}, seconds"
     )
     seed: int = Field(0, ge=0, le=MAX_INT64)
+    deployment: DeploymentConfig | None = Field(
+        None, description="replicas behind a router; None: one engine (simcap.fleet)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _drop_no_deployment(self, handler):
+        data = handler(self)
+        if self.deployment is None:  # a one-engine scenario dumps (and hashes) as before
+            data.pop("deployment", None)
+        return data
 
     @model_validator(mode="after")
     def _slo_keys(self) -> "Scenario":
@@ -707,6 +792,7 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
     profile_ref = data.get("profile")
     data = apply_profile(data, base_dir)
     _resolve_files(data, base_dir)
+    _resolve_group_profiles(data, base_dir)
     try:  # strict: a bool is no count, a string no number (YAML has typed them already)
         scenario = Scenario.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as exc:
@@ -715,7 +801,55 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
         scenario._profile_file = (base_dir / profile_ref).resolve()
     if check:
         check_feasible(scenario)
+        replica_scenarios(scenario)  # each replica group's configuration must be one too
     return scenario
+
+
+def _resolve_group_profiles(data: dict[str, Any], base_dir: Path) -> None:
+    """A replica group naming a profile file gets it merged under its own sections."""
+    deployment = data.get("deployment")
+    groups = deployment.get("groups") if isinstance(deployment, dict) else None
+    if not isinstance(groups, list):
+        return
+    for i, group in enumerate(groups):
+        if isinstance(group, dict) and isinstance(group.get("profile"), str):
+            try:
+                groups[i] = apply_profile(group, base_dir)
+            except ScenarioError as exc:
+                raise ScenarioError(f"deployment.groups.{i}.profile: {exc}") from None
+
+
+def replica_scenarios(scenario: Scenario) -> list[tuple[str | None, Scenario]]:
+    """Each replica's (group name, configuration): the scenario itself for every replica, or
+    per group the scenario with the group's sections merged over it. Their ``deployment`` is
+    None; the workload, SLO and seed stay the scenario's. A group whose configuration is not
+    valid or feasible is a ScenarioError naming ``deployment.groups.I``."""
+    dep = scenario.deployment
+    if dep is None:
+        return [(None, scenario)]
+    if dep.groups is None:
+        one = scenario.model_copy(update={"deployment": None})
+        return [(None, one)] * dep.num_replicas
+    base = scenario.model_dump(mode="json")
+    base.pop("deployment", None)
+    out: list[tuple[str | None, Scenario]] = []
+    for i, group in enumerate(dep.groups):
+        data = dict(base)
+        for section in GROUP_SECTIONS:
+            mine = getattr(group, section)
+            if mine is not None:
+                data[section] = _merge(data.get(section) or {}, mine)
+        if group.profile is not None:
+            data["profile"] = group.profile.model_dump()
+        try:
+            one = Scenario.model_validate_json(json.dumps(data), strict=True)
+            check_feasible(one)
+        except ValidationError as exc:
+            raise ScenarioError(f"deployment.groups.{i}.{format_validation_error(exc)}") from None
+        except ScenarioError as exc:
+            raise ScenarioError(f"deployment.groups.{i}.{exc}") from None
+        out += [(group.name, one)] * group.replicas
+    return out
 
 
 def load_scenario(

@@ -47,6 +47,9 @@ class StepLog:
         self._weight = 0.0
         self._usage_sum = 0.0
         self._max = -math.inf
+        # The latest row's (num_running, num_waiting, kv_cache_usage): what the engine last
+        # published (a fleet's router scrapes it).
+        self.last: tuple[int, int, float] = (0, 0, 0.0)
 
     def __len__(self) -> int:
         return self._num_rows
@@ -68,6 +71,7 @@ class StepLog:
         self._starts.append(start)
         self._usages.append(kv_cache_usage)
         self._num_rows += 1
+        self.last = (num_running, num_waiting, kv_cache_usage)
         if len(self._starts) > FOLD_ROWS:
             self._fold()
         if self.keep:
@@ -89,6 +93,7 @@ class StepLog:
         """Rows of pure-decode steps of ``num_reqs`` requests, ``num_waiting`` waiting (none
         preempted)."""
         n = len(starts)
+        self.last = (num_reqs, num_waiting, usages[-1])
         self._starts += starts
         self._usages += usages
         self._num_rows += n

@@ -1,0 +1,334 @@
+"""A fleet: replicas of the engine behind a router, all on one SimPy clock.
+
+``deployment: {replicas: N, router: POLICY, scrape_interval_s: S}`` in a scenario (or
+``groups:`` of replicas, each with its own engine, step-time or speculative sections or
+profile) runs N engine models (:class:`simcap.simulator._World`, each its own scheduler, KV
+pool, step-time model and random streams; replica 0's streams are a lone engine's) on one
+clock. Requests come from the scenario's one workload: open-loop arrivals (or a replayed
+trace of send times) are routed as they arrive, closed-loop clients are routed as they
+send. The router (:mod:`simcap.router`) sees its own outstanding counts, exact, and each
+replica's gauges as scraped every ``scrape_interval_s`` (the first scrape at S; zeros
+before).
+
+Order at one instant: every engine step ending at a time ends first; then the router sends
+the requests arriving then (an engine whose next step would start then waits for it, so a
+request that arrives as a step ends is seen by the next step, as with one engine); scrapes
+at that time read the replicas after their steps ended. A scrape reads, per replica, the
+running and waiting counts and KV usage of the step in flight as it was scheduled, or the
+engine's own between steps.
+
+The fast path holds: an engine's bulk stretch ends at the next arrival or the next scrape
+(open loop), or at the next event of any kind (closed loop, where one replica's finish lets
+a client send to another), so the router decides on the same state as stepping one by one,
+and results are the same float for float.
+
+Results: the fleet-wide summary (every request of every replica, as one engine's summary is
+computed), and per replica: requests routed, latency percentiles, throughput, preemptions,
+prefix-cache hit rate, KV usage, steps. Load imbalance is max / mean over the replicas of
+the requests routed (``requests``) and of the tokens served, prompt + output
+(``tokens``): 1.0 is even, N is everything on one replica.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from simcap.engine.request import Request
+from simcap.engine.speculative import SpecDecodeCounters
+from simcap.errors import SimulationError
+from simcap.fast_forward import LATE, Clock
+from simcap.metrics import Distribution, MetricsAccumulator
+from simcap.records import RequestRecord
+from simcap.router import ReplicaState, RouteRequest, affinity_key, make_router
+from simcap.scenario import ClosedArrival, Scenario, replica_scenarios
+from simcap.simulator import Result, _World, provenance
+from simcap.steplog import StepLog
+from simcap.workload import ClosedLoopTrace, RequestSpec, Workload
+
+ROUTER_KNOWS = (
+    "own outstanding counts; scraped running/waiting/KV usage; prefix_cache: its own index of "
+    "the prompt blocks it sent to each replica (no KV events)"
+)
+
+
+def _ratio_max_mean(values: list[float]) -> float | None:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else None
+
+
+@dataclass
+class FleetResult(Result):
+    """A fleet's run: the fleet-wide summary (``summary``, ``metrics``), and per replica its
+    step log, its summary and its group; ``replica_of[i]``: where request i went."""
+
+    replica_steps: list[StepLog] = field(default_factory=list)
+    replica_summaries: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[str | None] = field(default_factory=list)
+    replica_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    fleet_info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["fleet"] = self.fleet_info
+        return out
+
+
+class Fleet:
+    """The replicas, the router, its scrapes and the requests' sources, on one clock."""
+
+    def __init__(
+        self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False
+    ) -> None:
+        dep = scenario.deployment
+        assert dep is not None
+        self.scenario = scenario
+        self.env = Clock()
+        self.records: dict[int, RequestRecord] | None = {} if records else None
+        configs = replica_scenarios(scenario)
+        self.groups = [name for name, _ in configs]
+        self.replicas = [
+            _World(s, fast, records, steps, fleet=self, index=i) for i, (_, s) in enumerate(configs)
+        ]
+        n = len(self.replicas)
+        self.router = make_router(
+            dep.router, n, capacities=[r.scheduler.kv.num_blocks - 1 for r in self.replicas],
+            weights=dep.scorer_weights if dep.router == "prefix_cache" else None,
+        )
+        self.block_size = self.replicas[0].scheduler.kv.block_size
+        self.interval = dep.scrape_interval_s
+        self.workload = Workload(scenario.workload, scenario.seed)
+        self.outstanding = [0] * n
+        self.scraped = [(0, 0, 0.0)] * n
+        self.replica_of = array("q")
+        self.num_routed = [0] * n
+        self.tokens_routed = [0] * n
+        self.next_arrival = math.inf  # the next open-loop arrival not yet routed
+        self.next_scrape = math.inf
+        self.closed = False  # closed loop: engines' horizon is the next event of any kind
+        self.sources_done = False  # no request will be sent any more
+
+    # ------------------------------------------------------------------ router side
+
+    def horizon(self) -> float:
+        """Where a replica's bulk stretch must end: what may send it a request next."""
+        if self.closed:
+            return self.env.peek()
+        return min(self.next_arrival, self.next_scrape)
+
+    def route(self, spec: RequestSpec, now: float, client_id: int | None = None):
+        """Send ``spec`` (arriving at ``now``) to the replica the router picks; returns it."""
+        router = self.router
+        hashes: list[int] | tuple = ()
+        if router.needs_block_hashes:
+            hashes = Request(
+                spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments
+            ).hash_full_blocks(self.block_size)
+        request = RouteRequest(spec.request_id, affinity_key(client_id), hashes)
+        states = [
+            ReplicaState(out, *gauges) for out, gauges in zip(self.outstanding, self.scraped)
+        ]
+        r = router.pick(request, states)
+        router.routed(request, r)
+        self.outstanding[r] += 1
+        self.num_routed[r] += 1
+        self.tokens_routed[r] += spec.num_prompt_tokens + spec.max_tokens
+        ids = self.replica_of
+        while len(ids) <= spec.request_id:
+            ids.append(-1)
+        ids[spec.request_id] = r
+        replica = self.replicas[r]
+        replica.num_arrivals += 1
+        return replica
+
+    def responses_ended(self, replica: int, count: int) -> None:
+        self.outstanding[replica] -= count
+
+    # ------------------------------------------------------------------ processes
+
+    def arrivals(self, times, specs):
+        """Open loop (or replayed send times): route each request as it arrives."""
+        env = self.env
+        for i in range(len(times)):
+            t = times[i]
+            self.next_arrival = t
+            if t > env.now:
+                yield env.timeout_at(t, LATE)
+            spec = specs(i)
+            self.route(spec, t).submit(spec, t)
+        self.next_arrival = math.inf
+        self.sources_done = True
+
+    def closed_loop(self, arrival: ClosedArrival):
+        """Closed-loop clients, each routed as it sends (as one engine's clients)."""
+        env = self.env
+        limit = self.workload.num_requests
+        duration = self.workload.duration_s
+        counter = iter(range(limit) if limit is not None else itertools.count())
+        spec_of = self.workload.spec
+
+        def client(c: int):
+            for i in counter:
+                if duration is not None and env.now >= duration:
+                    return
+                done = env.event()
+                spec = spec_of(i)
+                replica = self.route(spec, env.now, c)
+                replica._on_finish[i] = done.succeed
+                replica.submit(spec, env.now, c)
+                yield done
+                if arrival.think_time_s:
+                    yield env.timeout(arrival.think_time_s)
+
+        clients = [env.process(client(c)) for c in range(arrival.concurrency)]
+
+        def watch():
+            yield env.all_of(clients)
+            self.sources_done = True
+
+        env.process(watch())
+
+    def scrapes(self):
+        """Every ``scrape_interval_s``: each replica's gauges, until nothing more is sent."""
+        env = self.env
+        k = 1
+        while not self.sources_done:
+            t = k * self.interval
+            self.next_scrape = t
+            yield env.timeout_at(t, LATE)
+            self.scraped = [r.gauges(t) for r in self.replicas]
+            k += 1
+        self.next_scrape = math.inf
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, trace: list[tuple[float, RequestSpec]] | None = None) -> FleetResult:
+        env = self.env
+        for replica in self.replicas:
+            env.process(replica.engine())
+        arrival = self.scenario.workload.arrival
+        if isinstance(trace, ClosedLoopTrace):
+            raise ValueError("a fleet replays traces of send times, not closed-loop traces")
+        if trace is not None:
+            times = list(itertools.accumulate((t for t, _ in trace), max))
+            self.next_arrival = times[0] if times else math.inf
+            env.process(self.arrivals(times, lambda i: trace[i][1]))
+        elif isinstance(arrival, ClosedArrival):
+            self.closed = True
+            self.closed_loop(arrival)
+        else:
+            times = array("d", self.workload.arrival_times().tobytes())
+            self.next_arrival = times[0] if len(times) else math.inf
+            env.process(self.arrivals(times, self.workload.spec))
+        env.process(self.scrapes())
+        env.run()
+        if any(r.scheduler.has_unfinished_requests() for r in self.replicas):
+            raise SimulationError("simulation ended with unfinished requests")
+        return self.result()
+
+    def result(self) -> FleetResult:
+        scenario = self.scenario
+        slo = dict(scenario.slo) or None
+        per_replica = []
+        spec_counters = None
+        usage_means, usage_maxes = [], []
+        for i, replica in enumerate(self.replicas):
+            replica._flush_gaps()
+            kv = replica.steps.kv_usage_summary()
+            summary = replica.metrics.summary(slo=slo, kv_usage=kv)
+            per_replica.append(self._replica_row(i, summary, kv))
+            if kv["mean"] is not None:
+                usage_means.append(kv["mean"])
+                usage_maxes.append(kv["max"])
+            if replica.spec_counters is not None:
+                spec_counters = _add_counters(spec_counters, replica.spec_counters)
+        metrics = MetricsAccumulator.merged([r.metrics for r in self.replicas])
+        kv_usage = (
+            {"mean": sum(usage_means) / len(usage_means), "max": max(usage_maxes)}
+            if usage_means else {"mean": None, "max": None}
+        )
+        summary = metrics.summary(
+            slo=slo, kv_usage=kv_usage,
+            spec_decode=spec_counters.to_dict() if spec_counters else None,
+        )
+        dep = scenario.deployment
+        assert dep is not None
+        info: dict[str, Any] = {
+            "replicas": len(self.replicas),
+            "router": dep.router,
+            "scrape_interval_s": dep.scrape_interval_s,
+            "router_knows": ROUTER_KNOWS,
+        }
+        if dep.router == "prefix_cache":
+            info["weights"] = dep.scorer_weights
+        info["load_imbalance"] = {
+            "requests": _ratio_max_mean([float(x) for x in self.num_routed]),
+            "tokens": _ratio_max_mean([float(x) for x in self.tokens_routed]),
+        }
+        info["per_replica"] = per_replica
+        records = None if self.records is None else [self.records[i] for i in sorted(self.records)]
+        steps = StepLog(keep=False)
+        steps._num_rows = sum(len(r.steps) for r in self.replicas)  # (the count only)
+        return FleetResult(
+            scenario, summary, metrics, steps, records, provenance(scenario), None,
+            replica_steps=[r.steps for r in self.replicas],
+            replica_summaries=per_replica,
+            groups=list(self.groups),
+            replica_of=np.frombuffer(self.replica_of, dtype=np.int64).copy(),
+            fleet_info=info,
+        )
+
+    def _replica_row(self, i: int, summary, kv: dict[str, Any]) -> dict[str, Any]:
+        def stat(dist: Distribution, name: str) -> float | None:
+            return dist.stat(name)
+
+        hits = summary.prefix_cache_hit_tokens
+        return {
+            "replica": i,
+            "group": self.groups[i],
+            "requests": self.num_routed[i],
+            "completed": summary.completed,
+            "ttft_p50_s": stat(summary.ttft_s, "p50"),
+            "ttft_p95_s": stat(summary.ttft_s, "p95"),
+            "tpot_p95_s": stat(summary.tpot_s, "p95"),
+            "e2e_p95_s": stat(summary.e2e_s, "p95"),
+            "output_tokens_per_s": summary.throughput["output_tokens_per_s"],
+            "preemptions": summary.preemptions,
+            "prefix_cache_hit_tokens": hits,
+            "prefix_cache_hit_rate": hits / summary.input_tokens if summary.input_tokens else None,
+            "kv_cache_usage_mean": kv["mean"],
+            "kv_cache_usage_max": kv["max"],
+            "num_steps": len(self.replicas[i].steps),
+        }
+
+
+def _add_counters(total: SpecDecodeCounters | None, part: SpecDecodeCounters) -> SpecDecodeCounters:
+    if total is None:
+        total = SpecDecodeCounters()
+    total.num_drafts += part.num_drafts
+    total.num_draft_tokens += part.num_draft_tokens
+    total.num_accepted_tokens += part.num_accepted_tokens
+    per_pos = total.accepted_per_pos
+    for j, count in enumerate(part.accepted_per_pos):
+        if j < len(per_pos):
+            per_pos[j] += count
+        else:
+            per_pos.append(count)
+    return total
+
+
+def simulate_fleet(
+    scenario: Scenario,
+    trace: list[tuple[float, RequestSpec]] | None = None,
+    *,
+    fast: bool = True,
+    records: bool = False,
+    steps: bool = False,
+) -> FleetResult:
+    """Run a scenario with a ``deployment`` (replicas behind a router) to completion."""
+    return Fleet(scenario, fast, records, steps).run(trace)

@@ -1,0 +1,280 @@
+"""Fleets: replicas behind a router on one clock (simcap.fleet) and the routers themselves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simcap.report import to_json
+from simcap.router import (
+    PrefixCache, PrefixIndex, ReplicaState, RouteRequest, affinity_key, make_router, session_hash,
+)
+from simcap.scenario import ROUTERS, parse_scenario
+from simcap.simulator import simulate
+from simcap.workload import RequestSpec
+from tests.conftest import make_scenario
+from tests.test_fast_forward import noisy_scenarios, scenarios
+
+
+def with_deployment(scenario, **deployment):
+    data = scenario.model_dump(mode="json")
+    data["deployment"] = deployment
+    return parse_scenario(data)
+
+
+def without_fleet(result) -> str:
+    """A fleet run's JSON less its fleet section and the scenario hash (its scenario has a
+    deployment key): what a lone engine's run prints."""
+    data = json.loads(to_json(result.to_dict()))
+    data.pop("fleet")
+    data["provenance"].pop("scenario_sha256")
+    return to_json(data)
+
+
+def single(result) -> str:
+    data = json.loads(to_json(result.to_dict()))
+    data["provenance"].pop("scenario_sha256")
+    return to_json(data)
+
+
+# --------------------------------------------------------------------------- fleet of one
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(speculative=True), st.sampled_from(ROUTERS), st.sampled_from([0.05, 1.0]))
+def test_fleet_of_one_is_the_single_engine_byte_for_byte(scenario, router, interval):
+    alone = simulate(scenario, records=True)
+    fleet = simulate(
+        with_deployment(scenario, replicas=1, router=router, scrape_interval_s=interval),
+        records=True,
+    )
+    assert without_fleet(fleet) == single(alone)
+    assert fleet.records == alone.records
+    assert fleet.fleet_info["per_replica"][0]["requests"] == alone.summary.completed
+
+
+def test_no_deployment_key_leaves_scenario_and_output_as_before():
+    scenario = make_scenario()
+    assert "deployment" not in scenario.model_dump(mode="json")
+    assert "fleet" not in simulate(scenario).to_dict()
+
+
+# --------------------------------------------------------------------------- fast == reference
+
+
+def check_fleet_fast_equals_reference(scenario):
+    reference = simulate(scenario, fast=False, records=True, steps=True)
+    fast = simulate(scenario, fast=True, records=True, steps=True)
+    assert fast.records == reference.records
+    assert list(fast.replica_of) == list(reference.replica_of)
+    for a, b in zip(fast.replica_steps, reference.replica_steps):
+        assert a == b
+    assert to_json(fast.to_dict()) == to_json(reference.to_dict())
+
+
+@st.composite
+def fleet_scenarios(draw, noisy=False):
+    base = draw(noisy_scenarios() if noisy else scenarios(speculative=True))
+    return with_deployment(
+        base, replicas=draw(st.integers(2, 4)), router=draw(st.sampled_from(ROUTERS)),
+        scrape_interval_s=draw(st.sampled_from([0.01, 0.1, 1.0])),
+    )
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fleet_scenarios())
+def test_fleet_fast_path_equals_reference_path(scenario):
+    """Bulk stretches end at arrivals and scrapes: every routing decision, scrape and float is
+    the reference path's."""
+    check_fleet_fast_equals_reference(scenario)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fleet_scenarios(noisy=True))
+def test_fleet_fast_path_equals_reference_path_with_noise(scenario):
+    check_fleet_fast_equals_reference(scenario)
+
+
+def test_fleet_is_deterministic():
+    scenario = make_scenario(
+        workload=dict(arrival={"process": "poisson", "rate": 30.0}, num_requests=200,
+                      input_len={"dist": "uniform", "low": 50, "high": 300}, output_len=40,
+                      prefix={"shared_tokens": 32, "num_prefixes": 3}),
+        step_time=dict(base=0.01, per_prefill_token=1e-5, per_decode_token=1e-4),
+        engine=dict(enable_prefix_caching=True),
+        deployment=dict(replicas=3, router="prefix_cache", scrape_interval_s=0.5),
+    )
+    assert to_json(simulate(scenario).to_dict()) == to_json(simulate(scenario).to_dict())
+
+
+# --------------------------------------------------------------------------- by hand
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_round_robin_gives_each_replica_every_nth_request(n):
+    """A deterministic workload (fixed lengths, one request every 0.1 s, each done within
+    one arrival gap) over n identical replicas: request i goes to replica i mod n, and every
+    replica serves the same requests the same way."""
+    trace = [(0.1 * i, RequestSpec(i, 20, 3, ((-2 * i - 1, 20),))) for i in range(6 * n)]
+    scenario = make_scenario(
+        step_time=dict(base=0.01, per_prefill_token=0.0, per_decode_token=0.0),
+        workload=dict(arrival={"process": "poisson", "rate": 10.0}, num_requests=6 * n,
+                      input_len=20, output_len=3),
+        deployment=dict(replicas=n, router="roundrobin"),
+    )
+    result = simulate(scenario, trace, records=True)
+    assert list(result.replica_of) == [i % n for i in range(6 * n)]
+    rows = result.fleet_info["per_replica"]
+    assert [row["requests"] for row in rows] == [6] * n
+    assert result.fleet_info["load_imbalance"] == {"requests": 1.0, "tokens": 1.0}
+    # Each request alone on its replica: 3 steps of 0.01 s (prefill + first token, 2 decodes).
+    for rec in result.records:
+        assert rec.first_token_time - rec.arrival_time == pytest.approx(0.01)
+        assert rec.finish_time - rec.arrival_time == pytest.approx(0.03)
+
+
+def test_least_request_sees_its_own_outstanding_counts():
+    """Two replicas, requests every 0.1 s that each take 0.25 s: least_request alternates
+    while both are busy; the counts fall as responses end."""
+    trace = [(0.1 * i, RequestSpec(i, 16, 25, ((-2 * i - 1, 16),))) for i in range(4)]
+    scenario = make_scenario(
+        step_time=dict(base=0.01, per_prefill_token=0.0, per_decode_token=0.0),
+        workload=dict(arrival={"process": "poisson", "rate": 10.0}, num_requests=4,
+                      input_len=16, output_len=25),
+        deployment=dict(replicas=2, router="least_request"),
+    )
+    result = simulate(scenario, trace)
+    # t=0: both idle -> 0; t=0.1: 1 vs 0 -> 1; t=0.2: 1, 1 -> tie, after 1 -> 0;
+    # t=0.3: request 0 ended at 0.25 -> replica 0 has 1 (request 2), replica 1 has 1 -> tie,
+    # after 0 -> 1.
+    assert list(result.replica_of) == [0, 1, 0, 1]
+
+
+def test_session_router_keeps_each_client_on_one_replica():
+    scenario = make_scenario(
+        workload=dict(arrival={"process": "closed", "concurrency": 6}, num_requests=60,
+                      input_len=20, output_len=5),
+        deployment=dict(replicas=3, router="session"),
+    )
+    result = simulate(scenario, records=True)
+    for rec in result.records:
+        assert result.replica_of[rec.request_id] == session_hash(rec.client_id) % 3
+
+
+def test_prefix_cache_router_keeps_a_prefix_group_together():
+    """Two system prompts, prefix weight only: after a group's first request, the group
+    stays where its prefix is, and the prefix-cache hits follow."""
+    scenario = make_scenario(
+        engine=dict(enable_prefix_caching=True),
+        workload=dict(arrival={"process": "poisson", "rate": 5.0}, num_requests=60,
+                      input_len=200, output_len=5,
+                      prefix={"shared_tokens": 160, "num_prefixes": 2}),
+        deployment=dict(replicas=4, router="prefix_cache",
+                        weights={"prefix_cache": 1.0, "queue": 0.0}),
+    )
+    result = simulate(scenario)
+    from simcap.workload import Workload
+
+    wl = Workload(scenario.workload, scenario.seed)
+    by_group: dict[int, set[int]] = {}
+    for i in range(60):
+        by_group.setdefault(wl.spec(i).segments[0][0], set()).add(int(result.replica_of[i]))
+    assert all(len(replicas) == 1 for replicas in by_group.values())
+    rows = result.fleet_info["per_replica"]
+    busy = [row for row in rows if row["requests"]]
+    assert all(row["prefix_cache_hit_rate"] > 0.5 for row in busy)
+    # Round robin spreads each group over every replica: fewer hits in all.
+    rr = simulate(with_deployment(scenario, replicas=4, router="roundrobin"))
+    assert rr.summary.prefix_cache_hit_tokens < result.summary.prefix_cache_hit_tokens
+
+
+def test_replica_groups_have_their_own_engines():
+    scenario = make_scenario(
+        step_time=dict(base=0.01, per_prefill_token=0.0, per_decode_token=0.0),
+        workload=dict(arrival={"process": "poisson", "rate": 20.0}, num_requests=40,
+                      input_len=20, output_len=10),
+        deployment=dict(router="roundrobin", groups=[
+            {"name": "slow", "replicas": 1, "step_time": {"base": 0.04}},
+            {"name": "fast", "replicas": 1},
+        ]),
+    )
+    result = simulate(scenario)
+    slow, fast = result.fleet_info["per_replica"]
+    assert (slow["group"], fast["group"]) == ("slow", "fast")
+    assert slow["requests"] == fast["requests"] == 20
+    assert slow["ttft_p50_s"] > 3 * fast["ttft_p50_s"]
+
+
+# --------------------------------------------------------------------------- routers alone
+
+
+def states(*outstanding, usage=None, waiting=None):
+    n = len(outstanding)
+    usage = usage or [0.0] * n
+    waiting = waiting or [0] * n
+    return [ReplicaState(o, 0, w, u) for o, w, u in zip(outstanding, waiting, usage)]
+
+
+def pick_and_route(router, request, st_):
+    r = router.pick(request, st_)
+    router.routed(request, r)
+    return r
+
+
+def test_round_robin_by_hand():
+    router = make_router("roundrobin", 3)
+    picks = [pick_and_route(router, RouteRequest(i), states(9, 0, 0)) for i in range(7)]
+    assert picks == [0, 1, 2, 0, 1, 2, 0]  # load plays no part
+
+
+def test_least_request_by_hand():
+    router = make_router("least_request", 3)
+    assert pick_and_route(router, RouteRequest(0), states(2, 1, 3)) == 1
+    # tie between 0 and 2 (1 was last picked): the first at or after replica 2 wins
+    assert pick_and_route(router, RouteRequest(1), states(1, 2, 1)) == 2
+    assert pick_and_route(router, RouteRequest(2), states(1, 2, 1)) == 0
+
+
+def test_kv_cache_utilization_by_hand():
+    router = make_router("kv_cache_utilization", 3)
+    assert router.pick(RouteRequest(0), states(5, 0, 0, usage=[0.1, 0.5, 0.3])) == 0
+    # equal usage: fewer outstanding wins
+    assert router.pick(RouteRequest(0), states(5, 2, 3, usage=[0.2, 0.2, 0.2])) == 1
+
+
+def test_session_by_hand():
+    router = make_router("session", 4)
+    for key in (0, 1, 7, 12345):
+        assert router.pick(RouteRequest(0, key), states(0, 0, 0, 0)) == session_hash(key) % 4
+    assert session_hash(7) != session_hash(8)
+    # no key: least outstanding
+    assert router.pick(RouteRequest(0, None), states(3, 1, 2, 5)) == 1
+    assert affinity_key(5) == 5 and affinity_key(None) is None
+
+
+def test_prefix_index_lru_by_hand():
+    index = PrefixIndex(capacity=4)
+    index.add([1, 2, 3])
+    assert index.match([1, 2, 9]) == 2 and index.match([9, 1]) == 0
+    index.add([1, 5])  # 1 refreshed; 4 blocks held
+    index.add([6])  # evicts the least recently sent: 2
+    assert index.match([1, 2, 3]) == 1 and len(index) == 4
+
+
+def test_prefix_cache_scores_by_hand():
+    """score = 3 * prefix + 2 * queue + 0 * kv (defaults)."""
+    router = PrefixCache(2, [100, 100])
+    router.routed(RouteRequest(0, None, [10, 11, 12, 13]), 1)
+    req = RouteRequest(1, None, [10, 11, 20, 21])
+    # prefix: 0 and 2/4; queue: waiting 0 vs 4 -> 1 and 0
+    assert router.scores(req, states(0, 0, waiting=[0, 4])) == [2.0, 1.5]
+    assert router.pick(req, states(0, 0, waiting=[0, 4])) == 0
+    # equal queues: the prefix decides
+    assert router.scores(req, states(0, 0, waiting=[2, 2])) == [2.0, 3.5]
+    assert router.pick(req, states(0, 0, waiting=[2, 2])) == 1
+    weighted = PrefixCache(2, [100, 100], {"prefix_cache": 1.0, "queue": 0.0,
+                                          "kv_cache_utilization": 1.0})
+    assert weighted.scores(RouteRequest(2), states(0, 0, usage=[0.25, 0.5])) == [0.75, 0.5]
