@@ -130,6 +130,8 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
     if "num_steps" in result:
         line += f"; engine steps {result['num_steps']:,}"
     console.print(line)
+    if result.get("fleet"):
+        render_fleet(result["fleet"], console)
     prov = result.get("provenance") or {}
     if prov:
         console.print(
@@ -139,6 +141,42 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
             f"step time from {prov.get('step_time_source')}",
             style="dim",
         )
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def render_fleet(fleet: dict[str, Any], console: Console) -> None:
+    """Print a fleet's router, load imbalance and one row per replica."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"fleet: {fleet['replicas']} replicas, router {fleet['router']}, scrapes every "
+              f"{fleet['scrape_interval_s']:g} s (latencies in ms)",
+        title_justify="left",
+    )
+    for col in ("#", "group", "reqs", "TTFT p50", "TTFT p95", "E2E p95", "out tok/s", "preempt",
+                "prefix hit", "KV mean", "KV max"):
+        table.add_column(col, justify="left" if col in ("#", "group") else "right")
+    for row in fleet["per_replica"]:
+        table.add_row(
+            str(row["replica"]), row["group"] or "-", f"{row['requests']:,}",
+            _ms(row["ttft_p50_s"]), _ms(row["ttft_p95_s"]), _ms(row["e2e_p95_s"]),
+            f"{row['output_tokens_per_s']:,.1f}", f"{row['preemptions']:,}",
+            _pct(row["prefix_cache_hit_rate"]), _pct(row["kv_cache_usage_mean"]),
+            _pct(row["kv_cache_usage_max"]),
+        )
+    console.print(table)
+    imb = fleet["load_imbalance"]
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    line = f"load imbalance (max / mean): requests {ratio(imb['requests'])}, tokens {ratio(imb['tokens'])}"
+    if "weights" in fleet:
+        line += "; weights " + ", ".join(f"{k} {v:g}" for k, v in fleet["weights"].items())
+    console.print(line)
 
 
 def render_kv_plan(plan: dict[str, Any], console: Console) -> None:

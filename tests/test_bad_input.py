@@ -142,6 +142,27 @@ CASES = [
     ([*LIVE_CAL, "--seed", "-1"], "--seed"),
     ([*LIVE_CAL, "--noise", "gauss"], "--noise"),
     (["no-such-command"], "no-such-command"),
+    # fleets: replica counts, routers, weights, groups
+    (["simulate", "{s}", "--set", "deployment.replicas=0"], "deployment.replicas"),
+    (["simulate", "{s}", "--set", "deployment.replicas=-2"], "deployment.replicas"),
+    (["simulate", "{s}", "--set", "deployment.replicas=1.5"], "deployment.replicas"),
+    (["simulate", "{s}", "--set", "deployment.router=fastest"], "known: roundrobin, least_request"),
+    (["simulate", "{s}", "--set", "deployment={router: prefix_cache, weights: {prefix_cache: lots}}"],
+     "deployment.weights.prefix_cache"),
+    (["simulate", "{s}", "--set", "deployment={router: prefix_cache, weights: {prefix_cache: -1}}"],
+     "deployment.weights.prefix_cache"),
+    (["simulate", "{s}", "--set", "deployment={router: prefix_cache, weights: {load: 1}}"],
+     "deployment.weights.load"),
+    (["simulate", "{s}", "--set", "deployment={router: prefix_cache, weights: [1, 2]}"],
+     "deployment.weights"),
+    (["simulate", "{s}", "--set", "deployment={router: roundrobin, weights: {queue: 1}}"],
+     "deployment.weights"),
+    (["simulate", "{s}", "--set", "deployment.scrape_interval_s=0"], "deployment.scrape_interval_s"),
+    (["simulate", "{s}", "--set", "deployment={groups: [{replicas: 0}]}"], "deployment.groups.0.replicas"),
+    (["simulate", "{s}", "--set", "deployment={groups: [{replicas: 1, engine: {max_num_seqs: -1}}]}"],
+     "deployment.groups.0.engine.max_num_seqs"),
+    (["simulate", "{s}", "--set", "deployment={replicas: 3, groups: [{replicas: 1}]}"],
+     "deployment.replicas"),
 ]
 
 
