@@ -163,6 +163,20 @@ CASES = [
      "deployment.groups.0.engine.max_num_seqs"),
     (["simulate", "{s}", "--set", "deployment={replicas: 3, groups: [{replicas: 1}]}"],
      "deployment.replicas"),
+    (["simulate", "{s}", "--compare-router", "roundrobin"], "--compare-router"),
+    (["capacity", "{s}", "--replicas", "0"], "--replicas"),
+    (["capacity", "{s}", "--replicas", "-3"], "--replicas"),
+    (["capacity", "{s}", "--router", "least_request"], "--router"),
+    (["capacity", "{s}", "--replicas", "2", "--router", "nearest"], "known: roundrobin"),
+    (["fleet", "{s}", "--target-rate", "0"], "--target-rate"),
+    (["fleet", "{s}", "--target-rate", "-5"], "--target-rate"),
+    (["fleet", "{s}", "--target-rate", "5", "--router", "roundrobin,nearest"], "known: roundrobin"),
+    (["fleet", "{s}", "--target-rate", "5", "--price-per-replica-hour", "-1"], "--price-per-replica-hour"),
+    (["fleet", "{s}", "--target-rate", "5", "--max-replicas", "0"], "--max-replicas"),
+    (["fleet", "{s}", "--target-rate", "5", "--backend", "mpi"], "--backend"),
+    (["fleet", "{s}", "--target-rate", "5", "--slo", "ttft_p95=-1"], "ttft_p95"),
+    (["fleet", "{s}", "--target-rate", "5", "--set", "deployment={groups: [{replicas: 1}]}"],
+     "deployment.groups"),
 ]
 
 
@@ -185,7 +199,7 @@ def paths(tmp_path_factory):
 def test_the_table_covers_every_command():
     assert len(CASES) >= 40
     commands = {args[0] if args[0] != "live" else " ".join(args[:2]) for args, _ in CASES}
-    assert commands >= {"simulate", "kv", "crossover", "capacity", "sweep", "calibrate",
+    assert commands >= {"simulate", "kv", "crossover", "capacity", "sweep", "calibrate", "fleet",
                         "live run", "live validate", "live calibrate"}
 
 

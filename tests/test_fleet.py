@@ -278,3 +278,91 @@ def test_prefix_cache_scores_by_hand():
     weighted = PrefixCache(2, [100, 100], {"prefix_cache": 1.0, "queue": 0.0,
                                           "kv_cache_utilization": 1.0})
     assert weighted.scores(RouteRequest(2), states(0, 0, usage=[0.25, 0.5])) == [0.75, 0.5]
+
+
+# --------------------------------------------------------------------------- sizing
+
+
+def sizing_scenario():
+    return make_scenario(
+        step_time=dict(base=0.01, per_prefill_token=0.0, per_decode_token=0.0),
+        workload=dict(arrival={"process": "poisson", "rate": 1.0}, num_requests=1,
+                      input_len=16, output_len=20),
+        slo={"ttft_p95": 0.5},
+    )
+
+
+def test_fleet_sizing_finds_the_fewest_passing_replicas():
+    """One replica serves 8 requests at a time, each in 20 steps of 10 ms: about 40 req/s.
+    At 100 req/s, 2 replicas fall behind and 3 keep up; the search must say 3 and have
+    tested 2 (fail) and 3 (pass)."""
+    from simcap.fleet_sizing import size_fleet
+
+    result = size_fleet(sizing_scenario(), 100.0, routers=["roundrobin", "least_request"],
+                        duration_s=20.0, replicates=1, max_replicas=8,
+                        price_per_replica_hour=3.0)
+    for sizing in result.routers:
+        assert sizing.replicas == 3, sizing.tested
+        assert sizing.tested[2] is False and sizing.tested[3] is True
+        assert sizing.cost_per_hour == 9.0
+        assert sizing.cost_per_million_requests == pytest.approx(9.0 / (100 * 3600) * 1e6)
+    data = result.to_dict()
+    assert [r["replicas"] for r in data["routers"]] == [3, 3]
+
+
+def test_fleet_sizing_says_when_no_count_is_enough():
+    from simcap.fleet_sizing import size_fleet
+
+    result = size_fleet(sizing_scenario(), 100.0, duration_s=10.0, replicates=1, max_replicas=2)
+    assert result.routers[0].replicas is None
+    assert set(result.routers[0].tested) == {1, 2}
+
+
+def test_routing_stops_mattering_by_hand():
+    from simcap.fleet_sizing import routing_stops_mattering
+
+    curve = {"a": {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, "b": {1: 1.0, 2: 1.5, 4: 3.9, 8: 7.9}}
+    assert routing_stops_mattering(curve) == 4  # 1 agrees, 2 does not, 4 and 8 do
+    assert routing_stops_mattering({"a": {1: 1.0}}) is None
+    assert routing_stops_mattering({"a": {1: 1.0, 2: 2.0}, "b": {1: 1.0, 2: 1.0}}) is None
+
+
+def test_capacity_of_a_fleet_grows_with_replicas():
+    from simcap.capacity import find_capacity
+    from simcap.fleet_sizing import with_fleet
+
+    scenario = sizing_scenario()
+    one = find_capacity(scenario, duration_s=20.0, replicates=1, interval=False)
+    three = find_capacity(with_fleet(scenario, 3), duration_s=20.0, replicates=1, interval=False)
+    assert one.safe_rate is not None and three.safe_rate is not None
+    assert 2.5 * one.safe_rate < three.safe_rate < 3.5 * one.safe_rate
+
+
+def test_fleet_command_and_capacity_replicas(tmp_path):
+    from typer.testing import CliRunner
+
+    from simcap.cli import app
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(sizing_scenario().model_dump(mode="json")))
+    res = CliRunner().invoke(app, ["fleet", str(path), "--target-rate", "100", "--duration", "20",
+                                   "--replicates", "1", "--max-replicas", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["routers"][0]["replicas"] == 3
+    res = CliRunner().invoke(app, ["capacity", str(path), "--replicas", "2", "--router",
+                                   "least_request", "--rates", "50", "--duration", "10",
+                                   "--replicates", "1", "--interval-sets", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["safe_rate"] is not None
+
+
+def test_teaching_picture_is_written(tmp_path):
+    from simcap.plots import write_simulation_plots
+    from simcap.fleet_sizing import with_fleet
+
+    scenario = with_fleet(sizing_scenario().model_copy(update={}), 2, "least_request")
+    a = simulate(scenario, records=True, steps=True)
+    b = simulate(with_fleet(scenario, 2, "roundrobin"), records=True, steps=True)
+    paths = write_simulation_plots(a, tmp_path / "figs", [b])
+    assert [p.name for p in paths] == ["fleet_routers.png"] and paths[0].stat().st_size > 10_000
