@@ -20,7 +20,13 @@ engine's own between steps.
 The fast path holds: an engine's bulk stretch ends at the next arrival or the next scrape
 (open loop), or at the next event of any kind (closed loop, where one replica's finish lets
 a client send to another), so the router decides on the same state as stepping one by one,
-and results are the same float for float.
+and results are the same float for float. Scrapes happen only for routers that read them.
+A router that reads neither its outstanding counts nor the scrapes (``roundrobin``,
+``prefix_cache`` weighing only the prefix) decides every open-loop request up front; each
+replica then takes its own arrivals as a lone engine does, and its stretches end only at
+its own arrivals (a 64-replica fleet costs about what its requests cost on one engine).
+With a load-reading router every replica's stretch ends at every fleet arrival, so many
+replicas at a high fleet rate run mostly one step at a time (benchmarks/bench_fleet.py).
 
 Results: the fleet-wide summary (every request of every replica, as one engine's summary is
 computed), and per replica: requests routed, latency percentiles, throughput, preemptions,
@@ -122,7 +128,8 @@ class Fleet:
         return min(self.next_arrival, self.next_scrape)
 
     def route(self, spec: RequestSpec, now: float, client_id: int | None = None):
-        """Send ``spec`` (arriving at ``now``) to the replica the router picks; returns it."""
+        """The replica the router picks for ``spec`` (arriving at ``now``), counted as sent
+        there; the caller submits it."""
         router = self.router
         hashes: list[int] | tuple = ()
         if router.needs_block_hashes:
@@ -207,25 +214,44 @@ class Fleet:
 
     # ------------------------------------------------------------------ run
 
+    def route_ahead(self, times, specs) -> None:
+        """A router that reads no load decides every open-loop request up front: each
+        replica then takes its own arrivals itself, as a lone engine does (and its bulk
+        stretches end only at its own arrivals)."""
+        mine: list[list[int]] = [[] for _ in self.replicas]
+        for i in range(len(times)):
+            mine[self.route(specs(i), times[i]).index].append(i)
+        self.sources_done = True
+        for replica, ids in zip(self.replicas, mine):
+            own = array("d", (times[i] for i in ids))
+            self.env.process(replica.engine(own, lambda j, ids=ids: specs(ids[j])))
+
     def run(self, trace: list[tuple[float, RequestSpec]] | None = None) -> FleetResult:
         env = self.env
-        for replica in self.replicas:
-            env.process(replica.engine())
         arrival = self.scenario.workload.arrival
         if isinstance(trace, ClosedLoopTrace):
             raise ValueError("a fleet replays traces of send times, not closed-loop traces")
         if trace is not None:
             times = list(itertools.accumulate((t for t, _ in trace), max))
-            self.next_arrival = times[0] if times else math.inf
-            env.process(self.arrivals(times, lambda i: trace[i][1]))
+            specs = lambda i: trace[i][1]  # noqa: E731
         elif isinstance(arrival, ClosedArrival):
-            self.closed = True
-            self.closed_loop(arrival)
+            times = specs = None
         else:
             times = array("d", self.workload.arrival_times().tobytes())
-            self.next_arrival = times[0] if len(times) else math.inf
-            env.process(self.arrivals(times, self.workload.spec))
-        env.process(self.scrapes())
+            specs = self.workload.spec
+        if times is not None and not (self.router.reads_outstanding or self.router.reads_gauges):
+            self.route_ahead(times, specs)
+        else:
+            for replica in self.replicas:
+                env.process(replica.engine())
+            if times is None:
+                self.closed = True
+                self.closed_loop(arrival)
+            else:
+                self.next_arrival = times[0] if len(times) else math.inf
+                env.process(self.arrivals(times, specs))
+            if self.router.reads_gauges:
+                env.process(self.scrapes())
         env.run()
         if any(r.scheduler.has_unfinished_requests() for r in self.replicas):
             raise SimulationError("simulation ended with unfinished requests")

@@ -87,6 +87,10 @@ class Router:
 
     name = ""
     needs_block_hashes = False
+    # What the decision reads besides the router's own history: the outstanding counts, the
+    # scraped gauges. A router that reads neither decides every request ahead of time.
+    reads_outstanding = True
+    reads_gauges = False
 
     def __init__(self, num_replicas: int) -> None:
         self.num_replicas = num_replicas
@@ -112,6 +116,7 @@ class Router:
 
 class RoundRobin(Router):
     name = "roundrobin"
+    reads_outstanding = False
 
     def pick(self, request: RouteRequest, states: Sequence[ReplicaState]) -> int:
         return (self._after + 1) % self.num_replicas
@@ -126,6 +131,7 @@ class LeastRequest(Router):
 
 class KvCacheUtilization(Router):
     name = "kv_cache_utilization"
+    reads_gauges = True
 
     def pick(self, request: RouteRequest, states: Sequence[ReplicaState]) -> int:
         return self._best([(s.kv_cache_usage, s.outstanding) for s in states])
@@ -181,6 +187,8 @@ class PrefixCache(Router):
         super().__init__(num_replicas)
         self.weights = {**PREFIX_CACHE_WEIGHTS, **(weights or {})}
         self.indexes = [PrefixIndex(c) for c in capacities]
+        self.reads_outstanding = False
+        self.reads_gauges = bool(self.weights["queue"] or self.weights["kv_cache_utilization"])
 
     def scores(self, request: RouteRequest, states: Sequence[ReplicaState]) -> list[float]:
         """Each replica's weighted score (higher is better)."""
