@@ -71,7 +71,8 @@ def _ratio_max_mean(values: list[float]) -> float | None:
 @dataclass
 class FleetResult(Result):
     """A fleet's run: the fleet-wide summary (``summary``, ``metrics``), and per replica its
-    step log, its summary and its group; ``replica_of[i]``: where request i went."""
+    step log, its summary and its group; ``replica_of[i]``: where request i went. ``steps``
+    is empty: each replica's steps are in ``replica_steps``."""
 
     replica_steps: list[StepLog] = field(default_factory=list)
     replica_summaries: list[dict[str, Any]] = field(default_factory=list)
@@ -81,6 +82,7 @@ class FleetResult(Result):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
+        out["num_steps"] = sum(len(steps) for steps in self.replica_steps)
         out["fleet"] = self.fleet_info
         return out
 
@@ -298,10 +300,8 @@ class Fleet:
         }
         info["per_replica"] = per_replica
         records = None if self.records is None else [self.records[i] for i in sorted(self.records)]
-        steps = StepLog(keep=False)
-        steps._num_rows = sum(len(r.steps) for r in self.replicas)  # (the count only)
         return FleetResult(
-            scenario, summary, metrics, steps, records, provenance(scenario), None,
+            scenario, summary, metrics, StepLog(keep=False), records, provenance(scenario), None,
             replica_steps=[r.steps for r in self.replicas],
             replica_summaries=per_replica,
             groups=list(self.groups),

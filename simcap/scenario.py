@@ -941,6 +941,12 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
             f"engine.memory: a KV pool of {eng.num_blocks:,} blocks; one simulation holds at "
             f"most {MAX_KV_BLOCKS:,} blocks (a larger block_size gives fewer)"
         )
+    dep = scenario.deployment
+    if dep is not None and dep.groups is None and dep.num_replicas * eng.num_blocks > MAX_KV_BLOCKS:
+        raise ScenarioError(
+            f"deployment.replicas: {dep.num_replicas:,} replicas x {eng.num_blocks:,} KV blocks; "
+            f"one simulation holds at most {MAX_KV_BLOCKS:,} blocks in all"
+        )
     arrival = wl.arrival
     requests = expected_requests(scenario)
     if isinstance(arrival, ClosedArrival):

@@ -164,6 +164,8 @@ CASES = [
     (["simulate", "{s}", "--set", "deployment={replicas: 3, groups: [{replicas: 1}]}"],
      "deployment.replicas"),
     (["simulate", "{s}", "--compare-router", "roundrobin"], "--compare-router"),
+    (["simulate", "{s}", "--set", "engine.num_gpu_blocks=9000000", "--set", "deployment.replicas=2"],
+     "deployment.replicas"),
     (["capacity", "{s}", "--replicas", "0"], "--replicas"),
     (["capacity", "{s}", "--replicas", "-3"], "--replicas"),
     (["capacity", "{s}", "--router", "least_request"], "--router"),
