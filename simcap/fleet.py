@@ -98,7 +98,7 @@ class Fleet:
         self.scenario = scenario
         self.env = Clock()
         self.records: dict[int, RequestRecord] | None = {} if records else None
-        configs = replica_scenarios(scenario)
+        self.configs = configs = replica_scenarios(scenario)
         self.groups = [name for name, _ in configs]
         self.replicas = [
             _World(s, fast, records, steps, fleet=self, index=i) for i, (_, s) in enumerate(configs)

@@ -171,7 +171,10 @@ class _World:
         # Step-time noise (None when off): its own stream, SeedSequence([seed, 2]).
         self.noise = StepNoise.from_config(scenario.step_time.noise, scenario.seed, index)
         self.workload = Workload(scenario.workload, scenario.seed)
-        self.metrics = MetricsAccumulator()
+        # A fleet's replicas buffer less each (the figures do not depend on the buffering).
+        share = 1 if fleet is None else max(len(fleet.configs), 1)
+        self.metrics = MetricsAccumulator(compact_at=max((1 << 20) // share, 1 << 12))
+        self._gap_buffer = max(GAP_BUFFER // share, 1 << 10)
         # Records by request id (a replayed closed loop may send them out of id order).
         self.records: dict[int, RequestRecord] | None = (
             (fleet.records if fleet is not None else {}) if records else None
@@ -250,7 +253,7 @@ class _World:
         else:
             self._gaps.append(now - req.last_token_ts)
             self._gap_tokens.append(num_tokens)
-            if len(self._gaps) >= GAP_BUFFER:
+            if len(self._gaps) >= self._gap_buffer:
                 self._flush_gaps()
         req.last_token_ts = now
         if self.records is not None:
@@ -272,9 +275,9 @@ class _World:
         if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
             self._decode_stretches.add(times, len(reqs))
-            if len(self._decode_stretches.times) >= GAP_BUFFER:
+            if len(self._decode_stretches.times) >= self._gap_buffer:
                 self._flush_gaps()
-        if len(gaps) >= GAP_BUFFER:
+        if len(gaps) >= self._gap_buffer:
             self._flush_gaps()
         if self.records is not None:
             ends = times[1:]
@@ -302,9 +305,9 @@ class _World:
         if len(times) > 2:  # every request's gap at each later step
             self._verify_stretches.add(times, num_reqs)
             self._verify_tokens += news[num_reqs:]
-            if len(self._verify_tokens) >= GAP_BUFFER:
+            if len(self._verify_tokens) >= self._gap_buffer:
                 self._flush_gaps()
-        if len(gaps) >= GAP_BUFFER:
+        if len(gaps) >= self._gap_buffer:
             self._flush_gaps()
         if self.records is not None:
             ends = times[1:]

@@ -41,8 +41,8 @@ class StepLog:
         self._num_rows = 0
         # Rows not yet reduced (start times and KV usage), and the reduction so far: each
         # row's usage holds until the next row's start.
-        self._starts: list[float] = []
-        self._usages: list[float] = []
+        self._starts = array("d")  # (8 bytes a row: a fleet has one log per replica)
+        self._usages = array("d")
         self._weighted = 0.0
         self._weight = 0.0
         self._usage_sum = 0.0
@@ -94,8 +94,8 @@ class StepLog:
         preempted)."""
         n = len(starts)
         self.last = (num_reqs, num_waiting, usages[-1])
-        self._starts += starts
-        self._usages += usages
+        self._starts.extend(starts)
+        self._usages.extend(usages)
         self._num_rows += n
         while len(self._starts) > FOLD_ROWS:
             self._fold()
@@ -115,8 +115,8 @@ class StepLog:
 
     def _fold(self) -> None:
         """Reduce the oldest FOLD_ROWS buffered rows (the next row's start closes the last)."""
-        starts = np.array(self._starts[: FOLD_ROWS + 1])
-        usages = np.array(self._usages[:FOLD_ROWS])
+        starts = np.frombuffer(self._starts[: FOLD_ROWS + 1], dtype=np.float64)
+        usages = np.frombuffer(self._usages[:FOLD_ROWS], dtype=np.float64)
         self._reduce(starts, usages)
         del self._starts[:FOLD_ROWS], self._usages[:FOLD_ROWS]
 
@@ -136,7 +136,8 @@ class StepLog:
             return {"mean": None, "max": None}
         saved = self._weighted, self._weight, self._usage_sum, self._max
         if self._starts:
-            self._reduce(np.array(self._starts), np.array(self._usages))
+            self._reduce(np.frombuffer(self._starts, dtype=np.float64),
+                         np.frombuffer(self._usages, dtype=np.float64))
         weighted, weight, usage_sum, peak = self._weighted, self._weight, self._usage_sum, self._max
         self._weighted, self._weight, self._usage_sum, self._max = saved
         if weight > 0:
