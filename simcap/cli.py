@@ -296,7 +296,7 @@ def fleet_cmd(
     duration: float = typer.Option(120.0, "--duration", help="Seconds of arrivals per run."),
     replicates: int = typer.Option(2, "--replicates", help="Runs per replica count; replicate r uses seed + r."),
     workers: int = typer.Option(1, "--workers", help="Worker processes (local backend)."),
-    backend: str = typer.Option("local", "--backend", help="local (processes) or ray (needs simcap[ray])."),
+    backend: str = typer.Option("local", "--backend", help="local (processes) or ray (needs Ray installed)."),
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Also find the safe rate at 1, 2, 4, ... replicas per router; plot it (PNG, SVG, PDF)."
     ),

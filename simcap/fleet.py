@@ -310,9 +310,7 @@ class Fleet:
         )
 
     def _replica_row(self, i: int, summary, kv: dict[str, Any]) -> dict[str, Any]:
-        def stat(dist: Distribution, name: str) -> float | None:
-            return dist.stat(name)
-
+        stat = Distribution.stat
         hits = summary.prefix_cache_hit_tokens
         return {
             "replica": i,

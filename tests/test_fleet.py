@@ -366,3 +366,21 @@ def test_teaching_picture_is_written(tmp_path):
     b = simulate(with_fleet(scenario, 2, "roundrobin"), records=True, steps=True)
     paths = write_simulation_plots(a, tmp_path / "figs", [b])
     assert [p.name for p in paths] == ["fleet_routers.png"] and paths[0].stat().st_size > 10_000
+
+
+def test_fleet_sizing_on_ray_matches_local():
+    """The sweep's Ray backend runs a fleet-sizing search's runs; same answer, same runs."""
+    import ray  # in the test extra
+
+    from simcap.fleet_sizing import size_fleet
+
+    kwargs = dict(routers=["roundrobin"], duration_s=10.0, replicates=1, max_replicas=4)
+    local = size_fleet(sizing_scenario(), 100.0, **kwargs)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        remote = size_fleet(sizing_scenario(), 100.0, backend="ray", **kwargs)
+    finally:
+        ray.shutdown()
+    a, b = local.to_dict(), remote.to_dict()
+    assert b["provenance"].pop("backend") == "ray" and a["provenance"].pop("backend") == "local"
+    assert to_json(a) == to_json(b)
