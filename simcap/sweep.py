@@ -152,13 +152,14 @@ def _metric_template() -> dict[str, Any]:
 
 
 def check_metrics(metrics: Sequence[str]) -> list[str]:
-    """Reject metric paths that name nothing in a result (``spec_decode.*``, ``slo.*`` and
-    ``provenance.*``, e.g. ``provenance.kv_pool_blocks``, are free-form)."""
+    """Reject metric paths that name nothing in a result (``spec_decode.*``, ``slo.*``,
+    ``provenance.*``, e.g. ``provenance.kv_pool_blocks``, and a fleet's ``fleet.*``, e.g.
+    ``fleet.load_imbalance.requests``, are free-form)."""
     template = _metric_template()
     for metric in metrics:
         node: Any = template
         parts = metric.split(".")
-        if parts[0] in ("spec_decode", "slo", "provenance"):
+        if parts[0] in ("spec_decode", "slo", "provenance", "fleet"):
             continue
         for part in parts:
             if not isinstance(node, dict) or part not in node:

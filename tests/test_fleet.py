@@ -384,3 +384,17 @@ def test_fleet_sizing_on_ray_matches_local():
     a, b = local.to_dict(), remote.to_dict()
     assert b["provenance"].pop("backend") == "ray" and a["provenance"].pop("backend") == "local"
     assert to_json(a) == to_json(b)
+
+
+def test_sweep_over_fleets_reports_fleet_fields(tmp_path):
+    import yaml
+
+    from simcap.sweep import run_sweep
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(sizing_scenario().model_dump(mode="json")))
+    result = run_sweep(path, ["deployment.replicas=1,3", "deployment.router=roundrobin"],
+                       ["completed", "fleet.load_imbalance.requests", "fleet.replicas"],
+                       overrides=["workload.num_requests=9"])
+    assert [(r["fleet.replicas"], r["fleet.load_imbalance.requests"]) for r in result.rows] == [
+        (1, 1.0), (3, 1.0)]
