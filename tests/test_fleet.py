@@ -398,3 +398,29 @@ def test_sweep_over_fleets_reports_fleet_fields(tmp_path):
                        overrides=["workload.num_requests=9"])
     assert [(r["fleet.replicas"], r["fleet.load_imbalance.requests"]) for r in result.rows] == [
         (1, 1.0), (3, 1.0)]
+
+
+@pytest.mark.parametrize("router,expected", [
+    ("kv_cache_utilization", [0, 1, 0, 0, 0]),
+    ("least_request", [0, 1, 0, 1, 0]),
+])
+def test_router_sees_scraped_gauges_not_the_present(router, expected):
+    """Request 1 (1000-token prompt) is on replica 1 at the scrape at t = 1 s and gone by
+    1.25 s. Until the next scrape, kv_cache_utilization still sees replica 1 as the fuller
+    one and sends everything to replica 0, also request 3 at 1.5 s while request 2 runs
+    there; least_request counts its own outstanding requests and alternates."""
+    def spec(i, prompt, out):
+        return RequestSpec(i, prompt, out, ((-2 * i - 1, prompt),))
+
+    trace = [(0.0, spec(0, 16, 3)), (0.95, spec(1, 1000, 20)), (1.3, spec(2, 16, 30)),
+             (1.5, spec(3, 16, 30)), (1.7, spec(4, 16, 30))]
+    scenario = make_scenario(
+        step_time=dict(base=0.01, per_prefill_token=0.0, per_decode_token=0.0),
+        workload=dict(arrival={"process": "poisson", "rate": 1.0}, num_requests=5,
+                      input_len=16, output_len=3),
+        deployment=dict(replicas=2, router=router, scrape_interval_s=1.0),
+    )
+    result = simulate(scenario, trace, records=True)
+    assert list(result.replica_of) == expected
+    request_1 = result.records[1]
+    assert request_1.arrival_time < 1.0 < request_1.finish_time < 1.3  # gone before request 2
