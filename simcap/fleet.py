@@ -37,6 +37,7 @@ the requests routed (``requests``) and of the tokens served, prompt + output
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from array import array
@@ -46,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from simcap.engine.request import Request
+from simcap.early_stop import SloStop
 from simcap.engine.speculative import SpecDecodeCounters
 from simcap.errors import SimulationError
 from simcap.fast_forward import LATE, Clock
@@ -91,11 +93,14 @@ class Fleet:
     """The replicas, the router, its scrapes and the requests' sources, on one clock."""
 
     def __init__(
-        self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False
+        self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False,
+        stop: SloStop | None = None,
     ) -> None:
         dep = scenario.deployment
         assert dep is not None
         self.scenario = scenario
+        self.stop = stop
+        self.num_arrivals = 0  # open loop: every request the run will have
         self.env = Clock()
         self.records: dict[int, RequestRecord] | None = {} if records else None
         self.configs = configs = replica_scenarios(scenario)
@@ -118,6 +123,7 @@ class Fleet:
         self.tokens_routed = [0] * n
         self.next_arrival = math.inf  # the next open-loop arrival not yet routed
         self.next_scrape = math.inf
+        self.next_stop_check = math.inf  # (open loop with a stop rule: checked on the clock)
         self.closed = False  # closed loop: engines' horizon is the next event of any kind
         self.sources_done = False  # no request will be sent any more
 
@@ -127,7 +133,7 @@ class Fleet:
         """Where a replica's bulk stretch must end: what may send it a request next."""
         if self.closed:
             return self.env.peek()
-        return min(self.next_arrival, self.next_scrape)
+        return min(self.next_arrival, self.next_scrape, self.next_stop_check)
 
     def route(self, spec: RequestSpec, now: float, client_id: int | None = None):
         """The replica the router picks for ``spec`` (arriving at ``now``), counted as sent
@@ -214,6 +220,42 @@ class Fleet:
             k += 1
         self.next_scrape = math.inf
 
+    def stop_checks(self):
+        """The early-stop rule over the whole fleet, at its check times (open loop only; every
+    replica's stretches end there, and routing ahead is off).
+
+        Replicas may be ahead of the clock on the fast path: a request they have finished
+        counts with its own latency, an unfinished one with the bound ``now - arrival``
+        (its first or last token comes at the end of a later step), so the rule stays
+        conservative."""
+        env = self.env
+        stop = self.stop
+        assert stop is not None
+        while True:
+            self.next_stop_check = max(stop.next_check, env.now)
+            if stop.next_check > env.now:
+                yield env.timeout_at(stop.next_check, LATE)
+            if self.sources_done and not any(
+                r.scheduler.has_unfinished_requests() for r in self.replicas
+            ):
+                break
+            if stop(self, env.now):
+                self.stopped = True
+                break
+        self.next_stop_check = math.inf
+
+    @property
+    def scheduler(self):
+        """Every replica's waiting and running requests, as the stop rule reads one engine's."""
+        return _Pending(
+            [r for rep in self.replicas for r in rep.scheduler.waiting],
+            [r for rep in self.replicas for r in rep.scheduler.running],
+        )
+
+    @property
+    def metrics(self) -> MetricsAccumulator:
+        return MetricsAccumulator.merged([r.metrics for r in self.replicas])
+
     # ------------------------------------------------------------------ run
 
     def route_ahead(self, times, specs) -> None:
@@ -241,7 +283,15 @@ class Fleet:
         else:
             times = array("d", self.workload.arrival_times().tobytes())
             specs = self.workload.spec
-        if times is not None and not (self.router.reads_outstanding or self.router.reads_gauges):
+        if times is not None:
+            self.num_arrivals = len(times)
+            if self.stop is not None:
+                self.next_stop_check = self.stop.next_check
+                env.process(self.stop_checks())
+        elif self.stop is not None:
+            raise ValueError("a stop rule needs open-loop or replayed arrivals")
+        ahead = not (self.router.reads_outstanding or self.router.reads_gauges)
+        if times is not None and ahead and self.stop is None:
             self.route_ahead(times, specs)
         else:
             for replica in self.replicas:
@@ -254,8 +304,13 @@ class Fleet:
                 env.process(self.arrivals(times, specs))
             if self.router.reads_gauges:
                 env.process(self.scrapes())
-        env.run()
-        if any(r.scheduler.has_unfinished_requests() for r in self.replicas):
+        self.stopped = False
+        if self.stop is None:
+            env.run()
+        else:
+            while not self.stopped and env.peek() < math.inf:
+                env.step()
+        if not self.stopped and any(r.scheduler.has_unfinished_requests() for r in self.replicas):
             raise SimulationError("simulation ended with unfinished requests")
         return self.result()
 
@@ -299,9 +354,15 @@ class Fleet:
             "tokens": _ratio_max_mean([float(x) for x in self.tokens_routed]),
         }
         info["per_replica"] = per_replica
+        stopped = self.stop.record if self.stop is not None and self.stopped else None
+        if stopped is not None:
+            for key in stopped.failed:
+                if summary.slo and key in summary.slo:
+                    summary.slo[key]["pass"] = False
+            summary = dataclasses.replace(summary, slo_pass=False)
         records = None if self.records is None else [self.records[i] for i in sorted(self.records)]
         return FleetResult(
-            scenario, summary, metrics, StepLog(keep=False), records, provenance(scenario), None,
+            scenario, summary, metrics, StepLog(keep=False), records, provenance(scenario), stopped,
             replica_steps=[r.steps for r in self.replicas],
             replica_summaries=per_replica,
             groups=list(self.groups),
@@ -331,6 +392,12 @@ class Fleet:
         }
 
 
+@dataclass
+class _Pending:
+    waiting: list
+    running: list
+
+
 def _add_counters(total: SpecDecodeCounters | None, part: SpecDecodeCounters) -> SpecDecodeCounters:
     if total is None:
         total = SpecDecodeCounters()
@@ -353,6 +420,8 @@ def simulate_fleet(
     fast: bool = True,
     records: bool = False,
     steps: bool = False,
+    stop: SloStop | None = None,
 ) -> FleetResult:
-    """Run a scenario with a ``deployment`` (replicas behind a router) to completion."""
-    return Fleet(scenario, fast, records, steps).run(trace)
+    """Run a scenario with a ``deployment`` (replicas behind a router) to completion, or
+    until ``stop`` (:class:`simcap.early_stop.SloStop`, open loop) says its SLO must fail."""
+    return Fleet(scenario, fast, records, steps, stop).run(trace)

@@ -3,7 +3,8 @@
 For each router, :func:`size_fleet` runs the scenario as a fleet of n replicas at the target
 rate (open-loop arrivals for ``duration_s`` seconds, ``replicates`` runs with seeds seed,
 seed + 1, ...; common random numbers across n and routers) and judges each run by the SLO
-as :mod:`simcap.capacity` does (:func:`simcap.capacity.point_from_result`): n passes when
+as :mod:`simcap.capacity` does (:func:`simcap.capacity.point_from_result`; a run whose TTFT
+or E2E target can no longer hold stops once its arrival window has closed): n passes when
 every replicate passes. n is doubled from 1 until it passes (at most ``max_replicas``), then
 bisected down to the fewest passing count. All routers' runs of one round go to the same
 pool: ``capacity.Runner``'s processes (``backend="local"``) or Ray tasks (``"ray"``, as
@@ -200,7 +201,7 @@ def size_fleet(
             return None if n in sizings[name].tested else n
         return None if hi - lo <= 1 else (lo + hi) // 2
 
-    with Runner(workers, early_stop=False) as runner:
+    with Runner(workers, early_stop=True) as runner:
         while True:
             round_ = [(name, n) for name in names if (n := next_count(name)) is not None]
             if not round_:
@@ -270,7 +271,7 @@ def add_safe_rate_curve(
             res = find_capacity(
                 with_fleet(scenario, n, name), result.slo, auto=True, duration_s=result.duration_s,
                 replicates=result.replicates, workers=workers, interval=False,
-                probe_saturation=False, early_stop=False,
+                probe_saturation=False,
             )
             curve[name][n] = res.safe_rate
     result.curve = curve

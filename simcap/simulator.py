@@ -548,7 +548,7 @@ def simulate(
 
     ``stop``: a :class:`simcap.early_stop.SloStop` for ``scenario.slo`` (open-loop or
     replayed arrivals only): the run ends once the SLO is certain to fail, and
-    ``Result.stopped`` says when and why. A fleet's run is not stopped early.
+    ``Result.stopped`` says when and why.
 
     A scenario with a ``deployment`` runs a fleet (:mod:`simcap.fleet`) and returns a
     :class:`simcap.fleet.FleetResult`.
@@ -560,5 +560,5 @@ def simulate(
     if scenario.deployment is not None:
         from simcap.fleet import simulate_fleet
 
-        return simulate_fleet(scenario, trace, fast=fast, records=records, steps=steps)
+        return simulate_fleet(scenario, trace, fast=fast, records=records, steps=steps, stop=stop)
     return _World(scenario, fast, records, steps, stop).run(trace)

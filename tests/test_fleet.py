@@ -424,3 +424,26 @@ def test_router_sees_scraped_gauges_not_the_present(router, expected):
     assert list(result.replica_of) == expected
     request_1 = result.records[1]
     assert request_1.arrival_time < 1.0 < request_1.finish_time < 1.3  # gone before request 2
+
+
+@pytest.mark.parametrize("router", ["roundrobin", "least_request", "kv_cache_utilization"])
+def test_early_stop_of_a_fleet_is_conservative(router):
+    """An overloaded fleet is stopped once its TTFT target must fail, and the full run does
+    fail it; a fleet that keeps up is never stopped, and its result is the full run's."""
+    from simcap.capacity import at_rate
+    from simcap.early_stop import SloStop
+    from simcap.fleet_sizing import with_fleet
+
+    base = with_fleet(sizing_scenario(), 2, router)
+    for rate, overloaded in ((150.0, True), (40.0, False)):
+        s = at_rate(base, rate, duration_s=10.0, seed=0, slo={"ttft_p95": 0.5})
+        full = simulate(s)
+        stopped = simulate(s, stop=SloStop(s.slo, not_before=10.0))
+        assert full.summary.slo_pass is (not overloaded)
+        if overloaded:
+            assert stopped.stopped is not None and stopped.stopped.at_s >= 10.0
+            assert stopped.summary.slo_pass is False
+            assert stopped.summary.completed < full.summary.completed
+        else:
+            assert stopped.stopped is None
+            assert to_json(stopped.to_dict()) == to_json(full.to_dict())
