@@ -54,7 +54,9 @@ from simcap.fast_forward import LATE, Clock
 from simcap.metrics import Distribution, MetricsAccumulator
 from simcap.records import RequestRecord
 from simcap.router import ReplicaState, RouteRequest, affinity_key, make_router
-from simcap.scenario import ClosedArrival, Scenario, replica_scenarios
+from simcap.scenario import (
+    ClosedArrival, Scenario, kv_transfer_bytes_per_token, replica_scenarios,
+)
 from simcap.simulator import Result, _World, provenance
 from simcap.steplog import StepLog
 from simcap.workload import ClosedLoopTrace, RequestSpec, Workload
@@ -105,15 +107,33 @@ class Fleet:
         self.records: dict[int, RequestRecord] | None = {} if records else None
         self.configs = configs = replica_scenarios(scenario)
         self.groups = [name for name, _ in configs]
+        # Disaggregated: prefill replicas take each request first (as a one-token request, as
+        # vLLM's P/D proxy sends it); no client sees their output, so they keep no records.
+        self.disaggregated = dep.disaggregated is not None
         self.replicas = [
-            _World(s, fast, records, steps, fleet=self, index=i) for i, (_, s) in enumerate(configs)
+            _World(s, fast, records and name != "prefill", steps, fleet=self, index=i)
+            for i, (name, s) in enumerate(configs)
         ]
         n = len(self.replicas)
-        self.router = make_router(
-            dep.router, n, capacities=[r.scheduler.kv.num_blocks - 1 for r in self.replicas],
-            weights=dep.scorer_weights if dep.router == "prefix_cache" else None,
-        )
+        if self.disaggregated:
+            self.pools = [[i for i, name in enumerate(self.groups) if name == role]
+                          for role in ("prefill", "decode")]
+            self.kv_bytes_per_token = kv_transfer_bytes_per_token(scenario)
+            self.link = dep.disaggregated.kv_transfer
+        else:
+            self.pools = [list(range(n))]
+        self.routers = [
+            make_router(
+                dep.router, len(pool),
+                capacities=[self.replicas[i].scheduler.kv.num_blocks - 1 for i in pool],
+                weights=dep.scorer_weights if dep.router == "prefix_cache" else None,
+            )
+            for pool in self.pools
+        ]
+        self.router = self.routers[0]
         self.block_size = self.replicas[0].scheduler.kv.block_size
+        self.client_done: dict[int, Any] = {}  # disaggregated closed loop: until the decode
+        self.transfer_s = 0.0  # disaggregated: KV transfer seconds, summed over requests
         self.interval = dep.scrape_interval_s
         self.workload = Workload(scenario.workload, scenario.seed)
         self.outstanding = [0] * n
@@ -121,6 +141,7 @@ class Fleet:
         self.replica_of = array("q")
         self.num_routed = [0] * n
         self.tokens_routed = [0] * n
+        self._clients: dict[int, tuple] = {}  # disaggregated: requests in prefill or transfer
         self.next_arrival = math.inf  # the next open-loop arrival not yet routed
         self.next_scrape = math.inf
         self.next_stop_check = math.inf  # (open loop with a stop rule: checked on the clock)
@@ -135,21 +156,21 @@ class Fleet:
             return self.env.peek()
         return min(self.next_arrival, self.next_scrape, self.next_stop_check)
 
-    def route(self, spec: RequestSpec, now: float, client_id: int | None = None):
-        """The replica the router picks for ``spec`` (arriving at ``now``), counted as sent
-        there; the caller submits it."""
-        router = self.router
+    def route(self, spec: RequestSpec, now: float, client_id: int | None = None, pool: int = 0):
+        """The replica the router of ``pool`` picks for ``spec`` (arriving at ``now``),
+        counted as sent there; the caller submits it."""
+        router = self.routers[pool]
+        members = self.pools[pool]
         hashes: list[int] | tuple = ()
         if router.needs_block_hashes:
             hashes = Request(
                 spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments
             ).hash_full_blocks(self.block_size)
         request = RouteRequest(spec.request_id, affinity_key(client_id), hashes)
-        states = [
-            ReplicaState(out, *gauges) for out, gauges in zip(self.outstanding, self.scraped)
-        ]
-        r = router.pick(request, states)
-        router.routed(request, r)
+        states = [ReplicaState(self.outstanding[i], *self.scraped[i]) for i in members]
+        j = router.pick(request, states)
+        router.routed(request, j)
+        r = members[j]
         self.outstanding[r] += 1
         self.num_routed[r] += 1
         self.tokens_routed[r] += spec.num_prompt_tokens + spec.max_tokens
@@ -161,8 +182,43 @@ class Fleet:
         replica.num_arrivals += 1
         return replica
 
-    def responses_ended(self, replica: int, count: int) -> None:
-        self.outstanding[replica] -= count
+    def send(self, spec: RequestSpec, now: float, client_id: int | None = None, done=None) -> None:
+        """A client's request: to the replica the router picks (a prefill replica first,
+        when disaggregated). ``done``: called when its response ends."""
+        replica = self.route(spec, now, client_id)
+        if not self.disaggregated:
+            if done is not None:
+                replica._on_finish[spec.request_id] = done
+            replica.submit(spec, now, client_id)
+            return
+        if done is not None:
+            self.client_done[spec.request_id] = done
+        self._clients[spec.request_id] = (spec, now, client_id)
+        replica._on_finish[spec.request_id] = _nothing  # (so that its engine wakes the clock)
+        replica.submit(spec._replace(max_tokens=1), now)
+
+    def responses_ended(self, replica: int, reqs: list, now: float) -> None:
+        self.outstanding[replica] -= len(reqs)
+        if self.disaggregated and self.groups[replica] == "prefill":
+            for req in reqs:  # the KV moves to a decode replica
+                spec, sent, client_id = self._clients.pop(req.request_id)
+                seconds = (spec.num_prompt_tokens * self.kv_bytes_per_token
+                           / (self.link.bandwidth_gbps * 1e9) + self.link.latency_s)
+                self.transfer_s += seconds
+                event = self.env.timeout_at(now + seconds, LATE)
+                event.callbacks.append(
+                    lambda _, spec=spec, sent=sent, client_id=client_id:
+                        self.handoff(spec, sent, client_id)
+                )
+
+    def handoff(self, spec: RequestSpec, sent: float, client_id: int | None) -> None:
+        """A prefill's KV has arrived: the decode pool's router picks a replica for it."""
+        now = self.env.now
+        replica = self.route(spec, now, client_id, pool=1)
+        done = self.client_done.pop(spec.request_id, None)
+        if done is not None:
+            replica._on_finish[spec.request_id] = done
+        replica.submit(spec, now, client_id, sent=sent, external=spec.num_prompt_tokens)
 
     # ------------------------------------------------------------------ processes
 
@@ -174,8 +230,7 @@ class Fleet:
             self.next_arrival = t
             if t > env.now:
                 yield env.timeout_at(t, LATE)
-            spec = specs(i)
-            self.route(spec, t).submit(spec, t)
+            self.send(specs(i), t)
         self.next_arrival = math.inf
         self.sources_done = True
 
@@ -192,10 +247,7 @@ class Fleet:
                 if duration is not None and env.now >= duration:
                     return
                 done = env.event()
-                spec = spec_of(i)
-                replica = self.route(spec, env.now, c)
-                replica._on_finish[i] = done.succeed
-                replica.submit(spec, env.now, c)
+                self.send(spec_of(i), env.now, c, done.succeed)
                 yield done
                 if arrival.think_time_s:
                     yield env.timeout(arrival.think_time_s)
@@ -254,7 +306,10 @@ class Fleet:
 
     @property
     def metrics(self) -> MetricsAccumulator:
-        return MetricsAccumulator.merged([r.metrics for r in self.replicas])
+        """The clients' requests: every replica's (the decode pool's, when disaggregated)."""
+        return MetricsAccumulator.merged(
+            [r.metrics for r, name in zip(self.replicas, self.groups) if name != "prefill"]
+        )
 
     # ------------------------------------------------------------------ run
 
@@ -291,7 +346,9 @@ class Fleet:
         elif self.stop is not None:
             raise ValueError("a stop rule needs open-loop or replayed arrivals")
         ahead = not (self.router.reads_outstanding or self.router.reads_gauges)
-        if times is not None and ahead and self.stop is None:
+        if self.disaggregated:
+            self.closed = True  # a prefill's end sends a request on: any event is a horizon
+        if times is not None and ahead and self.stop is None and not self.disaggregated:
             self.route_ahead(times, specs)
         else:
             for replica in self.replicas:
@@ -302,7 +359,7 @@ class Fleet:
             else:
                 self.next_arrival = times[0] if len(times) else math.inf
                 env.process(self.arrivals(times, specs))
-            if self.router.reads_gauges:
+            if any(router.reads_gauges for router in self.routers):
                 env.process(self.scrapes())
         self.stopped = False
         if self.stop is None:
@@ -330,7 +387,7 @@ class Fleet:
                 usage_maxes.append(kv["max"])
             if replica.spec_counters is not None:
                 spec_counters = _add_counters(spec_counters, replica.spec_counters)
-        metrics = MetricsAccumulator.merged([r.metrics for r in self.replicas])
+        metrics = self.metrics
         kv_usage = (
             {"mean": sum(usage_means) / len(usage_means), "max": max(usage_maxes)}
             if usage_means else {"mean": None, "max": None}
@@ -349,10 +406,21 @@ class Fleet:
         }
         if dep.router == "prefix_cache":
             info["weights"] = dep.scorer_weights
+        last = self.pools[-1]  # the replicas that answer the clients
         info["load_imbalance"] = {
-            "requests": _ratio_max_mean([float(x) for x in self.num_routed]),
-            "tokens": _ratio_max_mean([float(x) for x in self.tokens_routed]),
+            "requests": _ratio_max_mean([float(self.num_routed[i]) for i in last]),
+            "tokens": _ratio_max_mean([float(self.tokens_routed[i]) for i in last]),
         }
+        if self.disaggregated:
+            first = self.pools[0]
+            done = max(summary.completed, 1)
+            info["disaggregated"] = {
+                "prefill_replicas": len(first),
+                "decode_replicas": len(last),
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_transfer_mean_s": self.transfer_s / done if summary.completed else None,
+                "prefill_load_imbalance": _ratio_max_mean([float(self.num_routed[i]) for i in first]),
+            }
         info["per_replica"] = per_replica
         stopped = self.stop.record if self.stop is not None and self.stopped else None
         if stopped is not None:
@@ -375,7 +443,7 @@ class Fleet:
         hits = summary.prefix_cache_hit_tokens
         return {
             "replica": i,
-            "group": self.groups[i],
+            "group": self.groups[i],  # (disaggregated: "prefill" or "decode")
             "requests": self.num_routed[i],
             "completed": summary.completed,
             "ttft_p50_s": stat(summary.ttft_s, "p50"),
@@ -396,6 +464,10 @@ class Fleet:
 class _Pending:
     waiting: list
     running: list
+
+
+def _nothing() -> None:
+    pass
 
 
 def _add_counters(total: SpecDecodeCounters | None, part: SpecDecodeCounters) -> SpecDecodeCounters:

@@ -54,6 +54,11 @@ def with_fleet(scenario: Scenario, replicas: int, router: str | None = None) -> 
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_NUM_SEQS:
         raise ScenarioError(f"--replicas: must be a whole number in [1, {MAX_NUM_SEQS}] (got {replicas!r})")
     dep = scenario.deployment
+    if dep is not None and dep.disaggregated is not None:
+        raise ScenarioError(
+            "deployment.disaggregated: sizing varies the replica count of a fleet of one "
+            "configuration (leave disaggregated out)"
+        )
     if dep is not None and dep.groups is not None:
         raise ScenarioError(
             "deployment.groups: a fleet of replica groups has its own counts; sizing varies the "

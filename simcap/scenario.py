@@ -539,6 +539,35 @@ class ReplicaGroup(_Model):
     speculative: dict[str, Any] | None = None
 
 
+class KVTransfer(_Model):
+    """The link a finished prefill's KV crosses to its decode replica."""
+
+    bandwidth_gbps: float = Field(gt=0.0, description="GB/s (1e9 bytes) per transfer")
+    latency_s: float = Field(0.0, ge=0.0, le=MAX_SIMULATED_S)
+    kv_bytes_per_token: int | None = Field(
+        None, gt=0, le=MAX_TOKENS * 1024,
+        description="default: engine.memory's model shape (all layers, every KV head once)",
+    )
+
+
+class Pool(_Model):
+    """One pool of a disaggregated deployment: its replicas and their own sections."""
+
+    replicas: int = Field(gt=0, le=MAX_NUM_SEQS)
+    profile: ProfileRef | None = None
+    engine: dict[str, Any] | None = None
+    step_time: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
+
+
+class Disaggregated(_Model):
+    """Prefill and decode pools (vLLM's disaggregated serving behind a P/D proxy)."""
+
+    prefill: Pool
+    decode: Pool
+    kv_transfer: KVTransfer
+
+
 class DeploymentConfig(_Model):
     """Replicas behind a router, all on one clock (simcap.fleet)."""
 
@@ -549,9 +578,15 @@ class DeploymentConfig(_Model):
         None, description="prefix_cache router: weight of each scorer, >= 0"
     )
     groups: list[ReplicaGroup] | None = None
+    disaggregated: Disaggregated | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "DeploymentConfig":
+        if self.disaggregated is not None and (self.groups is not None or self.replicas is not None):
+            raise ValueError(
+                "deployment.disaggregated: its pools give the replicas; leave replicas and "
+                "groups out"
+            )
         if self.router not in ROUTERS:
             raise ValueError(
                 f"deployment.router: unknown router {self.router!r}; known: {', '.join(ROUTERS)}"
@@ -582,6 +617,8 @@ class DeploymentConfig(_Model):
 
     @property
     def num_replicas(self) -> int:
+        if self.disaggregated is not None:
+            return self.disaggregated.prefill.replicas + self.disaggregated.decode.replicas
         if self.groups is not None:
             return sum(g.replicas for g in self.groups)
         return 1 if self.replicas is None else self.replicas
@@ -808,15 +845,20 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
 def _resolve_group_profiles(data: dict[str, Any], base_dir: Path) -> None:
     """A replica group naming a profile file gets it merged under its own sections."""
     deployment = data.get("deployment")
-    groups = deployment.get("groups") if isinstance(deployment, dict) else None
-    if not isinstance(groups, list):
+    if not isinstance(deployment, dict):
         return
-    for i, group in enumerate(groups):
+    groups = deployment.get("groups")
+    places = [(groups, i, f"deployment.groups.{i}") for i in range(len(groups))] if isinstance(groups, list) else []
+    pools = deployment.get("disaggregated")
+    if isinstance(pools, dict):
+        places += [(pools, k, f"deployment.disaggregated.{k}") for k in ("prefill", "decode")]
+    for holder, key, where in places:
+        group = holder.get(key) if isinstance(holder, dict) else holder[key]
         if isinstance(group, dict) and isinstance(group.get("profile"), str):
             try:
-                groups[i] = apply_profile(group, base_dir)
+                holder[key] = apply_profile(group, base_dir)
             except ScenarioError as exc:
-                raise ScenarioError(f"deployment.groups.{i}.profile: {exc}") from None
+                raise ScenarioError(f"{where}.profile: {exc}") from None
 
 
 def replica_scenarios(scenario: Scenario) -> list[tuple[str | None, Scenario]]:
@@ -827,13 +869,19 @@ def replica_scenarios(scenario: Scenario) -> list[tuple[str | None, Scenario]]:
     dep = scenario.deployment
     if dep is None:
         return [(None, scenario)]
-    if dep.groups is None:
+    if dep.groups is None and dep.disaggregated is None:
         one = scenario.model_copy(update={"deployment": None})
         return [(None, one)] * dep.num_replicas
     base = scenario.model_dump(mode="json")
     base.pop("deployment", None)
     out: list[tuple[str | None, Scenario]] = []
-    for i, group in enumerate(dep.groups):
+    if dep.disaggregated is not None:
+        pools = [("prefill", dep.disaggregated.prefill), ("decode", dep.disaggregated.decode)]
+        where = "deployment.disaggregated.{}"
+    else:
+        pools = [(g.name, g) for g in dep.groups or []]
+        where = "deployment.groups.{}"
+    for i, (name, group) in enumerate(pools):
         data = dict(base)
         for section in GROUP_SECTIONS:
             mine = getattr(group, section)
@@ -845,11 +893,30 @@ def replica_scenarios(scenario: Scenario) -> list[tuple[str | None, Scenario]]:
             one = Scenario.model_validate_json(json.dumps(data), strict=True)
             check_feasible(one)
         except ValidationError as exc:
-            raise ScenarioError(f"deployment.groups.{i}.{format_validation_error(exc)}") from None
+            at = where.format(name if dep.disaggregated is not None else i)
+            raise ScenarioError(f"{at}.{format_validation_error(exc)}") from None
         except ScenarioError as exc:
-            raise ScenarioError(f"deployment.groups.{i}.{exc}") from None
-        out += [(group.name, one)] * group.replicas
+            at = where.format(name if dep.disaggregated is not None else i)
+            raise ScenarioError(f"{at}.{exc}") from None
+        out += [(name, one)] * group.replicas
+    if dep.disaggregated is not None and dep.disaggregated.kv_transfer.kv_bytes_per_token is None:
+        if scenario.engine.memory is None:
+            raise ScenarioError(
+                "deployment.disaggregated.kv_transfer.kv_bytes_per_token: required without "
+                "engine.memory (whose model shape gives it)"
+            )
     return out
+
+
+def kv_transfer_bytes_per_token(scenario: Scenario) -> int:
+    """KV bytes a token of a disaggregated deployment's prefill moves to its decode replica."""
+    dep = scenario.deployment
+    assert dep is not None and dep.disaggregated is not None
+    given = dep.disaggregated.kv_transfer.kv_bytes_per_token
+    if given is not None:
+        return given
+    assert scenario.engine.memory is not None
+    return scenario.engine.memory.model.kv_bytes_per_token_total()
 
 
 def load_scenario(

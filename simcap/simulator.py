@@ -195,15 +195,21 @@ class _World:
 
     # ------------------------------------------------------------------ actors
 
-    def submit(self, spec: RequestSpec, now: float, client_id: int | None = None) -> None:
-        """``spec`` arrives at ``now`` (sent by closed-loop client ``client_id``)."""
+    def submit(
+        self, spec: RequestSpec, now: float, client_id: int | None = None, *,
+        sent: float | None = None, external: int = 0,
+    ) -> None:
+        """``spec`` arrives at ``now`` (sent by closed-loop client ``client_id``). A fleet's
+        decode replica gets a request its client ``sent`` earlier, with ``external`` prompt
+        tokens' KV computed by a prefill replica."""
+        sent = now if sent is None else sent
         if self.records is not None:
             self.records[spec.request_id] = RequestRecord(
-                spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, client_id=client_id
+                spec.request_id, sent, spec.num_prompt_tokens, spec.max_tokens, client_id=client_id
             )
-        self.scheduler.add_request(
-            Request(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments)
-        )
+        request = Request(spec.request_id, sent, spec.num_prompt_tokens, spec.max_tokens, spec.segments)
+        request.num_external_tokens = external
+        self.scheduler.add_request(request)
         if self._wakeup is not None:
             self._wakeup.succeed()
             self._wakeup = None
@@ -356,7 +362,7 @@ class _World:
             if notify is not None:
                 notify()
         if self.fleet is not None:
-            self.fleet.responses_ended(self.index, len(reqs))
+            self.fleet.responses_ended(self.index, reqs, now)
 
     def gauges(self, now: float) -> tuple[int, int, float]:
         """(running, waiting, KV usage) as a scrape at ``now`` reads them: those of the step in

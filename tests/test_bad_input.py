@@ -164,6 +164,26 @@ CASES = [
     (["simulate", "{s}", "--set", "deployment={replicas: 3, groups: [{replicas: 1}]}"],
      "deployment.replicas"),
     (["simulate", "{s}", "--compare-router", "roundrobin"], "--compare-router"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1}, decode: "
+      "{replicas: 1}, kv_transfer: {latency_s: 0.001, kv_bytes_per_token: 1000}}}"],
+     "deployment.disaggregated.kv_transfer.bandwidth_gbps"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1}, decode: "
+      "{replicas: 1}}}"], "deployment.disaggregated.kv_transfer"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1}, decode: "
+      "{replicas: 1}, kv_transfer: {bandwidth_gbps: 0, kv_bytes_per_token: 1000}}}"],
+     "deployment.disaggregated.kv_transfer.bandwidth_gbps"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1}, decode: "
+      "{replicas: 1}, kv_transfer: {bandwidth_gbps: 10}}}"],
+     "deployment.disaggregated.kv_transfer.kv_bytes_per_token"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 0}, decode: "
+      "{replicas: 1}, kv_transfer: {bandwidth_gbps: 10, kv_bytes_per_token: 1000}}}"],
+     "deployment.disaggregated.prefill.replicas"),
+    (["simulate", "{s}", "--set", "deployment={replicas: 2, disaggregated: {prefill: {replicas: 1}, "
+      "decode: {replicas: 1}, kv_transfer: {bandwidth_gbps: 10, kv_bytes_per_token: 1000}}}"],
+     "deployment.disaggregated"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1, engine: "
+      "{block_size: 0}}, decode: {replicas: 1}, kv_transfer: {bandwidth_gbps: 10, "
+      "kv_bytes_per_token: 1000}}}"], "deployment.disaggregated.prefill.engine.block_size"),
     (["simulate", "{s}", "--set", "engine.num_gpu_blocks=9000000", "--set", "deployment.replicas=2"],
      "deployment.replicas"),
     (["capacity", "{s}", "--replicas", "0"], "--replicas"),

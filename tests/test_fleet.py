@@ -447,3 +447,79 @@ def test_early_stop_of_a_fleet_is_conservative(router):
         else:
             assert stopped.stopped is None
             assert to_json(stopped.to_dict()) == to_json(full.to_dict())
+
+
+# --------------------------------------------------------------------------- disaggregated
+
+
+def pd_deployment(prefill=1, decode=1, router="roundrobin", bandwidth=1.0, latency=0.002,
+                  bytes_per_token=100_000):
+    return {"router": router, "disaggregated": {
+        "prefill": {"replicas": prefill}, "decode": {"replicas": decode},
+        "kv_transfer": {"bandwidth_gbps": bandwidth, "latency_s": latency,
+                        "kv_bytes_per_token": bytes_per_token}}}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_disaggregated_ttft_is_prefill_plus_transfer_plus_first_decode_step(fast):
+    """100 prompt tokens, 10 output tokens, steps of 10 ms: the prefill replica's one step
+    ends at 0.010 s; 100 x 100 kB over 1 GB/s is 0.010 s, + 2 ms latency; the decode replica
+    recomputes the last prompt token and samples the first output token in one step: TTFT
+    0.032 s; 9 more decode steps: E2E 0.122 s."""
+    scenario = make_scenario(
+        step_time=dict(base=0.01, per_prefill_token=0.0, per_decode_token=0.0),
+        workload=dict(arrival={"process": "poisson", "rate": 1.0}, num_requests=2,
+                      input_len=100, output_len=10),
+        deployment=pd_deployment(),
+    )
+    trace = [(0.0, RequestSpec(0, 100, 10, ((-1, 100),))),
+             (5.0, RequestSpec(1, 100, 10, ((-3, 100),)))]
+    result = simulate(scenario, trace, records=True, steps=True, fast=fast)
+    for rec in result.records:
+        assert rec.first_token_time - rec.arrival_time == pytest.approx(0.032)
+        assert rec.finish_time - rec.arrival_time == pytest.approx(0.122)
+        assert rec.num_output_tokens == 10
+    prefill_steps, decode_steps = (s.as_arrays() for s in result.replica_steps)
+    assert list(prefill_steps["num_prefill_tokens"]) == [100, 100]  # one step per prompt
+    # the decode replica computes 10 tokens a request: the last prompt token, 9 outputs
+    assert len(decode_steps["start"]) == 20
+    assert (decode_steps["num_prefill_tokens"] + decode_steps["num_decode_tokens"]).sum() == 20
+    info = result.fleet_info["disaggregated"]
+    assert info["kv_transfer_mean_s"] == pytest.approx(0.012)
+    rows = result.fleet_info["per_replica"]
+    assert [row["group"] for row in rows] == ["prefill", "decode"]
+    assert result.summary.completed == 2  # the clients' requests, not the prefills
+
+
+@st.composite
+def pd_scenarios(draw):
+    base = draw(scenarios(speculative=True))
+    return with_deployment(base, **pd_deployment(
+        prefill=draw(st.integers(1, 3)), decode=draw(st.integers(1, 3)),
+        router=draw(st.sampled_from(ROUTERS)),
+        bandwidth=draw(st.sampled_from([0.01, 1.0, 100.0])),
+        latency=draw(st.sampled_from([0.0, 0.005])), bytes_per_token=4096,
+    ))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pd_scenarios())
+def test_disaggregated_fast_path_equals_reference_path(scenario):
+    check_fleet_fast_equals_reference(scenario)
+    result = simulate(scenario)
+    n = scenario.workload.num_requests
+    assert result.summary.completed == n
+    assert sum(row["completed"] for row in result.fleet_info["per_replica"]
+               if row["group"] == "prefill") == n
+
+
+def test_disaggregated_kv_bytes_come_from_the_memory_plan():
+    from simcap.scenario import kv_transfer_bytes_per_token, load_scenario
+
+    base = load_scenario("examples/ascend910b4-kv.yaml")
+    data = base.model_dump(mode="json")
+    data["deployment"] = pd_deployment(bytes_per_token=None)
+    data["deployment"]["disaggregated"]["kv_transfer"].pop("kv_bytes_per_token")
+    scenario = parse_scenario(data)
+    assert kv_transfer_bytes_per_token(scenario) == \
+        base.engine.memory.model.kv_bytes_per_token_total()
