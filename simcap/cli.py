@@ -300,6 +300,10 @@ def fleet_cmd(
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Also find the safe rate at 1, 2, 4, ... replicas per router; plot it (PNG, SVG, PDF)."
     ),
+    disaggregated: bool = typer.Option(
+        False, "--disaggregated",
+        help="Size the scenario's prefill and decode pools: the best prefill:decode split of the fewest replicas.",
+    ),
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -307,6 +311,21 @@ def fleet_cmd(
     from simcap import fleet_sizing as fs
     from simcap.scenario import load_scenario
 
+    if disaggregated:
+        for given, name in ((router, "--router"), (plot, "--plot"), (price, "--price-per-replica-hour")):
+            if given is not None:
+                _fail(f"{name}: not with --disaggregated (the scenario's router serves both pools)")
+        with user_errors():
+            pools = fs.size_pools(
+                load_scenario(scenario, set_ or []), target_rate, fs.parse_slo(slo) if slo else None,
+                duration_s=duration, replicates=replicates, max_replicas=max_replicas,
+                workers=workers, backend=backend,
+            )
+        if json_out:
+            typer.echo(report.to_json(pools.to_dict()))
+        else:
+            fs.render_pool_sizing(pools, report.wide_console(100))
+        return
     with user_errors():
         if plot is not None:
             from simcap.plots import check_figure_path

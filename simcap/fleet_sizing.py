@@ -324,3 +324,130 @@ def render_sizing(result: FleetSizing, console: Any) -> None:
         f"{str(result.provenance.get('scenario_sha256'))[:12]}",
         style="dim",
     )
+
+
+# --------------------------------------------------------------------------- disaggregated
+
+
+def with_pools(scenario: Scenario, prefill: int, decode: int) -> Scenario:
+    """``scenario``'s disaggregated deployment with ``prefill`` and ``decode`` replicas."""
+    dep = scenario.deployment
+    if dep is None or dep.disaggregated is None:
+        raise ScenarioError(
+            "deployment.disaggregated: sizing prefill and decode pools needs a disaggregated "
+            "deployment in the scenario (its pools' sections and kv_transfer)"
+        )
+    pools = dep.disaggregated.model_copy(update={
+        "prefill": dep.disaggregated.prefill.model_copy(update={"replicas": prefill}),
+        "decode": dep.disaggregated.decode.model_copy(update={"replicas": decode}),
+    })
+    return scenario.model_copy(update={"deployment": dep.model_copy(update={"disaggregated": pools})})
+
+
+@dataclass
+class PoolSizing:
+    target_rate: float
+    slo: dict[str, float]
+    duration_s: float
+    replicates: int
+    max_replicas: int
+    tested: dict[tuple[int, int], bool]  # (prefill, decode) -> every replicate passed
+    ttft_p95: dict[tuple[int, int], float | None]  # median over replicates
+    best: tuple[int, int] | None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target_rate": self.target_rate,
+            "slo": self.slo,
+            "duration_s": self.duration_s,
+            "replicates": self.replicates,
+            "max_replicas": self.max_replicas,
+            "best": None if self.best is None else {
+                "prefill": self.best[0], "decode": self.best[1], "replicas": sum(self.best)},
+            "tested": [
+                {"prefill": p, "decode": d, "passed": ok, "ttft_p95_s": self.ttft_p95[(p, d)]}
+                for (p, d), ok in sorted(self.tested.items(), key=lambda kv: (sum(kv[0]), kv[0]))
+            ],
+            "provenance": self.provenance,
+        }
+
+
+def size_pools(
+    scenario: Scenario,
+    target_rate: float,
+    slo: Mapping[str, float] | Sequence[str] | None = None,
+    *,
+    duration_s: float = DEFAULT_DURATION_S,
+    replicates: int = DEFAULT_REPLICATES,
+    max_replicas: int = 16,
+    workers: int = 1,
+    backend: str = "local",
+) -> PoolSizing:
+    """The best prefill:decode split of the fewest replicas that keeps ``slo`` at
+    ``target_rate``: for n = 2, 3, ... (at most ``max_replicas``) every split p + d = n is run
+    (as :func:`size_fleet` runs a count); the first n with a passing split is the answer, and
+    among its passing splits the one with the lowest TTFT p95 (median over replicates)."""
+    targets = parse_slo(slo) if slo else dict(scenario.slo)
+    if not targets:
+        raise ScenarioError(
+            "slo: fleet sizing needs an SLO: give --slo ttft_p95=2.0 or an slo section in the scenario"
+        )
+    if not target_rate > 0 or target_rate == float("inf"):
+        raise ScenarioError(f"--target-rate: must be > 0 requests/s (got {target_rate})")
+    if not 2 <= max_replicas <= MAX_NUM_SEQS:
+        raise ScenarioError(f"--max-replicas: must be in [2, {MAX_NUM_SEQS}] with pools (got {max_replicas})")
+    if backend not in ("local", "ray"):
+        raise ScenarioError(f"--backend {backend}: unknown backend; allowed: local, ray")
+    with_pools(scenario, 1, 1)  # (refuses a scenario without pools up front)
+    tested: dict[tuple[int, int], bool] = {}
+    ttft: dict[tuple[int, int], float | None] = {}
+    best = None
+    with Runner(workers, early_stop=True) as runner:
+        for n in range(2, max_replicas + 1):
+            splits = [(p, n - p) for p in range(1, n)]
+            tasks = [
+                (with_pools(scenario, p, d), target_rate, r, duration_s, targets, None, "search")
+                for p, d in splits for r in range(replicates)
+            ]
+            points = run_tasks(tasks, runner, backend)
+            for j, split in enumerate(splits):
+                pts = points[j * replicates:(j + 1) * replicates]
+                tested[split] = all(p.passed for p in pts)
+                values = sorted(v for p in pts if (v := p.values.get("ttft_p95")) is not None)
+                ttft[split] = values[len(values) // 2] if len(values) == len(pts) else None
+            passing = [s for s in splits if tested[s]]
+            if passing:
+                best = min(passing, key=lambda s: (ttft[s] if ttft[s] is not None else float("inf"), s))
+                break
+    prov = {
+        "simcap_version": __version__,
+        "scenario_name": scenario.name,
+        "scenario_sha256": scenario.digest(),
+        "seed": scenario.seed,
+        "backend": backend,
+    }
+    return PoolSizing(float(target_rate), targets, float(duration_s), replicates, max_replicas,
+                      tested, ttft, best, prov)
+
+
+def render_pool_sizing(result: PoolSizing, console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(
+        title=f"prefill:decode sizing at {result.target_rate:g} req/s, SLO "
+              + ", ".join(f"{k} <= {v:g} s" for k, v in result.slo.items()),
+        title_justify="left",
+    )
+    for col in ("replicas", "prefill", "decode", "TTFT p95 (s)", "pass"):
+        table.add_column(col, justify="right")
+    for (p, d), ok in sorted(result.tested.items(), key=lambda kv: (sum(kv[0]), kv[0])):
+        value = result.ttft_p95[(p, d)]
+        table.add_row(str(p + d), str(p), str(d), "-" if value is None else f"{value:.3f}",
+                      "yes" if ok else "NO")
+    console.print(table)
+    if result.best is None:
+        console.print(f"no split of up to {result.max_replicas} replicas keeps the SLO")
+    else:
+        p, d = result.best
+        console.print(f"best: {p} prefill + {d} decode replicas ({p}:{d}), {p + d} in all")

@@ -177,6 +177,15 @@ def render_fleet(fleet: dict[str, Any], console: Console) -> None:
     if "weights" in fleet:
         line += "; weights " + ", ".join(f"{k} {v:g}" for k, v in fleet["weights"].items())
     console.print(line)
+    pd = fleet.get("disaggregated")
+    if pd:
+        mean = pd["kv_transfer_mean_s"]
+        console.print(
+            f"disaggregated: {pd['prefill_replicas']} prefill + {pd['decode_replicas']} decode "
+            f"replicas; KV {pd['kv_bytes_per_token']:,} bytes a token, transfer mean "
+            f"{_ms(mean)} ms a request (in TTFT); prefill load imbalance "
+            f"{ratio(pd['prefill_load_imbalance'])}"
+        )
 
 
 def render_kv_plan(plan: dict[str, Any], console: Console) -> None:

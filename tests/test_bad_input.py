@@ -196,6 +196,8 @@ CASES = [
     (["fleet", "{s}", "--target-rate", "5", "--price-per-replica-hour", "-1"], "--price-per-replica-hour"),
     (["fleet", "{s}", "--target-rate", "5", "--max-replicas", "0"], "--max-replicas"),
     (["fleet", "{s}", "--target-rate", "5", "--backend", "mpi"], "--backend"),
+    (["fleet", "{s}", "--target-rate", "5", "--disaggregated"], "deployment.disaggregated"),
+    (["fleet", "{s}", "--target-rate", "5", "--disaggregated", "--router", "roundrobin"], "--router"),
     (["fleet", "{s}", "--target-rate", "5", "--slo", "ttft_p95=-1"], "ttft_p95"),
     (["fleet", "{s}", "--target-rate", "5", "--set", "deployment={groups: [{replicas: 1}]}"],
      "deployment.groups"),

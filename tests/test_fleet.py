@@ -523,3 +523,24 @@ def test_disaggregated_kv_bytes_come_from_the_memory_plan():
     scenario = parse_scenario(data)
     assert kv_transfer_bytes_per_token(scenario) == \
         base.engine.memory.model.kv_bytes_per_token_total()
+
+
+def test_pool_sizing_finds_the_best_split_of_the_fewest_replicas():
+    """Prompts of 2000 tokens at 1 ms a token make prefill the bottleneck (2 s a prompt on
+    one replica) while decoding 5 tokens is cheap: at 0.6 req/s one prefill replica falls
+    behind and two keep up, so the answer is 2 prefill + 1 decode, after every split of 2
+    replicas failed and 1:2 failed at 3."""
+    from simcap.fleet_sizing import size_pools
+
+    scenario = make_scenario(
+        engine=dict(max_num_batched_tokens=4096),
+        step_time=dict(base=0.01, per_prefill_token=0.001, per_decode_token=0.0),
+        workload=dict(arrival={"process": "poisson", "rate": 1.0}, num_requests=1,
+                      input_len=2000, output_len=5),
+        slo={"ttft_p95": 6.0},
+        deployment=pd_deployment(bandwidth=100.0, latency=0.0, bytes_per_token=1000),
+    )
+    result = size_pools(scenario, 0.6, duration_s=60.0, replicates=1, max_replicas=4)
+    assert result.best == (2, 1)
+    assert result.tested[(1, 1)] is False and result.tested[(1, 2)] is False
+    assert result.to_dict()["best"] == {"prefill": 2, "decode": 1, "replicas": 3}
