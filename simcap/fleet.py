@@ -28,6 +28,15 @@ its own arrivals (a 64-replica fleet costs about what its requests cost on one e
 With a load-reading router every replica's stretch ends at every fleet arrival, so many
 replicas at a high fleet rate run mostly one step at a time (benchmarks/bench_fleet.py).
 
+``deployment.disaggregated`` makes two pools instead: each request is sent first to a
+prefill replica as a one-token request (vLLM's P/D proxy does the same), its prompt's KV then
+crosses the link (prompt tokens x KV bytes per token / bandwidth + latency) and the decode
+pool's router sends it to a decode replica, which admits it with the prompt's KV computed
+but for the last token (``Request.num_external_tokens``, as vLLM's KV connector) and streams
+its output; the client's TTFT counts from its send. Prefill replicas yield at every finish
+(their ends send requests on), and every replica's stretches end at the next event of any
+kind, as in a closed loop.
+
 Results: the fleet-wide summary (every request of every replica, as one engine's summary is
 computed), and per replica: requests routed, latency percentiles, throughput, preemptions,
 prefix-cache hit rate, KV usage, steps. Load imbalance is max / mean over the replicas of
