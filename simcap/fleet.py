@@ -175,7 +175,7 @@ class Fleet:
             hashes = Request(
                 spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments
             ).hash_full_blocks(self.block_size)
-        request = RouteRequest(spec.request_id, affinity_key(client_id), hashes)
+        request = RouteRequest(spec.request_id, affinity_key(spec, client_id), hashes)
         states = [ReplicaState(self.outstanding[i], *self.scraped[i]) for i in members]
         j = router.pick(request, states)
         router.routed(request, j)
@@ -475,7 +475,7 @@ class _Pending:
     running: list
 
 
-def _nothing() -> None:
+def _nothing(*_: Any) -> None:
     pass
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from simcap.errors import ScenarioError
 from simcap.scenario import PREFIX_CACHE_WEIGHTS, ROUTERS
@@ -67,10 +67,12 @@ class RouteRequest:
     block_hashes: Sequence[int] = field(default=())
 
 
-def affinity_key(client_id: int | None) -> int | None:
-    """The key that keeps a request on its replica under ``session``: the sending closed-loop
-    client's id (None for an open-loop request)."""
-    return client_id
+def affinity_key(spec: Any, client_id: int | None) -> int | None:
+    """The key that keeps a request on its replica under ``session``: its conversation's
+    ``session_id`` when it is a session's turn, else the sending closed-loop client's id
+    (None for an open-loop request)."""
+    session_id = getattr(spec, "session_id", None)
+    return session_id if session_id is not None else client_id
 
 
 def session_hash(key: int) -> int:

@@ -252,7 +252,9 @@ def test_session_by_hand():
     assert session_hash(7) != session_hash(8)
     # no key: least outstanding
     assert router.pick(RouteRequest(0, None), states(3, 1, 2, 5)) == 1
-    assert affinity_key(5) == 5 and affinity_key(None) is None
+    spec = RequestSpec(0, 10, 2, ((-1, 10),))
+    assert affinity_key(spec, 5) == 5 and affinity_key(spec, None) is None
+    assert affinity_key(spec._replace(session_id=9, turn=1), 5) == 9
 
 
 def test_prefix_index_lru_by_hand():
