@@ -23,8 +23,11 @@ Around that core:
 - :mod:`simcap.catalog` -- hardware figures and model shapes by name, from the package's data.
 - :mod:`simcap.profile` and :mod:`simcap.calibrate` -- fitted profiles, and fitting them from
   step samples, per-step logs or benchmark tables (with bootstrap intervals).
-- :mod:`simcap.crossover`, :mod:`simcap.capacity`, :mod:`simcap.sweep` -- studies over many
-  runs: speculative-decoding crossover, safe request rate, what-if grids.
+- :mod:`simcap.fleet` and :mod:`simcap.router` -- replicas behind a router on one clock (a
+  scenario's ``deployment``), and the routers as pure pieces.
+- :mod:`simcap.crossover`, :mod:`simcap.capacity`, :mod:`simcap.sweep`,
+  :mod:`simcap.fleet_sizing` -- studies over many runs: speculative-decoding crossover, safe
+  request rate, what-if grids, the fewest replicas per router for a target rate.
 - :mod:`simcap.plots` -- step timelines, ITL histograms, KV and queue over time, study figures.
 - :mod:`simcap.live` -- the same workload against a real server, and sim-vs-live validation.
 
@@ -43,6 +46,7 @@ from simcap.errors import ScenarioError, SimcapError, SimulationError
 # and ``simcap --help`` do not pay for numpy, pydantic and SimPy before a command needs them.
 _LAZY = {
     "ClosedLoopTrace": "simcap.workload",
+    "FleetResult": "simcap.fleet",
     "RequestRecord": "simcap.records",
     "Result": "simcap.simulator",
     "Scenario": "simcap.scenario",
@@ -55,6 +59,7 @@ _LAZY = {
 
 __all__ = [
     "ClosedLoopTrace",
+    "FleetResult",
     "RequestRecord",
     "Result",
     "Scenario",

@@ -1,5 +1,8 @@
 """Capacity: the highest arrival rate one replica takes while its SLO holds.
 
+A scenario with a ``deployment`` is searched as a whole fleet (``simcap capacity --replicas
+N``; :mod:`simcap.fleet`): the rate is the fleet's.
+
 The field's method, run in seconds instead of hours: open-loop arrivals (Poisson, or the
 scenario's own gamma process) at a series of rates, each held for ``duration_s`` and run in
 ``replicates`` replicates (replicate ``r`` uses seed ``scenario.seed + r``), every request

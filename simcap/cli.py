@@ -86,6 +86,10 @@ def simulate_cmd(
     ci: bool = typer.Option(
         False, "--ci", help="Re-run with the profile's bootstrap coefficient sets; print 90% intervals."
     ),
+    compare_router: Optional[str] = typer.Option(
+        None, "--compare-router",
+        help="A fleet with --plot: also run it under these routers (comma-separated), side by side.",
+    ),
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
     from simcap.scenario import load_scenario
@@ -93,11 +97,22 @@ def simulate_cmd(
 
     intervals = None
     keep = plot is not None  # the figures need every chunk and every step
+    compare = []
     with user_errors():
         if plot is not None:
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot", directory=True)
+        if compare_router is not None:
+            from simcap.fleet_sizing import parse_routers, with_fleet
+
+            loaded = load_scenario(scenario, set_ or [])
+            if plot is None or loaded.deployment is None:
+                _fail("--compare-router: only with --plot and a scenario with a deployment")
+            compare = [
+                simulate(with_fleet(loaded, loaded.deployment.num_replicas, name), records=True, steps=True)
+                for name in parse_routers(compare_router, loaded)
+            ]
         if ci:
             from simcap.calibrate import simulate_with_ci
 
@@ -121,7 +136,7 @@ def simulate_cmd(
         from simcap.plots import write_simulation_plots
 
         with user_errors():
-            paths = write_simulation_plots(result, plot)
+            paths = write_simulation_plots(result, plot, compare)
         for path in paths:
             typer.echo(f"figure: {path}", err=json_out)  # stdout stays pure JSON with --json
 
@@ -216,6 +231,10 @@ def capacity_cmd(
         True, "--early-stop/--no-early-stop",
         help="Stop a run once its TTFT/E2E target is certain to fail (its SLO values are then not known).",
     ),
+    replicas: Optional[int] = typer.Option(
+        None, "--replicas", help="The safe rate of a fleet of N replicas behind the scenario's router (or --router)."
+    ),
+    router: Optional[str] = typer.Option(None, "--router", help="With --replicas: the fleet's router."),
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -229,6 +248,12 @@ def capacity_cmd(
 
             check_figure_path(plot, "--plot")
         loaded = load_scenario(scenario, set_ or [])
+        if router is not None and replicas is None:
+            _fail("--router: give --replicas N with it (or a deployment in the scenario)")
+        if replicas is not None:
+            from simcap.fleet_sizing import parse_routers, with_fleet
+
+            loaded = with_fleet(loaded, replicas, parse_routers(router, loaded)[0] if router else None)
         result = cap.find_capacity(
             loaded,
             cap.parse_slo(slo) if slo else None,
@@ -250,6 +275,80 @@ def capacity_cmd(
         typer.echo(report.to_json(result.to_dict()))
     else:
         cap.render_capacity(result, report.wide_console(120))
+    if plot is not None:
+        typer.echo(f"figure: {plot}", err=json_out)
+
+
+@app.command("fleet")
+def fleet_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file."),
+    target_rate: float = typer.Option(..., "--target-rate", help="Arrival rate the fleet must take, req/s."),
+    slo: Optional[List[str]] = typer.Option(
+        None, "--slo", help="SLO target METRIC_STAT=SECONDS (repeatable; default the scenario's slo)."
+    ),
+    router: Optional[str] = typer.Option(
+        None, "--router", help="Routers to size for, comma-separated (default: the scenario's, or roundrobin)."
+    ),
+    price: Optional[float] = typer.Option(
+        None, "--price-per-replica-hour", help="Price of one replica for an hour: cost of each answer."
+    ),
+    max_replicas: int = typer.Option(64, "--max-replicas", help="Largest fleet tried."),
+    duration: float = typer.Option(120.0, "--duration", help="Seconds of arrivals per run."),
+    replicates: int = typer.Option(2, "--replicates", help="Runs per replica count; replicate r uses seed + r."),
+    workers: int = typer.Option(1, "--workers", help="Worker processes (local backend)."),
+    backend: str = typer.Option("local", "--backend", help="local (processes) or ray (needs Ray installed)."),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Also find the safe rate at 1, 2, 4, ... replicas per router; plot it (PNG, SVG, PDF)."
+    ),
+    disaggregated: bool = typer.Option(
+        False, "--disaggregated",
+        help="Size the scenario's prefill and decode pools: the best prefill:decode split of the fewest replicas.",
+    ),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """The fewest replicas meeting the SLO at a target rate, for each router, and their cost."""
+    from simcap import fleet_sizing as fs
+    from simcap.scenario import load_scenario
+
+    if disaggregated:
+        for given, name in ((router, "--router"), (plot, "--plot"), (price, "--price-per-replica-hour")):
+            if given is not None:
+                _fail(f"{name}: not with --disaggregated (the scenario's router serves both pools)")
+        with user_errors():
+            pools = fs.size_pools(
+                load_scenario(scenario, set_ or []), target_rate, fs.parse_slo(slo) if slo else None,
+                duration_s=duration, replicates=replicates, max_replicas=max_replicas,
+                workers=workers, backend=backend,
+            )
+        if json_out:
+            typer.echo(report.to_json(pools.to_dict()))
+        else:
+            fs.render_pool_sizing(pools, report.wide_console(100))
+        return
+    with user_errors():
+        if plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(plot, "--plot")
+        loaded = load_scenario(scenario, set_ or [])
+        routers = fs.parse_routers(router, loaded)
+        result = fs.size_fleet(
+            loaded, target_rate, fs.parse_slo(slo) if slo else None, routers,
+            duration_s=duration, replicates=replicates, max_replicas=max_replicas,
+            price_per_replica_hour=price, workers=workers, backend=backend,
+        )
+        if plot is not None:
+            fs.add_safe_rate_curve(result, loaded, fs.curve_counts_for(result), workers=workers)
+    if plot is not None:
+        from simcap.plots import plot_fleet_sizing
+
+        with user_errors():
+            plot_fleet_sizing(result, plot)
+    if json_out:
+        typer.echo(report.to_json(result.to_dict()))
+    else:
+        fs.render_sizing(result, report.wide_console(120))
     if plot is not None:
         typer.echo(f"figure: {plot}", err=json_out)
 

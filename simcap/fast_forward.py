@@ -638,11 +638,17 @@ class Clock(simpy.Environment):
     they were read from; tests/test_clock.py fails with the pin's name when they change.
     """
 
-    def timeout_at(self, at: float) -> simpy.Event:
+    def timeout_at(self, at: float, priority: int = NORMAL) -> simpy.Event:
+        """An event at ``at``; ``priority=LATE``: after every ordinary event at that time."""
         if at < self._now:
             raise ValueError(f"cannot schedule in the past ({at} < {self._now})")
         event = simpy.Event(self)
         event._ok = True
         event._value = None
-        heappush(self._queue, (at, NORMAL, next(self._eid), event))
+        heappush(self._queue, (at, priority, next(self._eid), event))
         return event
+
+
+# Events that must see every ordinary event at their time first (a fleet's router and its
+# metrics scrapes: an engine step that ends at that time has ended).
+LATE = NORMAL + 1

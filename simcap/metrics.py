@@ -376,6 +376,24 @@ class MetricsAccumulator:
         """Number of requests added."""
         return len(self._ints) // 4
 
+    @classmethod
+    def merged(cls, parts: Iterable["MetricsAccumulator"]) -> "MetricsAccumulator":
+        """One accumulator holding everything ``parts`` hold (e.g. a fleet's replicas): its
+        summary is the one of all their requests and samples fed to a single accumulator."""
+        out = cls()
+        for part in parts:
+            out._times.extend(part._times)
+            out._ints.extend(part._ints)
+            out._session_ints.extend(part._session_ints)
+            out._failed += part._failed
+            out._preemptions += part._preemptions
+            out._cached += part._cached
+            for mine, theirs in ((out._itl, part._itl), (out._itl_token, part._itl_token)):
+                values, counts = theirs.table()
+                if values.size:
+                    mine.add(values.copy(), counts.copy())
+        return out
+
     def add_request(
         self,
         request_id: int,

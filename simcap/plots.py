@@ -510,8 +510,12 @@ def plot_sessions(result: "Result", path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def write_simulation_plots(result: "Result", out_dir: str | Path) -> list[Path]:
-    """The teaching views of one run, as PNGs in ``out_dir``; returns their paths."""
+def write_simulation_plots(
+    result: "Result", out_dir: str | Path, compare: Sequence[Any] = ()
+) -> list[Path]:
+    """The teaching views of one run, as PNGs in ``out_dir``; returns their paths. A fleet's
+    run gives the per-replica queue and KV picture instead (``fleet_routers.png``), with a
+    column for each run of ``compare`` (the same fleet under other routers)."""
     out = check_figure_path(out_dir, "--plot", directory=True)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -519,6 +523,8 @@ def write_simulation_plots(result: "Result", out_dir: str | Path) -> list[Path]:
         raise SimcapError(
             f"{out}: cannot make the figure directory: {exc.strerror or exc}"
         ) from None
+    if hasattr(result, "replica_steps"):
+        return [plot_fleet_routers([result, *compare], out / "fleet_routers.png")]
     return [
         plot_step_timeline(result, out / "step_timeline.png"),
         plot_itl_histogram(result, out / "itl_histogram.png"),
@@ -651,5 +657,74 @@ def plot_crossover(
     name = result.provenance.get("scenario_name") or "scenario"
     fig.suptitle(title or f"{name}: speculation crossover "
                  f"({'~%.3g' % c['value'] if found else 'none in range'})", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- fleets
+
+ROUTER_COLORS = ("#3b78c2", "#ef8a17", "#2ca02c", "#9467bd", "#8c564b")
+
+
+def plot_fleet_sizing(result: Any, path: str | Path, *, title: str | None = None) -> Path:
+    """Safe rate against replica count, one line per router (a
+    :class:`simcap.fleet_sizing.FleetSizing` with its curve), the target rate, and where
+    routing stops mattering."""
+    if result.curve is None:
+        raise SimcapError("--plot: the sizing has no safe-rate curve to plot")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    counts: list[int] = []
+    for (router, by_n), color in zip(result.curve.items(), ROUTER_COLORS * 4):
+        ns = sorted(by_n)
+        counts = sorted(set(counts) | set(ns))
+        ax.plot(ns, [by_n[n] or 0.0 for n in ns], "o-", color=color, label=router)
+    ax.axhline(result.target_rate, color="black", ls="--", lw=1,
+               label=f"target {result.target_rate:g} req/s")
+    at = result.routing_stops_mattering_at
+    if at is not None:
+        ax.axvline(at, color="#555555", ls=":", lw=1.5,
+                   label=f"routing stops mattering ({at} replicas)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts)
+    ax.set_xticklabels([str(n) for n in counts])
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("safe rate (req/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    slo = ", ".join(f"{k} {_ms_label(v)}" for k, v in result.slo.items())
+    ax.set_title(title or f"Fleet safe rate by replica count ({slo})", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_fleet_routers(results: Sequence[Any], path: str | Path, *, title: str | None = None) -> Path:
+    """The teaching picture: per-replica queue length (waiting requests) and KV-cache usage
+    over time, one column per router (each a :class:`simcap.fleet.FleetResult` run with
+    ``steps=True``), on shared axes."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, len(results), figsize=(5.5 * len(results), 6.2), sharex=True,
+                             sharey="row", squeeze=False)
+    for col, result in enumerate(results):
+        info = result.fleet_info
+        for i, steps in enumerate(result.replica_steps):
+            rows = steps.as_arrays()
+            color = ROUTER_COLORS[i % len(ROUTER_COLORS)] if len(result.replica_steps) <= 5 else None
+            label = f"replica {i}"
+            axes[0, col].step(rows["start"], rows["num_waiting"], where="post", lw=1, color=color,
+                              label=label)
+            axes[1, col].step(rows["start"], rows["kv_cache_usage"] * 100, where="post", lw=1,
+                              color=color, label=label)
+        imb = info["load_imbalance"]["requests"]
+        axes[0, col].set_title(
+            f"router {info['router']} (requests max/mean {imb:.2f}; TTFT p95 "
+            f"{_ms_label(result.summary.ttft_s.p95 or 0.0)})", fontsize=10)
+        axes[1, col].set_xlabel("time (s)")
+        for ax in axes[:, col]:
+            ax.grid(True, alpha=0.3)
+    axes[0, 0].set_ylabel("waiting requests")
+    axes[1, 0].set_ylabel("KV-cache usage (%)")
+    axes[0, 0].legend(fontsize=8, loc="upper left")
+    fig.suptitle(title or "Per-replica queue and KV usage under two routers", fontsize=11)
     fig.tight_layout()
     return _save(fig, path)

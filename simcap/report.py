@@ -132,6 +132,8 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
     console.print(line)
     if result.get("sessions"):
         render_sessions(result["sessions"], console)
+    if result.get("fleet"):
+        render_fleet(result["fleet"], console)
     prov = result.get("provenance") or {}
     if prov:
         console.print(
@@ -175,6 +177,47 @@ def render_sessions(sessions: dict[str, Any], console: Console) -> None:
             "sessions ended"
         )
     console.print(line)
+
+
+def render_fleet(fleet: dict[str, Any], console: Console) -> None:
+    """Print a fleet's router, load imbalance and one row per replica."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"fleet: {fleet['replicas']} replicas, router {fleet['router']}, scrapes every "
+              f"{fleet['scrape_interval_s']:g} s (latencies in ms)",
+        title_justify="left",
+    )
+    for col in ("#", "group", "reqs", "TTFT p50", "TTFT p95", "E2E p95", "out tok/s", "preempt",
+                "prefix hit", "KV mean", "KV max"):
+        table.add_column(col, justify="left" if col in ("#", "group") else "right")
+    for row in fleet["per_replica"]:
+        table.add_row(
+            str(row["replica"]), row["group"] or "-", f"{row['requests']:,}",
+            _ms(row["ttft_p50_s"]), _ms(row["ttft_p95_s"]), _ms(row["e2e_p95_s"]),
+            f"{row['output_tokens_per_s']:,.1f}", f"{row['preemptions']:,}",
+            _share(row["prefix_cache_hit_rate"]), _share(row["kv_cache_usage_mean"]),
+            _share(row["kv_cache_usage_max"]),
+        )
+    console.print(table)
+    imb = fleet["load_imbalance"]
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    line = f"load imbalance (max / mean): requests {ratio(imb['requests'])}, tokens {ratio(imb['tokens'])}"
+    if "weights" in fleet:
+        line += "; weights " + ", ".join(f"{k} {v:g}" for k, v in fleet["weights"].items())
+    console.print(line)
+    pd = fleet.get("disaggregated")
+    if pd:
+        mean = pd["kv_transfer_mean_s"]
+        console.print(
+            f"disaggregated: {pd['prefill_replicas']} prefill + {pd['decode_replicas']} decode "
+            f"replicas; KV {pd['kv_bytes_per_token']:,} bytes a token, transfer mean "
+            f"{_ms(mean)} ms a request (in TTFT); prefill load imbalance "
+            f"{ratio(pd['prefill_load_imbalance'])}"
+        )
 
 
 def render_kv_plan(plan: dict[str, Any], console: Console) -> None:

@@ -24,7 +24,7 @@ from pydantic import (
 
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
-from simcap.profile import apply_profile
+from simcap.profile import _merge, apply_profile
 from simcap.yaml_files import load_yaml, read_yaml_mapping
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
@@ -645,6 +645,118 @@ class ProfileRef(_Model):
     simcap_version: str | None = None
 
 
+# --------------------------------------------------------------------------- deployment
+
+# Router policies (simcap.router); each named after its counterpart in a real router.
+ROUTERS = ("roundrobin", "least_request", "kv_cache_utilization", "session", "prefix_cache")
+# The prefix_cache router's scorers and their default weights (llm-d's default profile
+# weighs its prefix-cache scorer 3 and its queue scorer 2).
+PREFIX_CACHE_WEIGHTS = {"prefix_cache": 3.0, "queue": 2.0, "kv_cache_utilization": 0.0}
+GROUP_SECTIONS = ("engine", "step_time", "speculative")
+
+
+class ReplicaGroup(_Model):
+    """Replicas sharing one configuration: the scenario's, with these sections merged over it
+    (a ``profile`` is merged first, as for the scenario itself)."""
+
+    replicas: int = Field(gt=0, le=MAX_NUM_SEQS)
+    name: str | None = None
+    profile: ProfileRef | None = None
+    engine: dict[str, Any] | None = None
+    step_time: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
+
+
+class KVTransfer(_Model):
+    """The link a finished prefill's KV crosses to its decode replica."""
+
+    bandwidth_gbps: float = Field(gt=0.0, description="GB/s (1e9 bytes) per transfer")
+    latency_s: float = Field(0.0, ge=0.0, le=MAX_SIMULATED_S)
+    kv_bytes_per_token: int | None = Field(
+        None, gt=0, le=MAX_TOKENS * 1024,
+        description="default: engine.memory's model shape (all layers, every KV head once)",
+    )
+
+
+class Pool(_Model):
+    """One pool of a disaggregated deployment: its replicas and their own sections."""
+
+    replicas: int = Field(gt=0, le=MAX_NUM_SEQS)
+    profile: ProfileRef | None = None
+    engine: dict[str, Any] | None = None
+    step_time: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
+
+
+class Disaggregated(_Model):
+    """Prefill and decode pools (vLLM's disaggregated serving behind a P/D proxy)."""
+
+    prefill: Pool
+    decode: Pool
+    kv_transfer: KVTransfer
+
+
+class DeploymentConfig(_Model):
+    """Replicas behind a router, all on one clock (simcap.fleet)."""
+
+    replicas: int | None = Field(None, gt=0, le=MAX_NUM_SEQS)
+    router: str = "roundrobin"
+    scrape_interval_s: float = Field(1.0, gt=0.0, le=MAX_SIMULATED_S)
+    weights: dict[str, float] | None = Field(
+        None, description="prefix_cache router: weight of each scorer, >= 0"
+    )
+    groups: list[ReplicaGroup] | None = None
+    disaggregated: Disaggregated | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeploymentConfig":
+        if self.disaggregated is not None and (self.groups is not None or self.replicas is not None):
+            raise ValueError(
+                "deployment.disaggregated: its pools give the replicas; leave replicas and "
+                "groups out"
+            )
+        if self.router not in ROUTERS:
+            raise ValueError(
+                f"deployment.router: unknown router {self.router!r}; known: {', '.join(ROUTERS)}"
+            )
+        if self.weights is not None:
+            if self.router != "prefix_cache":
+                raise ValueError("deployment.weights: only the prefix_cache router has weights")
+            for key, value in self.weights.items():
+                if key not in PREFIX_CACHE_WEIGHTS:
+                    raise ValueError(
+                        f"deployment.weights.{key}: unknown scorer; known: "
+                        f"{', '.join(PREFIX_CACHE_WEIGHTS)}"
+                    )
+                if not value >= 0.0:
+                    raise ValueError(f"deployment.weights.{key}: must be >= 0 (got {value!r})")
+            if not any(self.weights.values()):
+                raise ValueError("deployment.weights: at least one weight must be > 0")
+        if self.groups is not None:
+            if not self.groups:
+                raise ValueError("deployment.groups: give at least one group, or leave it out")
+            total = sum(g.replicas for g in self.groups)
+            if self.replicas is not None and self.replicas != total:
+                raise ValueError(
+                    f"deployment.replicas: {self.replicas} but the groups have {total} replicas; "
+                    "give one or make them agree"
+                )
+        return self
+
+    @property
+    def num_replicas(self) -> int:
+        if self.disaggregated is not None:
+            return self.disaggregated.prefill.replicas + self.disaggregated.decode.replicas
+        if self.groups is not None:
+            return sum(g.replicas for g in self.groups)
+        return 1 if self.replicas is None else self.replicas
+
+    @property
+    def scorer_weights(self) -> dict[str, float]:
+        """The prefix_cache router's weights: the defaults, overridden by ``weights``."""
+        return {**PREFIX_CACHE_WEIGHTS, **(self.weights or {})}
+
+
 class Scenario(_Model):
     """Everything a simulation needs; the same scenario and seed give the same bytes out."""
 
@@ -658,6 +770,16 @@ class Scenario(_Model):
         default_factory=dict, description="e.g. {ttft_p95: 2.0, tpot_p95: 0.05}, seconds"
     )
     seed: int = Field(0, ge=0, le=MAX_INT64)
+    deployment: DeploymentConfig | None = Field(
+        None, description="replicas behind a router; None: one engine (simcap.fleet)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _drop_no_deployment(self, handler):
+        data = handler(self)
+        if self.deployment is None:  # a one-engine scenario dumps (and hashes) as before
+            data.pop("deployment", None)
+        return data
 
     @model_validator(mode="after")
     def _slo_keys(self) -> "Scenario":
@@ -835,6 +957,7 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
     profile_ref = data.get("profile")
     data = apply_profile(data, base_dir)
     _resolve_files(data, base_dir)
+    _resolve_group_profiles(data, base_dir)
     try:  # strict: a bool is no count, a string no number (YAML has typed them already)
         scenario = Scenario.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as exc:
@@ -843,7 +966,90 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
         scenario._profile_file = (base_dir / profile_ref).resolve()
     if check:
         check_feasible(scenario)
+        replica_scenarios(scenario)  # each replica group's configuration must be one too
     return scenario
+
+
+def _resolve_group_profiles(data: dict[str, Any], base_dir: Path) -> None:
+    """A replica group naming a profile file gets it merged under its own sections."""
+    deployment = data.get("deployment")
+    if not isinstance(deployment, dict):
+        return
+    groups = deployment.get("groups")
+    places = [(groups, i, f"deployment.groups.{i}") for i in range(len(groups))] if isinstance(groups, list) else []
+    pools = deployment.get("disaggregated")
+    if isinstance(pools, dict):
+        places += [(pools, k, f"deployment.disaggregated.{k}") for k in ("prefill", "decode")]
+    for holder, key, where in places:
+        group = holder.get(key) if isinstance(holder, dict) else holder[key]
+        if isinstance(group, dict) and isinstance(group.get("profile"), str):
+            try:
+                holder[key] = apply_profile(group, base_dir)
+            except ScenarioError as exc:
+                raise ScenarioError(f"{where}.profile: {exc}") from None
+
+
+def replica_scenarios(scenario: Scenario) -> list[tuple[str | None, Scenario]]:
+    """Each replica's (group name, configuration): the scenario itself for every replica, or
+    per group the scenario with the group's sections merged over it. Their ``deployment`` is
+    None; the workload, SLO and seed stay the scenario's. A group whose configuration is not
+    valid or feasible is a ScenarioError naming ``deployment.groups.I``."""
+    dep = scenario.deployment
+    if dep is None:
+        return [(None, scenario)]
+    if getattr(scenario.workload, "sessions", None) is not None:
+        raise ScenarioError(
+            "deployment: a session workload (workload.sessions) runs on one engine; fleets "
+            "of multi-turn sessions are not modelled yet"
+        )
+    if dep.groups is None and dep.disaggregated is None:
+        one = scenario.model_copy(update={"deployment": None})
+        return [(None, one)] * dep.num_replicas
+    base = scenario.model_dump(mode="json")
+    base.pop("deployment", None)
+    out: list[tuple[str | None, Scenario]] = []
+    if dep.disaggregated is not None:
+        pools = [("prefill", dep.disaggregated.prefill), ("decode", dep.disaggregated.decode)]
+        where = "deployment.disaggregated.{}"
+    else:
+        pools = [(g.name, g) for g in dep.groups or []]
+        where = "deployment.groups.{}"
+    for i, (name, group) in enumerate(pools):
+        data = dict(base)
+        for section in GROUP_SECTIONS:
+            mine = getattr(group, section)
+            if mine is not None:
+                data[section] = _merge(data.get(section) or {}, mine)
+        if group.profile is not None:
+            data["profile"] = group.profile.model_dump()
+        try:
+            one = Scenario.model_validate_json(json.dumps(data), strict=True)
+            check_feasible(one)
+        except ValidationError as exc:
+            at = where.format(name if dep.disaggregated is not None else i)
+            raise ScenarioError(f"{at}.{format_validation_error(exc)}") from None
+        except ScenarioError as exc:
+            at = where.format(name if dep.disaggregated is not None else i)
+            raise ScenarioError(f"{at}.{exc}") from None
+        out += [(name, one)] * group.replicas
+    if dep.disaggregated is not None and dep.disaggregated.kv_transfer.kv_bytes_per_token is None:
+        if scenario.engine.memory is None:
+            raise ScenarioError(
+                "deployment.disaggregated.kv_transfer.kv_bytes_per_token: required without "
+                "engine.memory (whose model shape gives it)"
+            )
+    return out
+
+
+def kv_transfer_bytes_per_token(scenario: Scenario) -> int:
+    """KV bytes a token of a disaggregated deployment's prefill moves to its decode replica."""
+    dep = scenario.deployment
+    assert dep is not None and dep.disaggregated is not None
+    given = dep.disaggregated.kv_transfer.kv_bytes_per_token
+    if given is not None:
+        return given
+    assert scenario.engine.memory is not None
+    return scenario.engine.memory.model.kv_bytes_per_token_total()
 
 
 def load_scenario(
@@ -989,6 +1195,12 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
         raise ScenarioError(
             f"engine.memory: a KV pool of {eng.num_blocks:,} blocks; one simulation holds at "
             f"most {MAX_KV_BLOCKS:,} blocks (a larger block_size gives fewer)"
+        )
+    dep = scenario.deployment
+    if dep is not None and dep.groups is None and dep.num_replicas * eng.num_blocks > MAX_KV_BLOCKS:
+        raise ScenarioError(
+            f"deployment.replicas: {dep.num_replicas:,} replicas x {eng.num_blocks:,} KV blocks; "
+            f"one simulation holds at most {MAX_KV_BLOCKS:,} blocks in all"
         )
     arrival = wl.arrival
     requests = expected_requests(scenario)

@@ -36,7 +36,7 @@ from simcap.engine.step_time import make_step_model
 from simcap.early_stop import SloStop, StopRecord
 from simcap.errors import SimulationError
 from simcap.fast_forward import (
-    Clock, advance_decode_stretch, advance_verify_stretch, schedule_admission,
+    LATE, Clock, advance_decode_stretch, advance_verify_stretch, schedule_admission,
 )
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
@@ -136,13 +136,18 @@ class _StretchGaps:
 class _World:
     def __init__(
         self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False,
-        stop: SloStop | None = None,
+        stop: SloStop | None = None, *, fleet: Any = None, index: int = 0,
     ) -> None:
         self.scenario = scenario
         self.fast = fast
         self.stop = stop  # checked between steps: ends the run when it returns True
         self.num_arrivals = 0  # open loop and replay: every request the run will have
-        self.env = Clock()
+        # A replica of a fleet (simcap.fleet) shares the fleet's clock and records, and is
+        # sent its requests by the fleet's router; ``index`` is its place in the fleet.
+        self.fleet = fleet
+        self.index = index
+        self.env = Clock() if fleet is None else fleet.env
+        self.busy_until = -math.inf  # the end of the step (or stretch) in flight
         spec = scenario.speculative
         self.scheduler = Scheduler(
             scenario.engine, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
@@ -158,18 +163,26 @@ class _World:
         )
         # Engine randomness (acceptance, ngram matches) has its own streams, apart from the
         # workload's, so turning speculation on leaves the requests unchanged.
-        accept_ss, propose_ss = np.random.SeedSequence([scenario.seed, 1]).spawn(2)
+        # Replica r > 0 of a fleet has streams of its own (replica 0's are a lone engine's).
+        accept_ss, propose_ss = np.random.SeedSequence(
+            [scenario.seed, 1] + ([index] if index else [])
+        ).spawn(2)
         self.acceptance = (
             AcceptanceModel.from_config(spec, np.random.default_rng(accept_ss)) if spec else None
         )
         self.proposer = Proposer(spec, np.random.default_rng(propose_ss)) if spec else None
         self.spec_counters = SpecDecodeCounters() if spec else None
         # Step-time noise (None when off): its own stream, SeedSequence([seed, 2]).
-        self.noise = StepNoise.from_config(scenario.step_time.noise, scenario.seed)
+        self.noise = StepNoise.from_config(scenario.step_time.noise, scenario.seed, index)
         self.workload = Workload(scenario.workload, scenario.seed)
-        self.metrics = MetricsAccumulator()
+        # A fleet's replicas buffer less each (the figures do not depend on the buffering).
+        share = 1 if fleet is None else max(len(fleet.configs), 1)
+        self.metrics = MetricsAccumulator(compact_at=max((1 << 20) // share, 1 << 12))
+        self._gap_buffer = max(GAP_BUFFER // share, 1 << 10)
         # Records by request id (a replayed closed loop may send them out of id order).
-        self.records: dict[int, RequestRecord] | None = {} if records else None
+        self.records: dict[int, RequestRecord] | None = (
+            (fleet.records if fleet is not None else {}) if records else None
+        )
         self.steps = StepLog(keep=steps)
         # ITL samples not yet in the metrics: single gaps (with the tokens of the later
         # chunk; one token, in _single_gaps), stretch gaps that every request of a decode
@@ -191,19 +204,27 @@ class _World:
 
     # ------------------------------------------------------------------ actors
 
-    def submit(self, spec: RequestSpec, now: float, client_id: int | None = None) -> None:
-        """``spec`` arrives at ``now`` (sent by closed-loop client ``client_id``)."""
+    def submit(
+        self, spec: RequestSpec, now: float, client_id: int | None = None, *,
+        sent: float | None = None, external: int = 0,
+    ) -> None:
+        """``spec`` arrives at ``now`` (sent by closed-loop client ``client_id``). A fleet's
+        decode replica gets a request its client ``sent`` earlier, with ``external`` prompt
+        tokens' KV computed by a prefill replica."""
+        sent = now if sent is None else sent
         if self.records is not None:
             self.records[spec.request_id] = RequestRecord(
-                spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, client_id=client_id,
+                spec.request_id, sent, spec.num_prompt_tokens, spec.max_tokens, client_id=client_id,
                 session_id=spec.session_id, turn=spec.turn,
             )
         if spec.session_id is not None:
             self._session_of[spec.request_id] = (spec.session_id, spec.turn)
-        self.scheduler.add_request(Request(
-            spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments,
+        request = Request(
+            spec.request_id, sent, spec.num_prompt_tokens, spec.max_tokens, spec.segments,
             spec.output_key,
-        ))
+        )
+        request.num_external_tokens = external
+        self.scheduler.add_request(request)
         if self._wakeup is not None:
             self._wakeup.succeed()
             self._wakeup = None
@@ -312,7 +333,7 @@ class _World:
         else:
             self._gaps.append(now - req.last_token_ts)
             self._gap_tokens.append(num_tokens)
-            if len(self._gaps) >= GAP_BUFFER:
+            if len(self._gaps) >= self._gap_buffer:
                 self._flush_gaps()
         req.last_token_ts = now
         if self.records is not None:
@@ -334,9 +355,9 @@ class _World:
         if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
             self._decode_stretches.add(times, len(reqs))
-            if len(self._decode_stretches.times) >= GAP_BUFFER:
+            if len(self._decode_stretches.times) >= self._gap_buffer:
                 self._flush_gaps()
-        if len(gaps) >= GAP_BUFFER:
+        if len(gaps) >= self._gap_buffer:
             self._flush_gaps()
         if self.records is not None:
             ends = times[1:]
@@ -364,9 +385,9 @@ class _World:
         if len(times) > 2:  # every request's gap at each later step
             self._verify_stretches.add(times, num_reqs)
             self._verify_tokens += news[num_reqs:]
-            if len(self._verify_tokens) >= GAP_BUFFER:
+            if len(self._verify_tokens) >= self._gap_buffer:
                 self._flush_gaps()
-        if len(gaps) >= GAP_BUFFER:
+        if len(gaps) >= self._gap_buffer:
             self._flush_gaps()
         if self.records is not None:
             ends = times[1:]
@@ -419,6 +440,16 @@ class _World:
             notify = self._on_finish.pop(req.request_id, None)
             if notify is not None:
                 notify(req.num_output_tokens)
+        if self.fleet is not None:
+            self.fleet.responses_ended(self.index, reqs, now)
+
+    def gauges(self, now: float) -> tuple[int, int, float]:
+        """(running, waiting, KV usage) as a scrape at ``now`` reads them: those of the step in
+        flight (as it was scheduled), or the engine's own between steps."""
+        if self.busy_until > now:
+            return self.steps.last
+        scheduler = self.scheduler
+        return len(scheduler.running), len(scheduler.waiting), scheduler.kv.usage
 
     def engine(
         self, times: Sequence[float] | None = None, specs: Callable[[int], RequestSpec] | None = None
@@ -446,6 +477,7 @@ class _World:
         waiters = self._on_finish
         stop = self.stop
         clients = times is None  # closed loop: other SimPy processes share the clock
+        fleet = self.fleet  # a fleet's router sends this replica its requests
         num_arrivals = len(times) if times is not None else 0
         k = 0  # the next arrival
         next_arrival = times[0] if num_arrivals else math.inf
@@ -455,6 +487,10 @@ class _World:
                 self.submit(specs(k), next_arrival)
                 k += 1
                 next_arrival = times[k] if k < num_arrivals else math.inf
+            if fleet is not None and fleet.next_arrival <= now:
+                # A request arrives as this step would start: the router sends it first.
+                yield env.timeout_at(now, LATE)
+                continue
             if stop is not None and now >= stop.next_check and stop(self, now):
                 return
             if not scheduler.has_unfinished_requests():
@@ -469,7 +505,10 @@ class _World:
                 yield self._wakeup
                 now = env.now
                 continue
-            horizon = env.peek() if clients else next_arrival
+            if not clients:
+                horizon = next_arrival
+            else:  # a fleet's replica: the next arrival or scrape (open loop), or any event
+                horizon = env.peek() if fleet is None else fleet.horizon()
             out = stretch = None
             if fast:
                 if speculative:  # scheduled here, or by the scheduler, then run in bulk
@@ -482,6 +521,7 @@ class _World:
                     stretch = advance_decode_stretch(self, now, horizon, out)
             if stretch is not None:
                 now, finishing = stretch
+                self.busy_until = now
                 if clients and (now >= horizon or (finishing and waiters)):
                     yield env.timeout_at(now)
                 if finishing:
@@ -498,6 +538,7 @@ class _World:
                 if req.scheduled_ts is None:
                     req.scheduled_ts = now
             dt = step_model.step_period(out) if noise is None else noise.step_period(step_model, out)
+            self.busy_until = now + dt
             steps.append(
                 now, dt, out.num_prefill_tokens, out.num_decode_tokens, len(out.reqs),
                 len(scheduler.running), len(scheduler.waiting), kv.usage, len(out.preempted_reqs),
@@ -600,8 +641,15 @@ def simulate(
     replayed arrivals only): the run ends once the SLO is certain to fail, and
     ``Result.stopped`` says when and why.
 
+    A scenario with a ``deployment`` runs a fleet (:mod:`simcap.fleet`) and returns a
+    :class:`simcap.fleet.FleetResult`.
+
     A scenario larger than one simulation holds (:func:`simcap.scenario.check_limits`) is a
     ScenarioError before anything is allocated.
     """
     check_limits(scenario, records=records or steps)
+    if scenario.deployment is not None:
+        from simcap.fleet import simulate_fleet
+
+        return simulate_fleet(scenario, trace, fast=fast, records=records, steps=steps, stop=stop)
     return _World(scenario, fast, records, steps, stop).run(trace)

@@ -41,12 +41,15 @@ class StepLog:
         self._num_rows = 0
         # Rows not yet reduced (start times and KV usage), and the reduction so far: each
         # row's usage holds until the next row's start.
-        self._starts: list[float] = []
-        self._usages: list[float] = []
+        self._starts = array("d")  # (8 bytes a row: a fleet has one log per replica)
+        self._usages = array("d")
         self._weighted = 0.0
         self._weight = 0.0
         self._usage_sum = 0.0
         self._max = -math.inf
+        # The latest row's (num_running, num_waiting, kv_cache_usage): what the engine last
+        # published (a fleet's router scrapes it).
+        self.last: tuple[int, int, float] = (0, 0, 0.0)
 
     def __len__(self) -> int:
         return self._num_rows
@@ -68,6 +71,7 @@ class StepLog:
         self._starts.append(start)
         self._usages.append(kv_cache_usage)
         self._num_rows += 1
+        self.last = (num_running, num_waiting, kv_cache_usage)
         if len(self._starts) > FOLD_ROWS:
             self._fold()
         if self.keep:
@@ -89,8 +93,9 @@ class StepLog:
         """Rows of pure-decode steps of ``num_reqs`` requests, ``num_waiting`` waiting (none
         preempted)."""
         n = len(starts)
-        self._starts += starts
-        self._usages += usages
+        self.last = (num_reqs, num_waiting, usages[-1])
+        self._starts.extend(starts)
+        self._usages.extend(usages)
         self._num_rows += n
         while len(self._starts) > FOLD_ROWS:
             self._fold()
@@ -110,8 +115,8 @@ class StepLog:
 
     def _fold(self) -> None:
         """Reduce the oldest FOLD_ROWS buffered rows (the next row's start closes the last)."""
-        starts = np.array(self._starts[: FOLD_ROWS + 1])
-        usages = np.array(self._usages[:FOLD_ROWS])
+        starts = np.frombuffer(self._starts[: FOLD_ROWS + 1], dtype=np.float64)
+        usages = np.frombuffer(self._usages[:FOLD_ROWS], dtype=np.float64)
         self._reduce(starts, usages)
         del self._starts[:FOLD_ROWS], self._usages[:FOLD_ROWS]
 
@@ -131,7 +136,8 @@ class StepLog:
             return {"mean": None, "max": None}
         saved = self._weighted, self._weight, self._usage_sum, self._max
         if self._starts:
-            self._reduce(np.array(self._starts), np.array(self._usages))
+            self._reduce(np.frombuffer(self._starts, dtype=np.float64),
+                         np.frombuffer(self._usages, dtype=np.float64))
         weighted, weight, usage_sum, peak = self._weighted, self._weight, self._usage_sum, self._max
         self._weighted, self._weight, self._usage_sum, self._max = saved
         if weight > 0:

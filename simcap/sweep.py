@@ -152,13 +152,14 @@ def _metric_template() -> dict[str, Any]:
 
 
 def check_metrics(metrics: Sequence[str]) -> list[str]:
-    """Reject metric paths that name nothing in a result (``spec_decode.*``, ``slo.*`` and
-    ``provenance.*``, e.g. ``provenance.kv_pool_blocks``, are free-form)."""
+    """Reject metric paths that name nothing in a result (``spec_decode.*``, ``slo.*``,
+    ``provenance.*``, e.g. ``provenance.kv_pool_blocks``, and a fleet's ``fleet.*``, e.g.
+    ``fleet.load_imbalance.requests``, are free-form)."""
     template = _metric_template()
     for metric in metrics:
         node: Any = template
         parts = metric.split(".")
-        if parts[0] in ("spec_decode", "slo", "provenance"):
+        if parts[0] in ("spec_decode", "slo", "provenance", "fleet"):
             continue
         for part in parts:
             if not isinstance(node, dict) or part not in node:
@@ -279,7 +280,7 @@ def run_sweep(
     if progress is not None:
         progress(0, len(tasks))
     if backend == "ray":
-        for index, row in _run_ray(tasks):
+        for index, row in run_ray(tasks):
             results[index] = row
             tick()
     else:
@@ -310,8 +311,9 @@ def run_sweep(
     return SweepResult(list(grid), list(metrics), rows, prov)
 
 
-def _run_ray(tasks: list[tuple]):
-    """Yield (index, row) as Ray tasks finish (any order; the caller places them)."""
+def run_ray(tasks: list[tuple], fn: Callable[[tuple], Any] | None = None):
+    """Yield ``fn(task)`` (default: a sweep point's (index, row)) as Ray tasks finish, in any
+    order: each result must say where it belongs (as (index, value) does)."""
     try:
         import ray
     except ImportError:
@@ -321,7 +323,7 @@ def _run_ray(tasks: list[tuple]):
         ) from None
     if not ray.is_initialized():
         ray.init(ignore_reinit_error=True, log_to_driver=False)
-    remote = ray.remote(_run_task)
+    remote = ray.remote(fn if fn is not None else _run_task)
     pending = [remote.remote(t) for t in tasks]
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)

@@ -189,6 +189,67 @@ CASES = [
     ([*LIVE_CAL, "--seed", "-1"], "--seed"),
     ([*LIVE_CAL, "--noise", "gauss"], "--noise"),
     (["no-such-command"], "no-such-command"),
+    # fleets: replica counts, routers, weights, groups
+    (["simulate", "{s}", "--set", "deployment.replicas=0"], "deployment.replicas"),
+    (["simulate", "{s}", "--set", "deployment.replicas=-2"], "deployment.replicas"),
+    (["simulate", "{s}", "--set", "deployment.replicas=1.5"], "deployment.replicas"),
+    (["simulate", "{s}", "--set", "deployment.router=fastest"], "known: roundrobin, least_request"),
+    (["simulate", "{s}", "--set", "deployment={router: prefix_cache, weights: {prefix_cache: lots}}"],
+     "deployment.weights.prefix_cache"),
+    (["simulate", "{s}", "--set", "deployment={router: prefix_cache, weights: {prefix_cache: -1}}"],
+     "deployment.weights.prefix_cache"),
+    (["simulate", "{s}", "--set", "deployment={router: prefix_cache, weights: {load: 1}}"],
+     "deployment.weights.load"),
+    (["simulate", "{s}", "--set", "deployment={router: prefix_cache, weights: [1, 2]}"],
+     "deployment.weights"),
+    (["simulate", "{s}", "--set", "deployment={router: roundrobin, weights: {queue: 1}}"],
+     "deployment.weights"),
+    (["simulate", "{s}", "--set", "deployment.scrape_interval_s=0"], "deployment.scrape_interval_s"),
+    (["simulate", "{s}", "--set", "deployment={groups: [{replicas: 0}]}"], "deployment.groups.0.replicas"),
+    (["simulate", "{s}", "--set", "deployment={groups: [{replicas: 1, engine: {max_num_seqs: -1}}]}"],
+     "deployment.groups.0.engine.max_num_seqs"),
+    (["simulate", "{s}", "--set", "deployment={replicas: 3, groups: [{replicas: 1}]}"],
+     "deployment.replicas"),
+    (["simulate", "{s}", "--compare-router", "roundrobin"], "--compare-router"),
+    (["simulate", str(ROOT / "examples" / "chat-sessions.yaml"), "--set", "deployment.replicas=2"],
+     "deployment: a session workload"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1}, decode: "
+      "{replicas: 1}, kv_transfer: {latency_s: 0.001, kv_bytes_per_token: 1000}}}"],
+     "deployment.disaggregated.kv_transfer.bandwidth_gbps"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1}, decode: "
+      "{replicas: 1}}}"], "deployment.disaggregated.kv_transfer"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1}, decode: "
+      "{replicas: 1}, kv_transfer: {bandwidth_gbps: 0, kv_bytes_per_token: 1000}}}"],
+     "deployment.disaggregated.kv_transfer.bandwidth_gbps"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1}, decode: "
+      "{replicas: 1}, kv_transfer: {bandwidth_gbps: 10}}}"],
+     "deployment.disaggregated.kv_transfer.kv_bytes_per_token"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 0}, decode: "
+      "{replicas: 1}, kv_transfer: {bandwidth_gbps: 10, kv_bytes_per_token: 1000}}}"],
+     "deployment.disaggregated.prefill.replicas"),
+    (["simulate", "{s}", "--set", "deployment={replicas: 2, disaggregated: {prefill: {replicas: 1}, "
+      "decode: {replicas: 1}, kv_transfer: {bandwidth_gbps: 10, kv_bytes_per_token: 1000}}}"],
+     "deployment.disaggregated"),
+    (["simulate", "{s}", "--set", "deployment={disaggregated: {prefill: {replicas: 1, engine: "
+      "{block_size: 0}}, decode: {replicas: 1}, kv_transfer: {bandwidth_gbps: 10, "
+      "kv_bytes_per_token: 1000}}}"], "deployment.disaggregated.prefill.engine.block_size"),
+    (["simulate", "{s}", "--set", "engine.num_gpu_blocks=9000000", "--set", "deployment.replicas=2"],
+     "deployment.replicas"),
+    (["capacity", "{s}", "--replicas", "0"], "--replicas"),
+    (["capacity", "{s}", "--replicas", "-3"], "--replicas"),
+    (["capacity", "{s}", "--router", "least_request"], "--router"),
+    (["capacity", "{s}", "--replicas", "2", "--router", "nearest"], "known: roundrobin"),
+    (["fleet", "{s}", "--target-rate", "0"], "--target-rate"),
+    (["fleet", "{s}", "--target-rate", "-5"], "--target-rate"),
+    (["fleet", "{s}", "--target-rate", "5", "--router", "roundrobin,nearest"], "known: roundrobin"),
+    (["fleet", "{s}", "--target-rate", "5", "--price-per-replica-hour", "-1"], "--price-per-replica-hour"),
+    (["fleet", "{s}", "--target-rate", "5", "--max-replicas", "0"], "--max-replicas"),
+    (["fleet", "{s}", "--target-rate", "5", "--backend", "mpi"], "--backend"),
+    (["fleet", "{s}", "--target-rate", "5", "--disaggregated"], "deployment.disaggregated"),
+    (["fleet", "{s}", "--target-rate", "5", "--disaggregated", "--router", "roundrobin"], "--router"),
+    (["fleet", "{s}", "--target-rate", "5", "--slo", "ttft_p95=-1"], "ttft_p95"),
+    (["fleet", "{s}", "--target-rate", "5", "--set", "deployment={groups: [{replicas: 1}]}"],
+     "deployment.groups"),
 ]
 
 
@@ -211,7 +272,7 @@ def paths(tmp_path_factory):
 def test_the_table_covers_every_command():
     assert len(CASES) >= 40
     commands = {args[0] if args[0] != "live" else " ".join(args[:2]) for args, _ in CASES}
-    assert commands >= {"simulate", "kv", "crossover", "capacity", "sweep", "calibrate",
+    assert commands >= {"simulate", "kv", "crossover", "capacity", "sweep", "calibrate", "fleet",
                         "live run", "live validate", "live calibrate", "live capacity"}
 
 

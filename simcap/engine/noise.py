@@ -97,11 +97,15 @@ class StepNoise:
         self._next = 0  # the next unused one
 
     @classmethod
-    def from_config(cls, config: StepNoiseConfig | None, seed: int) -> "StepNoise | None":
-        """The scenario's noise (None when off or no kind has a distribution)."""
+    def from_config(
+        cls, config: StepNoiseConfig | None, seed: int, replica: int = 0
+    ) -> "StepNoise | None":
+        """The scenario's noise (None when off or no kind has a distribution); replica r > 0
+        of a fleet draws from a stream of its own."""
         if config is None or all(getattr(config, k) is None for k in KINDS):
             return None
-        rng = np.random.default_rng(np.random.SeedSequence([seed, NOISE_STREAM]))
+        entropy = [seed, NOISE_STREAM] + ([replica] if replica else [])
+        rng = np.random.default_rng(np.random.SeedSequence(entropy))
         return cls(config, rng)
 
     def _ensure(self, n: int) -> None:

@@ -34,6 +34,7 @@ class Request:
     """Engine-side state of one request (``vllm/v1/request.py``)."""
 
     __slots__ = (
+        "num_external_tokens",
         "request_id",
         "arrival_time",
         "num_prompt_tokens",
@@ -67,6 +68,9 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.arrival_time = arrival_time
+        # Prompt tokens whose KV another engine computed (disaggregated prefill): admission
+        # counts them computed, as vLLM's KV connector does, all but the last prompt token.
+        self.num_external_tokens = 0
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         # Unique content by default: a key no other request uses.

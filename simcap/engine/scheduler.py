@@ -291,7 +291,14 @@ class Scheduler:
                 )
                 if not self.features.prefix_stats_at_admission and kv.enable_caching:
                     kv.record_prefix_cache_stats(req.num_tokens, num_hit)
-            n = req.num_tokens - num_hit
+            external = 0
+            if req.num_external_tokens and req.num_computed_tokens == 0 and not req.num_preemptions:
+                # KV received from a prefill engine (vLLM's connector: WAITING_FOR_REMOTE_KVS,
+                # then scheduled with those tokens computed; the last prompt token is recomputed).
+                external = min(req.num_external_tokens, req.num_tokens - 1) - num_hit
+                if external < 0:
+                    external = 0
+            n = req.num_tokens - num_hit - external
             padded = False
             if (pad and n == 1 and (num_running_scheduled or num_hit)
                     and num_hit + 2 + k <= self.max_model_len):
@@ -314,11 +321,12 @@ class Scheduler:
                 if need + headroom > kv.num_free_blocks:
                     break
             elif headroom:
-                need = -(-(num_hit + n + self.num_lookahead_tokens) // bs) - len(hit_blocks)
+                need = -(-(num_hit + external + n + self.num_lookahead_tokens) // bs) - len(hit_blocks)
                 if need + headroom > kv.num_free_blocks:
                     break
             if not kv.allocate_slots(
-                req, n, num_hit, hit_blocks, num_lookahead_tokens=self.num_lookahead_tokens
+                req, external + n, num_hit, hit_blocks,
+                num_lookahead_tokens=self.num_lookahead_tokens,
             ):
                 break
             if self.features.prefix_stats_at_admission and kv.enable_caching:
@@ -326,7 +334,7 @@ class Scheduler:
             waiting.popleft()
             running.append(req)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + external
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             out.new_reqs.append(req)
