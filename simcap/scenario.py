@@ -25,6 +25,7 @@ from pydantic import (
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
 from simcap.profile import apply_profile
+from simcap.traces import TraceConfig, load_trace
 from simcap.yaml_files import load_yaml, read_yaml_mapping
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
@@ -475,12 +476,17 @@ class PrefixSharing(_Model):
 
 
 class WorkloadConfig(_Model):
-    arrival: Arrival
+    """Arrivals and lengths: synthetic (arrival, input_len, output_len, a stop rule), or the
+    requests of a public trace (``trace``, :mod:`simcap.traces`), sent at its own times or,
+    with ``arrival``, by that process."""
+
+    arrival: Arrival | None = None
     num_requests: int | None = Field(None, gt=0, le=MAX_REQUESTS)
     duration_s: float | None = Field(None, gt=0.0, le=MAX_SIMULATED_S)
-    input_len: Length
-    output_len: Length
+    input_len: Length | None = None
+    output_len: Length | None = None
     prefix: PrefixSharing | None = None
+    trace: TraceConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -494,9 +500,77 @@ class WorkloadConfig(_Model):
 
     @model_validator(mode="after")
     def _one_stop_rule(self) -> "WorkloadConfig":
+        if self.trace is not None:
+            for name in ("input_len", "output_len", "prefix", "num_requests", "duration_s"):
+                if getattr(self, name) is not None:
+                    where = {"num_requests": "; slice it with workload.trace.num_requests",
+                             "duration_s": "; slice it with workload.trace.start_s / duration_s"}
+                    raise ValueError(
+                        f"workload.{name}: not with workload.trace, whose rows give the "
+                        f"requests{where.get(name, '')}"
+                    )
+            if self.arrival is None and not self.trace.timed:
+                raise ValueError(
+                    f"workload.arrival: a {self.trace.format} file has no timestamps; give an "
+                    "arrival process (poisson, gamma or closed) to send its requests"
+                )
+            if self.arrival is not None and "speedup" in self.trace.model_fields_set:
+                raise ValueError(
+                    "workload.trace.speedup: workload.arrival sends the requests, not the "
+                    "trace's timestamps; drop one of them"
+                )
+            return self
+        for name in ("arrival", "input_len", "output_len"):
+            if getattr(self, name) is None:
+                raise ValueError(f"workload.{name}: required field is missing (or give workload.trace)")
         if (self.num_requests is None) == (self.duration_s is None):
             raise ValueError("give exactly one of num_requests or duration_s")
         return self
+
+    @property
+    def trace_requests(self):  # -> simcap.traces.TraceRequests | None
+        """The loaded trace's requests, or None for a synthetic workload."""
+        return self.trace.requests if self.trace is not None else None
+
+    @property
+    def max_input_len(self) -> int:
+        t = self.trace_requests
+        if t is not None:
+            return int(t.input_lens.max())
+        assert self.input_len is not None
+        return self.input_len.max_value
+
+    @property
+    def max_output_len(self) -> int:
+        t = self.trace_requests
+        if t is not None:
+            return int(t.output_lens.max())
+        assert self.output_len is not None
+        return self.output_len.max_value
+
+    @property
+    def max_request_len(self) -> int:
+        """The most tokens (prompt + output) one request can reach."""
+        t = self.trace_requests
+        if t is not None:
+            return int((t.input_lens + t.output_lens).max())
+        return self.max_input_len + self.max_output_len
+
+    @property
+    def min_output_len(self) -> int:
+        t = self.trace_requests
+        if t is not None:
+            return int(t.output_lens.min())
+        assert self.output_len is not None
+        return self.output_len.min_value
+
+    @property
+    def mean_output_len(self) -> float:
+        t = self.trace_requests
+        if t is not None:
+            return float(t.output_lens.mean())
+        assert self.output_len is not None
+        return _mean_length(self.output_len)
 
 
 # --------------------------------------------------------------------------- SLO
@@ -621,6 +695,9 @@ def _resolve_files(data: dict[str, Any], base_dir: Path) -> None:
     workload = data.get("workload")
     if not isinstance(workload, dict):
         return
+    trace = workload.get("trace")
+    if isinstance(trace, dict) and isinstance(trace.get("path"), str) and trace["path"]:
+        workload["trace"] = {**trace, "path": str(base_dir / trace["path"])}
     for key in ("input_len", "output_len"):
         spec = workload.get(key)
         if isinstance(spec, dict) and "file" in spec:
@@ -713,6 +790,8 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
         raise ScenarioError(format_validation_error(exc)) from None
     if isinstance(profile_ref, str):
         scenario._profile_file = (base_dir / profile_ref).resolve()
+    if scenario.workload.trace is not None:
+        load_trace(scenario.workload.trace, max_model_len=scenario.engine.max_model_len)
     if check:
         check_feasible(scenario)
     return scenario
@@ -733,20 +812,20 @@ def check_feasible(scenario: Scenario) -> None:
     (:func:`check_limits`), naming the field at fault."""
     check_limits(scenario)
     eng, wl = scenario.engine, scenario.workload
-    max_in, max_out = wl.input_len.max_value, wl.output_len.max_value
-    if wl.prefix is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
+    max_in, max_out = wl.max_input_len, wl.max_output_len
+    if wl.prefix is not None and wl.input_len is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
         raise ScenarioError(
             f"workload.prefix.shared_tokens: must be < the shortest input_len "
             f"({wl.input_len.min_value}), got {wl.prefix.shared_tokens}"
         )
-    if max_in + max_out > eng.max_model_len:
+    if wl.max_request_len > eng.max_model_len:
         raise ScenarioError(
             f"workload.input_len: prompt ({max_in}) + output ({max_out}) tokens exceed "
             f"engine.max_model_len ({eng.max_model_len}); vLLM rejects such a request"
         )
     # EAGLE also reserves k lookahead slots per request (capped at max_model_len).
     lookahead = scenario.speculative.num_lookahead_tokens if scenario.speculative else 0
-    need = min(max_in + max_out + lookahead, eng.max_model_len)
+    need = min(wl.max_request_len + lookahead, eng.max_model_len)
     if eng.kv_capacity_tokens < need:
         raise ScenarioError(
             f"{'engine.num_gpu_blocks' if eng.memory is None else 'engine.memory'}: a KV pool of "
@@ -774,7 +853,7 @@ def _shortest_request_s(scenario: Scenario) -> float:
         step += st.efficiency.weights * st.physics.weights
     step = max(step, st.host_overhead)
     per_step = 1 + (scenario.speculative.num_speculative_tokens if scenario.speculative else 0)
-    steps = math.ceil(wl.output_len.min_value / per_step)
+    steps = math.ceil(wl.min_output_len / per_step)
     assert isinstance(wl.arrival, ClosedArrival)
     return wl.arrival.think_time_s + steps * step
 
@@ -784,6 +863,8 @@ def expected_requests(scenario: Scenario) -> float:
     expected); clients x (duration_s / shortest request + 1) (closed loop, at most); inf when
     a closed loop's requests may take no time at all."""
     wl = scenario.workload
+    if wl.trace is not None:
+        return float(len(wl.trace.requests))
     if wl.num_requests is not None:
         return float(wl.num_requests)
     assert wl.duration_s is not None
@@ -823,11 +904,19 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
                 f"{_shortest_request_s(scenario):.3g} s); one simulation holds at most "
                 f"{MAX_REQUESTS:,} requests: give num_requests or a shorter duration_s"
             )
-    elif wl.num_requests is not None:
-        span = (wl.num_requests - 1) / arrival.rate
+    elif arrival is None:  # a trace at its own times
+        times = wl.trace.requests.times
+        if times is not None and float(times[-1]) > MAX_SIMULATED_S:
+            raise ScenarioError(
+                f"workload.trace.speedup: the trace's requests arrive over ~{float(times[-1]):.3g} s; "
+                f"one simulation covers at most {MAX_SIMULATED_S:.0e} s of arrivals"
+            )
+    elif wl.num_requests is not None or wl.trace is not None:
+        count = wl.num_requests if wl.num_requests is not None else len(wl.trace.requests)
+        span = (count - 1) / arrival.rate
         if span > MAX_SIMULATED_S:
             raise ScenarioError(
-                f"workload.arrival.rate: {wl.num_requests:,} requests at {arrival.rate:g} req/s "
+                f"workload.arrival.rate: {count:,} requests at {arrival.rate:g} req/s "
                 f"arrive over ~{span:.3g} s; one simulation covers at most "
                 f"{MAX_SIMULATED_S:.0e} s of arrivals"
             )
@@ -837,11 +926,12 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
             f"~{requests:.3g} requests (rate x duration_s); one simulation holds at most "
             f"{MAX_REQUESTS:,} requests"
         )
-    tokens = requests * _mean_length(wl.output_len)
+    tokens = requests * wl.mean_output_len
     if records and tokens > MAX_RECORDED_TOKENS:
-        field = "num_requests" if wl.num_requests is not None else "duration_s"
+        field = ("trace.num_requests" if wl.trace is not None
+                 else "num_requests" if wl.num_requests is not None else "duration_s")
         raise ScenarioError(
-            f"workload.{field}: ~{requests:.3g} requests x {_mean_length(wl.output_len):g} "
+            f"workload.{field}: ~{requests:.3g} requests x {wl.mean_output_len:g} "
             f"output tokens is ~{tokens:.3g} tokens to keep chunk by chunk (plots); a run that "
             f"keeps them holds at most {MAX_RECORDED_TOKENS:,}: give fewer requests"
         )
