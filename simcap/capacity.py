@@ -640,6 +640,11 @@ def find_capacity(
     ``early_stop``: stop a run once its SLO is certain to fail (see the module doc); True,
     False, or ``"interval"`` (only the bootstrap interval's runs).
     """
+    if scenario.workload.trace is not None:
+        raise ScenarioError(
+            "workload.trace: capacity searches a rate of synthetic arrivals for a time; a trace "
+            "sends its own requests (scale its load with workload.trace.speedup in simulate or sweep)"
+        )
     targets = parse_slo(slo) if slo else dict(scenario.slo)
     if not targets:
         raise ScenarioError(

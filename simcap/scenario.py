@@ -496,6 +496,12 @@ class WorkloadConfig(_Model):
             for key in ("input_len", "output_len"):
                 if key in data:
                     data[key] = _length_shorthand(data[key])
+            trace = data.get("trace")
+            if isinstance(trace, dict) and trace and not {"format", "path"} & set(trace):
+                raise ValueError(
+                    f"workload.trace: {', '.join(sorted(map(str, trace)))} given, but no trace to "
+                    "replay; give workload.trace.format and workload.trace.path"
+                )
         return data
 
     @model_validator(mode="after")
@@ -514,7 +520,7 @@ class WorkloadConfig(_Model):
                     f"workload.arrival: a {self.trace.format} file has no timestamps; give an "
                     "arrival process (poisson, gamma or closed) to send its requests"
                 )
-            if self.arrival is not None and "speedup" in self.trace.model_fields_set:
+            if self.arrival is not None and self.trace.speedup != 1.0:
                 raise ValueError(
                     "workload.trace.speedup: workload.arrival sends the requests, not the "
                     "trace's timestamps; drop one of them"

@@ -64,6 +64,8 @@ BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 MOONCAKE_BLOCK_SIZE = 512
 _TIMED = {"azure", "mooncake", "burstgpt"}
+# Seconds per unit of each format's timestamps (Azure: 100 ns ticks of its date and time).
+_TIME_UNIT_S = {"azure": 1e-7, "mooncake": 1e-3, "burstgpt": 1.0, "sharegpt": 1.0}
 
 _MAX_TOKENS = 2**24  # (simcap.scenario.MAX_TOKENS; a length past it is a bad row)
 _MAX_REQUESTS = 10_000_000  # (simcap.scenario.MAX_REQUESTS)
@@ -91,17 +93,17 @@ class TraceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _options_fit_format(self) -> "TraceConfig":
-        timed = self.format in _TIMED
-        if not timed:
-            for name in ("speedup", "start_s", "duration_s"):
-                if name in self.model_fields_set:
+        # (Checked by value, not by presence: a dumped scenario carries every default.)
+        if self.format not in _TIMED:
+            for name, default in (("speedup", 1.0), ("start_s", 0.0), ("duration_s", None)):
+                if getattr(self, name) != default:
                     raise ValueError(
                         f"workload.trace.{name}: a {self.format} file has no timestamps; "
                         "workload.arrival sends its requests (slice with num_requests)"
                     )
-        if self.format != "mooncake" and "block_size" in self.model_fields_set:
+        if self.format != "mooncake" and self.block_size != MOONCAKE_BLOCK_SIZE:
             raise ValueError("workload.trace.block_size: only a mooncake trace has hash ids")
-        if self.format != "sharegpt" and "shuffle_seed" in self.model_fields_set:
+        if self.format != "sharegpt" and self.shuffle_seed is not None:
             raise ValueError("workload.trace.shuffle_seed: only a sharegpt file is shuffled")
         return self
 
@@ -190,25 +192,26 @@ def _length(value: Any, name: str) -> int:
     return number
 
 
-def _seconds(value: Any, name: str, scale: float = 1.0) -> float:
+def _time(value: Any, name: str) -> float:
+    """A timestamp in the format's own unit (a JSON integer stays exact)."""
     if value is None or value == "":
         raise _BadRow(f"{name} is missing")
     if isinstance(value, bool):
         raise _BadRow(f"{name} is {value!r}, not a number")
     try:
-        t = float(value)
+        t = value if isinstance(value, int) else float(value)
     except (TypeError, ValueError):
         raise _BadRow(f"{name} is {value!r}, not a number") from None
     if not math.isfinite(t) or t < 0:
         raise _BadRow(f"{name} is {value!r}; times must be finite and >= 0")
-    return t * scale
+    return t
 
 
 _AZURE_TIME = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2})(?:\.(\d+))?")
 
 
-def _azure_time(value: str | None) -> float:
-    """Seconds since 1970 (as UTC) of an Azure trace TIMESTAMP, to its full 100 ns digits."""
+def _azure_time(value: str | None) -> int:
+    """An Azure trace TIMESTAMP in 100 ns ticks since 1970 (as UTC): exact, as published."""
     if not value:
         raise _BadRow("TIMESTAMP is missing")
     m = _AZURE_TIME.fullmatch(value.strip())
@@ -218,8 +221,8 @@ def _azure_time(value: str | None) -> float:
         whole = datetime.datetime.strptime(m.group(1).replace("T", " "), "%Y-%m-%d %H:%M:%S")
     except ValueError:
         raise _BadRow(f"TIMESTAMP is {value!r}, not a date and time") from None
-    frac = m.group(2) or ""
-    return calendar.timegm(whole.timetuple()) + (int(frac) / 10 ** len(frac) if frac else 0.0)
+    frac = (m.group(2) or "")[:7].ljust(7, "0")  # (digits past 100 ns dropped)
+    return calendar.timegm(whole.timetuple()) * 10**7 + int(frac)
 
 
 def _not_format(path: Path, fmt: str, expected: str, got: str) -> ScenarioError:
@@ -251,7 +254,7 @@ def _read_azure(path: Path, text: str) -> Iterator[tuple[int, Any]]:
 def _read_burstgpt(path: Path, text: str) -> Iterator[tuple[int, Any]]:
     for line, row in _csv_rows(path, "burstgpt", BURSTGPT_COLUMNS, text):
         yield line, lambda row=row: (
-            _seconds(row.get("Timestamp"), "Timestamp"),
+            _time(row.get("Timestamp"), "Timestamp"),
             _length(row.get("Request tokens"), "Request tokens"),
             _length(row.get("Response tokens"), "Response tokens"),
             (),
@@ -281,7 +284,7 @@ def _read_mooncake(path: Path, text: str) -> Iterator[tuple[int, Any]]:
             if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
                 raise _BadRow(f"hash_ids is {str(ids)[:40]}, not a list of whole numbers >= 0")
             return (
-                _seconds(obj.get("timestamp"), "timestamp", 1e-3),
+                _time(obj.get("timestamp"), "timestamp"),
                 _length(obj.get("input_length"), "input_length"),
                 _length(obj.get("output_length"), "output_length"),
                 tuple(ids),
@@ -352,7 +355,7 @@ def load_trace(config: TraceConfig, *, max_model_len: int) -> TraceRequests:
     rows: list[_Row] = []
     bad = 0
     first_bad: str | None = None
-    unit = "entry" if config.format == "sharegpt" else "line"
+    where = "entry" if config.format == "sharegpt" else "line"
     try:
         for line, parse in readers[config.format]():
             try:
@@ -360,11 +363,11 @@ def load_trace(config: TraceConfig, *, max_model_len: int) -> TraceRequests:
             except _BadRow as exc:
                 if config.on_bad_row == "stop":
                     raise ScenarioError(
-                        f"workload.trace: {path} {unit} {line}: {exc}; lengths must be whole "
+                        f"workload.trace: {path} {where} {line}: {exc}; lengths must be whole "
                         "numbers > 0 (workload.trace.on_bad_row: skip counts and leaves such rows out)"
                     ) from None
                 bad += 1
-                first_bad = first_bad or f"{unit} {line}: {exc}"
+                first_bad = first_bad or f"{where} {line}: {exc}"
                 continue
             rows.append(_Row(line, t, n_in, n_out, blocks))
     except csv.Error as exc:
@@ -377,15 +380,17 @@ def load_trace(config: TraceConfig, *, max_model_len: int) -> TraceRequests:
         raise ScenarioError(f"workload.trace: {path} has no usable rows ({bad} bad)")
 
     rows.sort(key=lambda r: r.time)  # stable: ties keep file order
+    unit = _TIME_UNIT_S[config.format]
     t0 = rows[0].time
-    lo = t0 + config.start_s
+    for r in rows:  # seconds after the first row (differences of exact values)
+        r.time = (r.time - t0) * unit
+    lo = config.start_s
     hi = lo + config.duration_s if config.duration_s is not None else math.inf
     window = [r for r in rows if lo <= r.time < hi] if config.timed else rows
     if not window:
         raise ScenarioError(
-            f"workload.trace.start_s: no rows in [{config.start_s:g}, "
-            f"{config.start_s + (config.duration_s or math.inf):g}) s of {path} "
-            f"(its rows span {rows[-1].time - t0:g} s)"
+            f"workload.trace.start_s: no rows in [{config.start_s:g}, {hi:g}) s of {path} "
+            f"(its rows span {rows[-1].time:g} s)"
         )
     kept: list[_Row] = []
     too_long = 0
@@ -396,7 +401,7 @@ def load_trace(config: TraceConfig, *, max_model_len: int) -> TraceRequests:
         if r.input_len + r.output_len > max_model_len:
             if config.on_too_long == "stop":
                 raise ScenarioError(
-                    f"workload.trace: {path} {unit} {r.line}: prompt ({r.input_len}) + output "
+                    f"workload.trace: {path} {where} {r.line}: prompt ({r.input_len}) + output "
                     f"({r.output_len}) tokens exceed engine.max_model_len ({max_model_len}); vLLM "
                     "rejects such a request (workload.trace.on_too_long: skip counts and leaves them out)"
                 )
@@ -425,3 +430,13 @@ def load_trace(config: TraceConfig, *, max_model_len: int) -> TraceRequests:
         summary["span_s"] = float(times[-1])
     config._requests = requests
     return requests
+
+
+def trace_overrides(
+    speedup: float | None = None, start_s: float | None = None,
+    duration_s: float | None = None, num_requests: int | None = None,
+) -> list[str]:
+    """``--set`` overrides of ``workload.trace`` for the options given (the CLI's trace flags)."""
+    given = (("speedup", speedup), ("start_s", start_s), ("duration_s", duration_s),
+             ("num_requests", num_requests))
+    return [f"workload.trace.{key}={value!r}" for key, value in given if value is not None]
