@@ -134,9 +134,8 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
     trace = prov.get("trace")
     if trace:
         line = (f"trace: {trace['format']} {trace['file']} (sha256 {trace['sha256'][:12]}): "
-                f"{trace['requests']:,} requests sent of {trace['rows']:,} rows")
-        if "span_s" in trace:
-            line += f" over {trace['span_s']:.1f} s"
+                f"{trace['requests']:,} requests of {trace['rows']:,} rows")
+        line += f", sent over {trace['span_s']:.1f} s" if "span_s" in trace else ", sent by workload.arrival"
         skipped = [f"{trace[k]:,} {what}" for k, what in
                    (("bad_rows_skipped", "bad rows"), ("too_long_skipped", "too long for max_model_len"))
                    if trace.get(k)]

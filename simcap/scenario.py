@@ -797,7 +797,8 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
     if isinstance(profile_ref, str):
         scenario._profile_file = (base_dir / profile_ref).resolve()
     if scenario.workload.trace is not None:
-        load_trace(scenario.workload.trace, max_model_len=scenario.engine.max_model_len)
+        load_trace(scenario.workload.trace, max_model_len=scenario.engine.max_model_len,
+                   own_times=scenario.workload.arrival is None)
     if check:
         check_feasible(scenario)
     return scenario

@@ -226,7 +226,8 @@ def _azure_time(value: str | None) -> int:
 
 
 def _not_format(path: Path, fmt: str, expected: str, got: str) -> ScenarioError:
-    return ScenarioError(f"workload.trace: {path} is not a {fmt} trace: expected {expected} (got {got})")
+    article = "an" if fmt[0] in "aeiou" else "a"
+    return ScenarioError(f"workload.trace: {path} is not {article} {fmt} trace: expected {expected} (got {got})")
 
 
 def _csv_rows(path: Path, fmt: str, columns: tuple[str, ...], text: str) -> Iterator[tuple[int, dict[str, str]]]:
@@ -328,8 +329,11 @@ def _read_sharegpt(path: Path, text: str, shuffle_seed: int | None, summary: dic
         )
 
 
-def load_trace(config: TraceConfig, *, max_model_len: int) -> TraceRequests:
+def load_trace(config: TraceConfig, *, max_model_len: int, own_times: bool = True) -> TraceRequests:
     """Read ``config.path`` in ``config.format``, slice it and fill in ``config.requests``.
+
+    ``own_times``: the requests are sent at the trace's times (else an arrival process sends
+    them, and ``times`` is None).
 
     Every failure is a :class:`ScenarioError` naming ``workload.trace``: a missing file, a
     file not in the format (with the columns it should have), a bad or too long row under
@@ -415,7 +419,7 @@ def load_trace(config: TraceConfig, *, max_model_len: int) -> TraceRequests:
             f"({max_model_len}); {too_long} skipped"
         )
     times = None
-    if config.timed:
+    if config.timed and own_times:
         times = (np.fromiter((r.time for r in kept), float, len(kept)) - kept[0].time) / config.speedup
     requests = TraceRequests(
         input_lens=np.fromiter((r.input_len for r in kept), np.int64, len(kept)),

@@ -195,13 +195,13 @@ def test_arrival_process_replaces_the_timestamps(tmp_path):
 
 
 @pytest.mark.parametrize("fmt,name,text,match", [
-    ("azure", "x.csv", "time,in,out\n1,2,3\n", r"not a azure trace: expected CSV columns TIMESTAMP,ContextTokens"),
+    ("azure", "x.csv", "time,in,out\n1,2,3\n", r"not an azure trace: expected CSV columns TIMESTAMP,ContextTokens"),
     ("burstgpt", "x.csv", AZURE, r"not a burstgpt trace: expected CSV columns Timestamp,Model,Request tokens"),
     ("mooncake", "x.jsonl", AZURE, r"not a mooncake trace: expected one JSON object a line with keys timestamp"),
     ("mooncake", "x.jsonl", "", r"not a mooncake trace.*an empty file"),
     ("sharegpt", "x.json", MOONCAKE, r"not a sharegpt trace: expected a JSON list.*invalid JSON"),
     ("sharegpt", "x.json", json.dumps({"conversations": []}), r"not a sharegpt trace.*a JSON dict"),
-    ("azure", "x.csv", "", r"not a azure trace.*an empty file"),
+    ("azure", "x.csv", "", r"not an azure trace.*an empty file"),
 ])
 def test_a_file_not_in_the_format_names_the_expected_columns(tmp_path, fmt, name, text, match):
     workload = {"arrival": {"process": "poisson", "rate": 1.0}} if fmt == "sharegpt" else {}
