@@ -555,9 +555,10 @@ async def _run_live_async(
     achieved = (len(sends) - 1) / float(sends[-1] - sends[0]) if len(sends) > 1 and sends[-1] > sends[0] else None
     requested = scheduled = lag = None
     if not closed:
-        requested = float(arrival.rate)  # type: ignore[union-attr]
         if times is not None and len(times) > 1 and times[-1] > 0:
             scheduled = (len(times) - 1) / float(times[-1])
+        # (a trace at its own times asks for its own mean rate)
+        requested = float(arrival.rate) if arrival is not None else scheduled  # type: ignore[union-attr]
         lag = max(sched_lag) if sched_lag else None
     if fixups:
         notes.append(f"{len(fixups)} request(s): chunk token counts differed from usage; usage used")
