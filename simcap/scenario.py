@@ -25,7 +25,7 @@ from pydantic import (
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
 from simcap.profile import apply_profile
-from simcap.traces import TraceConfig, load_trace
+from simcap.traces import TraceConfig, TraceRequests, load_trace
 from simcap.yaml_files import load_yaml, read_yaml_mapping
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
@@ -534,7 +534,7 @@ class WorkloadConfig(_Model):
         return self
 
     @property
-    def trace_requests(self):  # -> simcap.traces.TraceRequests | None
+    def trace_requests(self) -> TraceRequests | None:
         """The loaded trace's requests, or None for a synthetic workload."""
         return self.trace.requests if self.trace is not None else None
 
@@ -630,8 +630,12 @@ class Scenario(_Model):
         return self._profile_file
 
     def digest(self) -> str:
-        """SHA-256 of the canonical JSON form: names this exact scenario in results."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """SHA-256 of the canonical JSON form: names this exact scenario in results (a trace
+        by its file's content, not by where it was read from)."""
+        data = self.model_dump(mode="json")
+        if self.workload.trace is not None:
+            data["workload"]["trace"]["path"] = "sha256:" + self.workload.trace.requests.summary["sha256"]
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
 

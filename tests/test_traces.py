@@ -295,3 +295,12 @@ def test_cli_replays_the_shipped_excerpt(tmp_path):
     # 120 rows over (their last timestamp - their first) of trace time, at twice the speed.
     first, last = (datetime.strptime(r["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f") for r in (rows[0], rows[-1]))
     assert trace["span_s"] == pytest.approx((last - first).total_seconds() / 2, abs=1e-6)
+
+
+def test_the_digest_names_the_trace_by_content_not_path(tmp_path):
+    (tmp_path / "sub").mkdir()
+    a = _load(tmp_path, {"format": "azure"}, "a.csv", AZURE)
+    data = _scenario(tmp_path / "sub", {"format": "azure"}, "b.csv", AZURE)
+    assert parse_scenario(data, base_dir=tmp_path / "sub").digest() == a.digest()
+    changed = _load(tmp_path, {"format": "azure"}, "a.csv", AZURE.replace(",44", ",45"))
+    assert changed.digest() != a.digest()
