@@ -259,6 +259,8 @@ def test_too_long_requests_stop_or_are_counted_and_skipped(tmp_path):
     ({"trace": {"format": "azure", "path": "a.csv", "block_size": 64}}, r"workload.trace.block_size"),
     ({"trace": {"format": "azure", "path": "a.csv", "start_s": 60}}, r"workload.trace.start_s: no rows"),
     ({"trace": {"format": "azure", "path": "nope.csv"}}, r"workload.trace.path: cannot read"),
+    ({"arrival": {"process": "closed", "concurrency": 2}, "sessions": {"num_sessions": 2, "turns": 2}},
+     r"workload.sessions: not with workload.trace"),
 ])
 def test_trace_options_are_checked(tmp_path, workload, match):
     data = _scenario(tmp_path, {"format": "azure"}, "a.csv", AZURE)
@@ -304,3 +306,10 @@ def test_the_digest_names_the_trace_by_content_not_path(tmp_path):
     assert parse_scenario(data, base_dir=tmp_path / "sub").digest() == a.digest()
     changed = _load(tmp_path, {"format": "azure"}, "a.csv", AZURE.replace(",44", ",45"))
     assert changed.digest() != a.digest()
+
+
+def test_a_scenario_without_a_trace_dumps_as_before(tmp_path):
+    from simcap.scenario import load_scenario
+
+    dumped = load_scenario(ROOT / "examples" / "chat.yaml").model_dump(mode="json")["workload"]
+    assert "trace" not in dumped and set(dumped) >= {"arrival", "input_len", "output_len"}

@@ -36,7 +36,7 @@ import httpx
 import numpy as np
 from rich.table import Table
 
-from simcap.live.client import LiveError, LiveRun, auth_headers, run_live
+from simcap.live.client import LiveError, LiveRun, auth_headers, check_no_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.metrics import Summary
 from simcap.records import RequestRecord
@@ -344,6 +344,7 @@ def validate(
     """
     if repeats < 1:
         raise LiveError(f"repeats: must be >= 1 (got {repeats})")
+    check_no_sessions(scenario)
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
     if replay is None:
         replay = "closed" if closed else "times"
