@@ -22,7 +22,7 @@ timestamps, the arrival process) by the requests of a published trace file:
 - ``sharegpt``: the ShareGPT JSON ``vllm bench serve --dataset-name sharegpt`` takes: a list
   of ``{"conversations": [{"from", "value"}, ...]}``. As vLLM's loader does, entries with
   fewer than two messages are left out, the first message is the prompt and the second the
-  completion; with ``shuffle_seed`` the entries are shuffled as ``vllm bench --seed`` does
+  completion (vLLM's tokenizer-based filter of short and long pairs is not applied); with ``shuffle_seed`` the entries are shuffled as ``vllm bench --seed`` does
   (Python's ``random``), else kept in file order. Lengths are whitespace word counts of the
   two texts (no tokenizer), or a message's ``num_tokens`` where it has one. No timestamps:
   the scenario's ``workload.arrival`` sends them.
