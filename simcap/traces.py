@@ -18,7 +18,8 @@ timestamps, the arrival process) by the requests of a published trace file:
   ``floor(k x 512 / engine block)`` blocks otherwise; never the prompt's last token, as vLLM).
 - ``burstgpt``: BurstGPT CSV with ``Timestamp,Model,Request tokens,Response tokens,Total
   tokens,Log Type`` (timestamps in seconds). A failed request has 0 response tokens: a bad
-  row (below).
+  row (below). ``models: [GPT-4]`` keeps the rows of those ``Model`` values only, as
+  ``vllm bench --dataset-name burstgpt`` keeps GPT-4's (the others are counted, not bad).
 - ``sharegpt``: the ShareGPT JSON ``vllm bench serve --dataset-name sharegpt`` takes: a list
   of ``{"conversations": [{"from", "value"}, ...]}``. As vLLM's loader does, entries with
   fewer than two messages are left out, the first message is the prompt and the second the
@@ -82,10 +83,21 @@ class TraceConfig(BaseModel):
     num_requests: int | None = Field(None, gt=0, description="the first N")
     block_size: int = Field(MOONCAKE_BLOCK_SIZE, gt=0, description="mooncake: tokens per hash id")
     shuffle_seed: int | None = Field(None, ge=0, description="sharegpt: shuffle as vllm bench --seed")
+    models: tuple[str, ...] | None = Field(
+        None, min_length=1, description="burstgpt: keep rows of these Model values (vllm bench: GPT-4)"
+    )
     on_bad_row: Literal["stop", "skip"] = "stop"
     on_too_long: Literal["stop", "skip"] = "stop"
 
     _requests: "TraceRequests | None" = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lists(cls, data: Any) -> Any:
+        # (Validation sees Python objects here: a strict tuple field takes a tuple, not a list.)
+        if isinstance(data, dict) and isinstance(data.get("models"), list):
+            return {**data, "models": tuple(data["models"])}
+        return data
 
     @model_validator(mode="after")
     def _options_fit_format(self) -> "TraceConfig":
@@ -101,6 +113,8 @@ class TraceConfig(BaseModel):
             raise ValueError("workload.trace.block_size: only a mooncake trace has hash ids")
         if self.format != "sharegpt" and self.shuffle_seed is not None:
             raise ValueError("workload.trace.shuffle_seed: only a sharegpt file is shuffled")
+        if self.format != "burstgpt" and self.models is not None:
+            raise ValueError("workload.trace.models: only a burstgpt trace names a model per row")
         return self
 
     @property
@@ -246,8 +260,14 @@ def _read_azure(path: Path, text: str) -> Iterator[tuple[int, Any]]:
         )
 
 
-def _read_burstgpt(path: Path, text: str) -> Iterator[tuple[int, Any]]:
+def _read_burstgpt(path: Path, text: str, models: tuple[str, ...] | None,
+                   summary: dict[str, Any]) -> Iterator[tuple[int, Any]]:
+    if models is not None:
+        summary["other_models_left_out"] = 0
     for line, row in _csv_rows(path, "burstgpt", BURSTGPT_COLUMNS, text):
+        if models is not None and (row.get("Model") or "").strip() not in models:
+            summary["other_models_left_out"] += 1
+            continue
         yield line, lambda row=row: (
             _time(row.get("Timestamp"), "Timestamp"),
             _length(row.get("Request tokens"), "Request tokens"),
@@ -346,7 +366,7 @@ def load_trace(config: TraceConfig, *, max_model_len: int, own_times: bool = Tru
                                "sha256": hashlib.sha256(raw).hexdigest()}
     readers = {
         "azure": lambda: _read_azure(path, text),
-        "burstgpt": lambda: _read_burstgpt(path, text),
+        "burstgpt": lambda: _read_burstgpt(path, text, config.models, summary),
         "mooncake": lambda: _read_mooncake(path, text),
         "sharegpt": lambda: _read_sharegpt(path, text, config.shuffle_seed, summary),
     }
@@ -375,7 +395,11 @@ def load_trace(config: TraceConfig, *, max_model_len: int, own_times: bool = Tru
     if first_bad:
         summary["first_bad_row"] = first_bad
     if not rows:
-        raise ScenarioError(f"workload.trace: {path} has no usable rows ({bad} bad)")
+        others = summary.get("other_models_left_out")
+        raise ScenarioError(
+            f"workload.trace: {path} has no usable rows ({bad} bad"
+            + (f", {others} of other models than workload.trace.models)" if others else ")")
+        )
 
     rows.sort(key=lambda r: r.time)  # stable: ties keep file order
     unit = _TIME_UNIT_S[config.format]

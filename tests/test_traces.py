@@ -81,6 +81,13 @@ def test_burstgpt_failed_request_is_a_bad_row(tmp_path):
     assert (summary["rows"], summary["bad_rows_skipped"], summary["requests"]) == (3, 1, 2)
 
 
+def test_burstgpt_models_keeps_those_rows_as_vllm_bench_does(tmp_path):
+    s = _load(tmp_path, {"format": "burstgpt", "models": ["GPT-4"]}, "b.csv", BURSTGPT)
+    assert [(r.num_prompt_tokens, r.max_tokens) for r in _requests(s)] == [(417, 505)]
+    summary = s.workload.trace.requests.summary
+    assert (summary["other_models_left_out"], summary["bad_rows_skipped"]) == (2, 0)
+
+
 def _mooncake(rows):
     return "".join(json.dumps(r) + "\n" for r in rows)
 
@@ -257,6 +264,7 @@ def test_too_long_requests_stop_or_are_counted_and_skipped(tmp_path):
      r"workload.trace.speedup: workload.arrival sends"),
     ({"trace": {"format": "sharegpt", "path": "a.csv"}}, r"workload.arrival: a sharegpt file has no timestamps"),
     ({"trace": {"format": "azure", "path": "a.csv", "block_size": 64}}, r"workload.trace.block_size"),
+    ({"trace": {"format": "azure", "path": "a.csv", "models": ["GPT-4"]}}, r"workload.trace.models"),
     ({"trace": {"format": "azure", "path": "a.csv", "start_s": 60}}, r"workload.trace.start_s: no rows"),
     ({"trace": {"format": "azure", "path": "nope.csv"}}, r"workload.trace.path: cannot read"),
     ({"arrival": {"process": "closed", "concurrency": 2}, "sessions": {"num_sessions": 2, "turns": 2}},
