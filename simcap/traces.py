@@ -57,7 +57,6 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from simcap.errors import ScenarioError
 
 TraceFormat = Literal["azure", "mooncake", "burstgpt", "sharegpt"]
-FORMATS: tuple[str, ...] = ("azure", "mooncake", "burstgpt", "sharegpt")
 
 # The columns (keys) each format is read by, as published.
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -67,7 +66,6 @@ MOONCAKE_BLOCK_SIZE = 512
 _TIMED = {"azure", "mooncake", "burstgpt"}
 # Seconds per unit of each format's timestamps (Azure: 100 ns ticks of its date and time).
 _TIME_UNIT_S = {"azure": 1e-7, "mooncake": 1e-3, "burstgpt": 1.0, "sharegpt": 1.0}
-
 
 
 class TraceConfig(BaseModel):
