@@ -23,7 +23,11 @@ Rules (also carried in every result's ``rules``):
   following the arrival rate and the backlog grows. The second half skips the fill-up at
   the start; the window ends with the arrivals, so the drain afterwards is not counted.
   A stable queue's fluctuations are a few percent of the window's arrivals at most; a
-  diverging one loses ``1 - mu/lambda`` of them.
+  diverging one loses ``1 - mu/lambda`` of them. In a short window (few arrivals) a few
+  percent is one or two requests, within a stable queue's own noise: the shortfall must also
+  exceed ``SATURATION_Z`` x ``sqrt(2 n)`` requests, ``n`` the window's time-average number of
+  requests in the system (a stable queue's backlog changes by about ``sqrt(2 n)`` over the
+  window; a diverging one's grows with the window).
 - **saturation rate**: the server's maximum throughput ``mu``, the rate at which the queue
   starts to diverge. Past it the engine runs full batches back to back, so the completion
   rate inside a saturated run's window IS ``mu``: the estimate is the median of that rate
@@ -43,6 +47,11 @@ Rules (also carried in every result's ``rules``):
   and the workload draws unit-rate gaps scaled by ``1 / rate`` and lengths from streams of
   their own, so two rates' runs of a replicate have the same requests, arriving at times in
   the ratio of the rates (:mod:`simcap.workload`).
+
+The search (:func:`run_search`) and the rules (:func:`capacity_result`) take the runs from
+an evaluator (:data:`Evaluate`): :func:`find_capacity` simulates them, ``simcap live capacity``
+(:mod:`simcap.live.capacity`) sends them to a real server; a run becomes a point through
+:func:`point_from_measurements` either way.
 
 ``find_capacity(..., auto=True)`` brackets the safe rate by doubling or halving from a start
 rate (jumping to 0.9 x the completion rate of a saturated run), then bisects until the
@@ -76,6 +85,7 @@ DEFAULT_REPLICATES = 2
 MAX_RATES = 1000  # rates one grid tests (each a whole simulation per replicate)
 MAX_REPLICATES = 1000
 SATURATION_RATIO = 0.95
+SATURATION_Z = 2.5  # the shortfall must also exceed this many sd of a stable queue's
 REPORTED = ("ttft_p95", "tpot_p95")  # always reported per point, SLO or not
 
 RULES = {
@@ -85,7 +95,8 @@ RULES = {
     "replicate fails (so it and every lower tested rate passed in every replicate); reported "
     "as the lowest measured arrival rate among its replicates",
     "saturated": f"completed < {SATURATION_RATIO} x arrived in the second half of the arrival "
-    "window [T/2, T)",
+    f"window [T/2, T), by more than {SATURATION_Z:g} x sqrt(2 n) requests (n: the window's mean "
+    "number of requests in the system; a stable queue's backlog moves by about sqrt(2 n))",
     "saturation_rate": "median completion rate (requests/s) inside that window over the "
     "saturated runs: the server's maximum throughput, where the queue starts to diverge",
 }
@@ -224,6 +235,7 @@ class CapacityPoint:
     saturated: bool
     role: str = "search"  # "grid", "search", "probe" or "bootstrap"
     stopped: dict[str, Any] | None = None  # early stop: at_s, key, reason, failed, unfinished
+    live: dict[str, Any] | None = None  # a live run's facts (simcap.live.capacity)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -240,22 +252,48 @@ class CapacityPoint:
             "saturated": self.saturated,
             "role": self.role,
             **({"stopped_early": dict(self.stopped)} if self.stopped else {}),
+            **({"live": dict(self.live)} if self.live is not None else {}),
         }
 
 
 def point_from_result(
     result: Result, rate: float, replicate: int, duration_s: float, role: str = "search"
 ) -> CapacityPoint:
-    """Measure one finished run: measured rate, SLO values and flags, saturation.
+    """Measure one finished simulated run (see :func:`point_from_measurements`)."""
+    return point_from_measurements(
+        result.summary, result.metrics.arrival_times, result.metrics.finish_times,
+        rate=rate, replicate=replicate, seed=result.scenario.seed, duration_s=duration_s,
+        role=role, stop=result.stopped,
+    )
 
-    A run stopped early (after its arrival window) counts as failed; its SLO values are
-    unknown, and so are its verdicts on the keys that did not stop it.
+
+def point_from_measurements(
+    summary: Any,
+    arrival: np.ndarray,
+    finish: np.ndarray,
+    *,
+    rate: float,
+    replicate: int,
+    seed: int,
+    duration_s: float,
+    role: str = "search",
+    stop: Any = None,
+    measured_rate: float | None = None,
+    live: dict[str, Any] | None = None,
+) -> CapacityPoint:
+    """Measure one finished run, simulated or live: measured rate, SLO values and flags,
+    saturation.
+
+    ``summary``: the run's :class:`~simcap.metrics.Summary` with its SLO; ``arrival`` /
+    ``finish``: every request's arrival and finish time on the run's clock (``inf``: never
+    finished). ``measured_rate``: default arrivals / ``duration_s``. A run stopped early
+    (``stop``, after its arrival window) counts as failed; its SLO values are unknown, and so
+    are its verdicts on the keys that did not stop it. ``live``: a live run's facts, kept on
+    the point.
     """
-    summary = result.summary
     slo = summary.slo or {}
-    arrival = result.metrics.arrival_times
-    finish = result.metrics.finish_times
-    stop = result.stopped
+    arrival = np.asarray(arrival, dtype=float)
+    finish = np.asarray(finish, dtype=float)
     if stop is not None:
         if stop.at_s < duration_s:
             raise ValueError("a capacity run may only stop after its arrival window")
@@ -265,7 +303,11 @@ def point_from_result(
     half = duration_s / 2.0
     arrived_w = int(np.count_nonzero((arrival >= half) & (arrival < duration_s)))
     done_w = int(np.count_nonzero((finish >= half) & (finish < duration_s)))
-    saturated = arrived_w > 0 and done_w < SATURATION_RATIO * arrived_w
+    # time-average number in the system over the window (Little's n; an unfinished one to T)
+    inside = np.clip(np.minimum(finish, duration_s), half, duration_s) - np.clip(arrival, half, duration_s)
+    n_bar = float(np.clip(inside, 0.0, None).sum()) / half if half > 0 else 0.0
+    saturated = (arrived_w > 0 and done_w < SATURATION_RATIO * arrived_w
+                 and arrived_w - done_w > SATURATION_Z * math.sqrt(2.0 * n_bar))
     values: dict[str, float | None] = {}
     adequate: dict[str, bool] = {}
     for key in list(slo) + [k for k in REPORTED if k not in slo]:
@@ -284,8 +326,8 @@ def point_from_result(
     return CapacityPoint(
         rate=float(rate),
         replicate=int(replicate),
-        seed=int(result.scenario.seed),
-        measured_rate=len(arrival) / duration_s,
+        seed=int(seed),
+        measured_rate=float(measured_rate) if measured_rate is not None else len(arrival) / duration_s,
         values=values,
         slo_pass=verdicts,
         samples_adequate=adequate,
@@ -297,6 +339,7 @@ def point_from_result(
         saturated=bool(saturated),
         role=role,
         stopped=stop.to_dict() if stop is not None else None,
+        live=live,
     )
 
 
@@ -391,11 +434,40 @@ def saturation_rate_of(points: Sequence[CapacityPoint]) -> float | None:
     return float(np.median(sat)) if sat else None
 
 
+def safe_rate_bracket(points: Sequence[CapacityPoint]) -> tuple[float | None, float | None]:
+    """(safe rate, lowest measured rate among the failing runs of the first failing tested
+    rate): the prefix rule's safe rate lies inside; an end is None where no tested rate
+    passed or none failed."""
+    by_rate: dict[float, list[CapacityPoint]] = {}
+    for p in points:
+        if p.role != "probe":
+            by_rate.setdefault(p.rate, []).append(p)
+    _, safe = safe_rate_of(points)
+    for rate in sorted(by_rate):
+        failing = [p.measured_rate for p in by_rate[rate] if not p.passed]
+        if failing:
+            return safe, min(failing)
+    return safe, None
+
+
 def saturation_bracket(points: Sequence[CapacityPoint]) -> tuple[float | None, float | None]:
-    """(highest measured rate of a run that kept up, lowest measured rate of one that did not)."""
-    ok = [p.measured_rate for p in points if not p.saturated]
-    bad = [p.measured_rate for p in points if p.saturated]
-    return (max(ok) if ok else None, min(bad) if bad else None)
+    """Where the queue starts to diverge, in measured arrival rates, by the prefix rule: (the
+    highest measured rate of a run that kept up below the first tested rate at which a run
+    saturated, the lowest measured rate of a saturated run at that rate). As for the safe
+    rate, a run that kept up above the first saturating rate (noise) is not trusted. An end
+    is None where no run kept up below that rate, or none saturated."""
+    by_rate: dict[float, list[CapacityPoint]] = {}
+    for p in points:
+        by_rate.setdefault(p.rate, []).append(p)
+    lo: float | None = None
+    for rate in sorted(by_rate):
+        runs = by_rate[rate]
+        sat = [p.measured_rate for p in runs if p.saturated]
+        if sat:
+            return lo, min(sat)
+        top = max(p.measured_rate for p in runs)
+        lo = top if lo is None else max(lo, top)
+    return lo, None
 
 
 # --------------------------------------------------------------------------- result
@@ -459,14 +531,6 @@ class CapacityResult:
 
 
 # --------------------------------------------------------------------------- search
-
-
-def _evaluate_rate(
-    runner: Runner, scenario: Scenario, rate: float, replicates: int, duration_s: float,
-    slo: dict[str, float], step_time: Mapping[str, float] | None, role: str,
-) -> list[CapacityPoint]:
-    tasks = [(scenario, rate, r, duration_s, slo, step_time, role) for r in range(replicates)]
-    return runner.map(tasks)
 
 
 def _search_steps(
@@ -613,6 +677,123 @@ def bootstrap_sets(scenario: Scenario, with_level: bool = False):
     return (sets, notes, level) if with_level else (sets, notes)
 
 
+Evaluate = Callable[[Sequence[float], int, str], list[CapacityPoint]]
+"""``evaluate(rates, replicates, role)``: run every rate ``replicates`` times (replicate
+``r`` = 0, 1, ...) and return the runs rate by rate; simulated (:func:`find_capacity`) or
+live (:mod:`simcap.live.capacity`)."""
+
+
+def check_targets(
+    scenario: Scenario, slo: Mapping[str, float] | Iterable[str] | None, duration_s: float,
+    replicates: int, max_duration_s: float = MAX_SIMULATED_S,
+) -> dict[str, float]:
+    """The SLO targets (``slo``, else the scenario's), with duration and replicates checked."""
+    if scenario.workload.sessions is not None:
+        raise ScenarioError(
+            "workload.sessions: capacity searches a request rate and does not run session "
+            "workloads yet; sweep workload.arrival.rate (sessions per second) instead"
+        )
+    if scenario.workload.trace is not None:
+        raise ScenarioError(
+            "workload.trace: capacity searches a rate of synthetic arrivals for a time; a trace "
+            "sends its own requests (scale its load with workload.trace.speedup in simulate or sweep)"
+        )
+    targets = parse_slo(slo) if slo else dict(scenario.slo)
+    if not targets:
+        raise ScenarioError(
+            "slo: capacity needs an SLO: give --slo ttft_p95=2.0 or an slo section in the scenario"
+        )
+    if not (0 < duration_s <= max_duration_s):
+        raise ScenarioError(
+            f"--duration: must be > 0 and <= {max_duration_s:g} seconds (got {duration_s})"
+        )
+    if not 1 <= replicates <= MAX_REPLICATES:
+        raise ScenarioError(f"--replicates: must be in [1, {MAX_REPLICATES}] (got {replicates})")
+    return targets
+
+
+def run_search(
+    evaluate: Evaluate,
+    *,
+    rates: Sequence[float] | None,
+    replicates: int,
+    start: float,
+    rel_tol: float = 0.02,
+    max_points: int = 14,
+    max_probes: int = 5,
+) -> list[CapacityPoint]:
+    """Every run of one capacity search, sorted by (rate, replicate).
+
+    ``rates``: test exactly these (role ``grid``); None: bracket and bisect from ``start``
+    (role ``search``, :func:`_search_steps`). Then, when no run saturated, up to
+    ``max_probes`` rates at 1.5x steps above the highest (one replicate each, role ``probe``)
+    until one saturates.
+    """
+    if rates is not None:
+        points = evaluate(sorted(rates), replicates, "grid")
+    else:
+        points = _search(lambda r: evaluate([r], replicates, "search"), start,
+                         rel_tol=rel_tol, max_points=max_points)
+    if max_probes > 0 and not any(p.saturated for p in points):
+        top = max(p.rate for p in points)
+        for _ in range(max_probes):
+            top *= 1.5
+            probe = evaluate([top], 1, "probe")
+            points.extend(probe)
+            if probe[0].saturated:
+                break
+    points.sort(key=lambda p: (p.rate, p.replicate))
+    return points
+
+
+def _fmt_end(value: float | None) -> str:
+    return "open" if value is None else f"{value:.4g}"
+
+
+def capacity_result(
+    points: list[CapacityPoint], targets: dict[str, float], *, duration_s: float,
+    replicates: int, mode: str, early_stop: bool | str = False,
+) -> CapacityResult:
+    """Apply the rules (module doc) to a search's runs: safe and saturation rates, notes."""
+    notes: list[str] = []
+    safe_offered, safe = safe_rate_of(points)
+    by_slo = {key: safe_rate_of(points, key)[1] for key in targets}
+    saturation = saturation_rate_of(points)
+    tested = sorted({p.rate for p in points if p.role != "probe"})
+    if safe_offered is None:
+        notes.append(f"no tested rate passed: the safe rate is below {tested[0]:g} req/s")
+    elif safe_offered == tested[-1]:
+        notes.append("every tested rate passed: the safe rate may be higher")
+    if saturation is None:
+        notes.append("no run saturated: the saturation rate is above every rate tried")
+    else:
+        lo, hi = saturation_bracket(points)
+        # a run may keep up (by the rule) at up to mu / SATURATION_RATIO
+        if (lo is not None and saturation < SATURATION_RATIO * lo) or (hi is not None and saturation > hi):
+            notes.append(
+                f"the saturation rate ({saturation:.4g} req/s, a completion rate) lies outside "
+                f"the arrival rates that bracket the divergence ({_fmt_end(lo)}-{_fmt_end(hi)}): "
+                "the runs are too short to tell a slow queue from a diverging one; a longer "
+                "duration settles it"
+            )
+    stopped = [p for p in points if p.stopped]
+    if stopped:
+        notes.append(
+            f"{len(stopped)} run(s) stopped early, once their SLO could no longer hold "
+            f"(rules.early_stop; e.g. {stopped[0].stopped['reason']}); their SLO values "
+            "are not known"
+        )
+    if not all(all(p.samples_adequate[k] for k in targets) for p in points):
+        notes.append(
+            "some percentiles rest on too few samples for the claim (samples_adequate false)"
+        )
+    return CapacityResult(
+        slo=targets, points=points, safe_rate=safe, safe_offered_rate=safe_offered,
+        saturation_rate=saturation, safe_rate_by_slo=by_slo, duration_s=float(duration_s),
+        replicates=int(replicates), mode=mode, notes=notes, early_stop=early_stop,
+    )
+
+
 def find_capacity(
     scenario: Scenario,
     slo: Mapping[str, float] | Iterable[str] | None = None,
@@ -640,27 +821,7 @@ def find_capacity(
     ``early_stop``: stop a run once its SLO is certain to fail (see the module doc); True,
     False, or ``"interval"`` (only the bootstrap interval's runs).
     """
-    if scenario.workload.sessions is not None:
-        raise ScenarioError(
-            "workload.sessions: capacity searches a request rate and does not run session "
-            "workloads yet; sweep workload.arrival.rate (sessions per second) instead"
-        )
-    if scenario.workload.trace is not None:
-        raise ScenarioError(
-            "workload.trace: capacity searches a rate of synthetic arrivals for a time; a trace "
-            "sends its own requests (scale its load with workload.trace.speedup in simulate or sweep)"
-        )
-    targets = parse_slo(slo) if slo else dict(scenario.slo)
-    if not targets:
-        raise ScenarioError(
-            "slo: capacity needs an SLO: give --slo ttft_p95=2.0 or an slo section in the scenario"
-        )
-    if not (0 < duration_s <= MAX_SIMULATED_S):
-        raise ScenarioError(
-            f"--duration: must be > 0 and <= {MAX_SIMULATED_S:.0e} seconds (got {duration_s})"
-        )
-    if not 1 <= replicates <= MAX_REPLICATES:
-        raise ScenarioError(f"--replicates: must be in [1, {MAX_REPLICATES}] (got {replicates})")
+    targets = check_targets(scenario, slo, duration_s, replicates)
     if interval and interval_max_sets < 1:
         raise ScenarioError(f"--interval-sets: must be >= 0 (got {interval_max_sets})")
     check_workers(workers)
@@ -679,57 +840,20 @@ def find_capacity(
     if early_stop not in (True, False, "interval"):
         raise ScenarioError(f"early_stop: must be true, false or 'interval' (got {early_stop!r})")
     runner = Runner(workers, early_stop=early_stop)
-    notes: list[str] = []
     try:
-        if mode == "grid":
-            tasks = [
-                (scenario, r, k, duration_s, targets, None, "grid")
-                for r in rates for k in range(replicates)
-            ]
-            points = runner.map(tasks)
-        else:
-            start = start_rate or (rates[0] if rates else _start_rate(scenario))
-            points = _search(
-                lambda r: _evaluate_rate(runner, scenario, r, replicates, duration_s, targets,
-                                         None, "search"),
-                start, rel_tol=rel_tol, max_points=max_points,
-            )
-        if probe_saturation and not any(p.saturated for p in points):
-            top = max(p.rate for p in points)
-            for _ in range(max_probes):
-                top *= 1.5
-                probe = _evaluate_rate(runner, scenario, top, 1, duration_s, targets, None, "probe")
-                points.extend(probe)
-                if probe[0].saturated:
-                    break
-        points.sort(key=lambda p: (p.rate, p.replicate))
-        safe_offered, safe = safe_rate_of(points)
-        by_slo = {key: safe_rate_of(points, key)[1] for key in targets}
-        saturation = saturation_rate_of(points)
-        tested = sorted({p.rate for p in points if p.role != "probe"})
-        if safe_offered is None:
-            notes.append(f"no tested rate passed: the safe rate is below {tested[0]:g} req/s")
-        elif safe_offered == tested[-1]:
-            notes.append("every tested rate passed: the safe rate may be higher")
-        if saturation is None:
-            notes.append("no run saturated: the saturation rate is above every rate tried")
-        stopped = [p for p in points if p.stopped]
-        if stopped:
-            notes.append(
-                f"{len(stopped)} run(s) stopped early, once their SLO could no longer hold "
-                f"(rules.early_stop; e.g. {stopped[0].stopped['reason']}); their SLO values "
-                "are not known"
-            )
-        if not all(all(p.samples_adequate[k] for k in targets) for p in points):
-            notes.append(
-                "some percentiles rest on too few samples for the claim (samples_adequate false)"
-            )
-        result = CapacityResult(
-            slo=targets, points=points, safe_rate=safe, safe_offered_rate=safe_offered,
-            saturation_rate=saturation, safe_rate_by_slo=by_slo, duration_s=float(duration_s),
-            replicates=int(replicates), mode=mode, notes=notes, early_stop=early_stop,
+        def evaluate(rs: Sequence[float], n: int, role: str) -> list[CapacityPoint]:
+            return runner.map([(scenario, r, k, duration_s, targets, None, role)
+                               for r in rs for k in range(n)])
+
+        points = run_search(
+            evaluate, rates=rates if mode == "grid" else None, replicates=replicates,
+            start=start_rate or (rates[0] if rates else _start_rate(scenario)),
+            rel_tol=rel_tol, max_points=max_points,
+            max_probes=max_probes if probe_saturation else 0,
         )
-        if interval and safe_offered is not None:
+        result = capacity_result(points, targets, duration_s=duration_s, replicates=replicates,
+                                 mode=mode, early_stop=early_stop)
+        if interval and result.safe_offered_rate is not None:
             sets, set_notes, level = bootstrap_sets(scenario, with_level=True)
             if not sets:
                 result.notes.extend(set_notes)
@@ -834,7 +958,8 @@ def render_capacity(result: CapacityResult, console: Any) -> None:
     for p in result.points:
         if p.role == "bootstrap":
             continue
-        cells = [f"{p.rate:.3f}", f"{p.measured_rate:.3f}", str(p.replicate)]
+        short = p.live is not None and not p.live.get("rate_reached", True)
+        cells = [f"{p.rate:.3f}", f"{p.measured_rate:.3f}" + ("!" if short else ""), str(p.replicate)]
         for key in keys:
             value = p.values.get(key)
             mark = "" if p.samples_adequate.get(key, True) else "*"
@@ -845,6 +970,9 @@ def render_capacity(result: CapacityResult, console: Any) -> None:
         cells += [verdict, "no" if p.saturated else "yes", p.role]
         table.add_row(*cells)
     console.print(table)
+    if any(p.live is not None and not p.live.get("rate_reached", True) for p in result.points):
+        console.print("! the load generator did not reach this rate: its achieved rate is shown",
+                      style="dim")
     if any(not all(p.samples_adequate.values()) for p in result.points):
         console.print("* too few samples for this percentile (MLPerf early stopping, 99% "
                       "confidence, one sample over the bound)", style="dim")

@@ -939,11 +939,20 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
 
 
 def load_scenario(
-    path: str | Path, overrides: list[str] | None = None, *, check: bool = True
+    path: str | Path, overrides: list[str] | None = None, *, check: bool = True,
+    profile: str | Path | None = None,
 ) -> Scenario:
-    """Read a YAML scenario, apply ``--set`` style overrides, validate it."""
+    """Read a YAML scenario, apply ``--set`` style overrides, validate it.
+
+    ``profile``: merge this profile instead of the one the scenario names, its step-time
+    model in place of the scenario's own ``step_time`` section (a prediction from that
+    profile; ``--set step_time.KEY=...`` still applies).
+    """
     path = Path(path)
     data, _ = read_yaml_mapping(path, "scenario", "sections (engine, workload, ...)")
+    if profile is not None:
+        data.pop("step_time", None)
+        data["profile"] = str(Path(profile).resolve())
     apply_overrides(data, list(overrides or []))
     return parse_scenario(data, base_dir=path.parent, check=check)
 

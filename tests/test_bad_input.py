@@ -173,6 +173,14 @@ CASES = [
     (["live", "validate", "{s}", "--base-url", URL, "--plot", "{tmp}/e.foo"], "--plot"),
     (["live", "validate", "{s}", "--base-url", URL, "--plot", "{file}/e.png"], "--plot"),
     (["live", "validate", "{s}", "--base-url", URL, "--repeats", "0"], "--repeats"),
+    (["live", "capacity", "{s}", "--base-url", URL, "--duration", "0"], "--duration"),
+    (["live", "capacity", "{s}", "--base-url", URL, "--replicates", "0"], "--replicates"),
+    (["live", "capacity", "{s}", "--base-url", URL, "--auto", "--rates", "1,2"], "--auto and --rates"),
+    (["live", "capacity", "{s}", "--base-url", URL, "--slo", "ttft_p95=fast"], "slo.ttft_p95"),
+    (["live", "capacity", "{s}", "--base-url", URL, "--plot", "{tmp}/c.foo"], "--plot"),
+    (["live", "capacity", "{s}", "--base-url", URL, "--max-points", "0"], "--max-points"),
+    (["live", "capacity", "{s}", "--base-url", URL, *CLOSED], "workload.arrival"),
+    (["live", "capacity", "{s}", "--base-url", URL, "--predict", "{tmp}/none.yaml"], "none.yaml"),
     ([*LIVE_CAL, "--form", "exponential"], "--form"),
     ([*LIVE_CAL, "--form", "roofline", "--hardware", "a800", "--roofline-model", "x"], "--log"),
     ([*LIVE_CAL, "--requests", "3"], "--requests"),
@@ -197,6 +205,7 @@ CASES = [
     (["simulate", "{t}", "--set", "workload.trace.format=sharegpt"], "workload.arrival"),
     (["simulate", "{s}", "--speedup", "2"], "workload.trace"),
     (["capacity", "{t}", "--rates", "1"], "workload.trace"),
+    (["live", "capacity", "{t}", "--base-url", URL, "--rates", "1"], "workload.trace: capacity searches"),
     (["live", "run", "{t}", "--base-url", URL, "--set", "workload.trace.format=burstgpt"],
      "is not a burstgpt trace"),
 ]
@@ -229,7 +238,7 @@ def test_the_table_covers_every_command():
     assert len(CASES) >= 40
     commands = {args[0] if args[0] != "live" else " ".join(args[:2]) for args, _ in CASES}
     assert commands >= {"simulate", "kv", "crossover", "capacity", "sweep", "calibrate",
-                        "live run", "live validate", "live calibrate"}
+                        "live run", "live validate", "live calibrate", "live capacity"}
 
 
 @pytest.mark.parametrize("args,field", CASES, ids=lambda v: " ".join(v)[:70] if isinstance(v, list) else v)

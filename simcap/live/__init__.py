@@ -8,6 +8,8 @@
   traces (the package's ``validate`` is that module, never the function).
 - :mod:`simcap.live.calibration` -- :func:`calibrate_live`: a calibration workload against a live
   server, fitted (from the server's per-step log, else black-box probes) into a profile.
+- :mod:`simcap.live.capacity` -- :func:`live_capacity`: the safe and saturation rates measured
+  on a live server by :mod:`simcap.capacity`'s search and rules, the prediction beside them.
 - :mod:`simcap.live.plot` -- ECDFs of live vs simulated TTFT and ITL (``validate --plot``).
 - :mod:`simcap.live.hostload` -- CPU use of foreign processes, to flag disturbed runs.
 - :mod:`simcap.live.server` -- :class:`VllmServer`: start/stop a local vLLM CPU server.
@@ -20,6 +22,7 @@ from simcap._lazy import lazy_exports
 # none of httpx, prometheus_client or the fitting code until a live command runs.
 _LAZY = {
     "LiveCalibration": "simcap.live.calibration",
+    "LiveCapacity": "simcap.live.capacity",
     "LiveError": "simcap.live.client",
     "LiveRun": "simcap.live.client",
     "PromptBuilder": "simcap.live.prompts",
@@ -27,6 +30,7 @@ _LAZY = {
     "VllmServer": "simcap.live.server",
     "VllmServerError": "simcap.live.server",
     "calibrate_live": "simcap.live.calibration",
+    "live_capacity": "simcap.live.capacity",
     "run_live": "simcap.live.client",
 }
 

@@ -1,8 +1,8 @@
 """``simcap live``: run a scenario's workload against a real vLLM server, validate against it,
-or calibrate a profile from it.
+calibrate a profile from it, or measure its capacity.
 
 Thin: parse, call :mod:`simcap.live.client` / :mod:`simcap.live.validate` /
-:mod:`simcap.live.calibration`, render. Mounted by ``simcap.cli`` as
+:mod:`simcap.live.calibration` / :mod:`simcap.live.capacity`, render. Mounted by ``simcap.cli`` as
 ``app.add_typer(live_app, name="live")``. An API key comes from ``--api-key``, else the
 variable ``--api-key-env`` names, else ``$SIMCAP_API_KEY``; it is sent as a Bearer header
 and never printed or written (a profile's ``fitted_with`` masks it).
@@ -21,7 +21,7 @@ from simcap.errors import SimcapError, SimulationError
 live_app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Drive a real vLLM server with a scenario's workload; compare it with the simulation; calibrate from it.",
+    help="Drive a real vLLM server with a scenario's workload; compare it with the simulation; calibrate from it; measure its capacity.",
 )
 
 _SET_HELP = "Override a scenario key: dotted.key=value (repeatable)."
@@ -341,3 +341,93 @@ def calibrate_cmd(
         console.print(f"profile: {out}")
     for line in result.fit.warnings:
         typer.echo(line, err=True)
+
+
+@live_app.command("capacity")
+def capacity_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file (its workload, at each rate)."),
+    base_url: str = typer.Option(..., "--base-url", help="vLLM server, e.g. http://127.0.0.1:8000"),
+    slo: Optional[List[str]] = typer.Option(
+        None, "--slo", help="SLO target METRIC_STAT=SECONDS, e.g. ttft_p95=2.0 (repeatable; default the scenario's slo)."
+    ),
+    rates: Optional[str] = typer.Option(None, "--rates", help="Requested arrival rates in req/s: R1,R2,... or START:STOP:N."),
+    auto: bool = typer.Option(False, "--auto", help="Bracket and bisect the safe rate (default without --rates)."),
+    duration: float = typer.Option(60.0, "--duration", help="Seconds of arrivals per run."),
+    replicates: int = typer.Option(2, "--replicates", help="Runs per rate; replicate r uses seed + r."),
+    start_rate: Optional[float] = typer.Option(None, "--start-rate", help="--auto: first rate (default the predicted safe rate)."),
+    rel_tol: float = typer.Option(0.1, "--rel-tol", help="--auto: stop when the bracket is this narrow (relative)."),
+    max_points: int = typer.Option(8, "--max-points", help="--auto: at most this many rates."),
+    max_probes: int = typer.Option(
+        2, "--max-probes", help="Rates above the highest tried, one run each, while none saturated (0: none)."
+    ),
+    predict: Optional[Path] = typer.Option(
+        None, "--predict", help="Profile YAML whose step-time model predicts (default the scenario's)."
+    ),
+    adopt_server_config: bool = typer.Option(
+        False, "--adopt-server-config",
+        help="Where the server's engine flags differ from the scenario's, predict with the server's instead of stopping.",
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Directory for every run's records and the finished runs (default SCENARIO_STEM.live-capacity)."
+    ),
+    resume: bool = typer.Option(False, "--resume", help="Continue the search in --out: keep its finished runs."),
+    model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
+    endpoint: str = typer.Option("completions", "--endpoint", help="completions or chat."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write the measured SLO-vs-rate figure to FILE (PNG)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
+) -> None:
+    """Measure the safe rate and saturation rate on a live server, with simcap's prediction beside them."""
+    from simcap.capacity import parse_rates, parse_slo
+    from simcap.live.capacity import live_capacity, render_live_capacity
+    from simcap.live.client import ENDPOINTS
+    from simcap.scenario import load_scenario
+
+    if endpoint not in ENDPOINTS:
+        _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
+    if auto and rates is not None:
+        _fail("--auto and --rates: give one (--rates tests those rates, --auto searches)")
+    key = _api_key(api_key, api_key_env)
+    out_dir = out or Path(f"{scenario.stem}.live-capacity")
+    say = None if json_out else (lambda msg: typer.echo(f"live capacity: {msg}", err=True))
+    try:
+        if plot is not None:
+            from simcap.plots import check_figure_path
+
+            check_figure_path(plot, "--plot")
+        sc = load_scenario(scenario, set_ or [])
+        predicted = load_scenario(scenario, set_ or [], profile=predict) if predict is not None else None
+        result = live_capacity(
+            sc, base_url, out_dir, slo=parse_slo(slo) if slo else None,
+            rates=parse_rates(rates) if rates is not None else None, duration_s=duration,
+            replicates=replicates, start_rate=start_rate, rel_tol=rel_tol, max_points=max_points,
+            max_probes=max_probes, predict_scenario=predicted, model=model, endpoint=endpoint,
+            api_key=key, request_timeout_s=request_timeout, adopt_server_config=adopt_server_config,
+            resume=resume, say=say,
+        )  # fmt: skip
+        if plot is not None:
+            from simcap.plots import plot_capacity
+
+            plot_capacity(result.measured, plot, title=f"{sc.name}: measured on {result.server['model']}")
+    except SimcapError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"{getattr(exc, 'filename', None) or out_dir}: {exc.strerror or exc}")
+    except SimulationError as exc:
+        typer.echo(f"simulation error: {exc}", err=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted; every finished run is in {out_dir} (--resume to continue)", err=True)
+        raise typer.Exit(130)
+    data = result.to_dict()
+    if plot is not None:
+        data["plot"] = str(plot)
+    if json_out:
+        typer.echo(report.to_json(data))
+        return
+    render_live_capacity(result, report.wide_console(130))
+    if plot is not None:
+        typer.echo(f"figure: {plot}")

@@ -38,6 +38,7 @@ from rich.table import Table
 
 from simcap.live.client import LiveError, LiveRun, auth_headers, check_no_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
+from simcap.live.prom import ServerMetrics
 from simcap.metrics import Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
@@ -236,6 +237,20 @@ def reset_prefix_cache(base_url: str, timeout: float = 30.0, api_key: str | None
     return f"not allowed (HTTP {resp.status_code})"
 
 
+def server_cache_update(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
+    """The engine fields whose value the server reports (``vllm:cache_config_info``: block
+    size, KV pool, prefix caching) and that differ from ``engine``'s: ``{field: server's}``."""
+    update: dict[str, Any] = {}
+    if metrics.block_size and metrics.block_size != engine.block_size:
+        update["block_size"] = metrics.block_size
+    if metrics.num_gpu_blocks and metrics.num_gpu_blocks != engine.num_gpu_blocks:
+        update["num_gpu_blocks"] = metrics.num_gpu_blocks
+    pc = metrics.cache_config.get("enable_prefix_caching")
+    if pc in ("True", "False") and (pc == "True") != engine.enable_prefix_caching:
+        update["enable_prefix_caching"] = pc == "True"
+    return update
+
+
 def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> Scenario:
     """The scenario with the server's KV cache shape (block size, pool) where it reports it."""
     after = run.metrics_after
@@ -243,14 +258,7 @@ def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> 
         notes.append("server exposes no cache_config_info: simulating the scenario's KV cache as given")
         return scenario
     eng = scenario.engine
-    update: dict[str, Any] = {}
-    if after.block_size and after.block_size != eng.block_size:
-        update["block_size"] = after.block_size
-    if after.num_gpu_blocks and after.num_gpu_blocks != eng.num_gpu_blocks:
-        update["num_gpu_blocks"] = after.num_gpu_blocks
-    pc = after.cache_config.get("enable_prefix_caching")
-    if pc in ("True", "False") and (pc == "True") != eng.enable_prefix_caching:
-        update["enable_prefix_caching"] = pc == "True"
+    update = server_cache_update(eng, after)
     if update:
         notes.append(
             "simulated with the server's cache config "
