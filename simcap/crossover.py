@@ -324,7 +324,7 @@ def arm_scenarios(
         raise ValueError("give exactly one of concurrency or rate")
     data = scenario.model_dump(mode="json")
     wl = data["workload"]
-    old = wl["arrival"]
+    old = wl["arrival"] or {}  # (none: a trace at its own times; the load point replaces them)
     if concurrency is not None:
         arrival: dict[str, Any] = {"process": "closed", "concurrency": int(concurrency)}
         if old.get("process") == "closed" and old.get("think_time_s"):
@@ -453,7 +453,7 @@ def _cost(scenario: Scenario) -> float:
     """A rough relative cost of simulating one arm: its requests, more when it speculates
     (a verify step costs several decode steps to simulate)."""
     wl = scenario.workload
-    n = wl.num_requests
+    n = wl.num_requests if wl.trace is None else len(wl.trace.requests)
     if n is None:
         rate = getattr(wl.arrival, "rate", None)
         n = rate * wl.duration_s if rate else wl.duration_s

@@ -95,6 +95,7 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
             if scenario.engine.kv_plan is None
             else f"engine.memory ({scenario.engine.kv_plan.source})"
         ),
+        **({"trace": scenario.workload.trace.requests.summary} if scenario.workload.trace else {}),
     }
 
 

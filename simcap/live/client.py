@@ -5,7 +5,8 @@ over HTTP with streaming, and fills one :class:`~simcap.records.RequestRecord` p
 so live and simulated runs go through the one metrics path (:func:`simcap.metrics.summarize`).
 
 - Open loop: request ``i`` is sent at ``Workload.arrival_times()[i]`` after the run starts,
-  whether or not earlier ones finished. Closed loop: ``concurrency`` workers, each with one
+  whether or not earlier ones finished (a public trace, ``workload.trace``: its own send
+  times and lengths, and for a Mooncake trace its hash ids as shared prompt content). Closed loop: ``concurrency`` workers, each with one
   request in flight (plus ``think_time_s``), pull request ids in order; each record's
   ``client_id`` says which worker sent it.
 - Prompts (completions endpoint) are lists of token ids built from the spec's content segments
@@ -460,10 +461,11 @@ async def _run_live_async(
             transport=transport, limits=limits, timeout=timeout, headers=auth_headers(api_key)
         ) as client:
             model, max_len = await resolve_model(client, base_url, model)
-            longest = scenario.workload.input_len.max_value + scenario.workload.output_len.max_value
+            longest = scenario.workload.max_request_len
             if max_len is not None and longest > max_len:
+                field = "trace" if scenario.workload.trace is not None else "input_len"
                 raise LiveError(
-                    f"workload.input_len: prompt + output up to {longest} tokens exceed the "
+                    f"workload.{field}: prompt + output up to {longest} tokens exceed the "
                     f"server's max_model_len ({max_len}) for model {model!r}"
                 )
             pool = list(token_pool) if token_pool is not None else await discover_token_pool(client, base_url, model)
@@ -564,9 +566,10 @@ async def _run_live_async(
     achieved = (len(sends) - 1) / float(sends[-1] - sends[0]) if len(sends) > 1 and sends[-1] > sends[0] else None
     requested = scheduled = lag = None
     if not closed:
-        requested = float(arrival.rate)  # type: ignore[union-attr]
         if times is not None and len(times) > 1 and times[-1] > 0:
             scheduled = (len(times) - 1) / float(times[-1])
+        # (a trace at its own times asks for its own mean rate)
+        requested = float(arrival.rate) if arrival is not None else scheduled  # type: ignore[union-attr]
         lag = max(sched_lag) if sched_lag else None
     if fixups:
         notes.append(f"{len(fixups)} request(s): chunk token counts differed from usage; usage used")
