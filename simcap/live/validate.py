@@ -7,7 +7,13 @@ sent as the live run sent them (``simulate(scenario, trace=...)``). An open-loop
 replayed at its send times. A closed-loop run is replayed as a closed loop
 (:class:`~simcap.workload.ClosedLoopTrace`): the same clients, each sending its own requests
 in its order, each send the measured gap after the end of that client's previous response.
-Replaying it at fixed send times instead (``replay="times"``) sends a request into a full
+A session workload's run is replayed as its sessions (``replay="sessions"``, the default
+there): the same sessions and turns, each turn's prompt as sent and its answer as long as it
+came back, each turn sent the measured gap after the previous turn's last token; beside the
+usual metrics it then compares the server's prefix-hit rate (``/metrics`` hits over queries)
+with the simulated engine's same counters, and per turn index the TTFT and prefix-hit share
+(:func:`compare_sessions`, from the per-turn summary of :mod:`simcap.metrics` on both sides).
+Replaying a closed loop at fixed send times instead (``replay="times"``) sends a request into a full
 engine whenever a step is priced a little slow, where a real client would still be waiting
 for its previous response: at concurrency = ``max_num_seqs`` a step model 5 % slow inflates
 the replayed TTFT median several times over. Run-to-run noise of a real server is

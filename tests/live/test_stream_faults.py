@@ -354,3 +354,50 @@ def test_open_loop_sessions_without_cached_tokens_leave_prefix_shares_unknown():
     assert sessions["prefix_hit_share"] is None
     assert [row["prefix_hit_share"] for row in sessions["by_turn"]] == [None, None]
     assert any("--enable-prompt-tokens-details" in note for note in run.notes)
+
+
+def test_a_live_session_run_replays_as_its_sessions_in_the_simulator():
+    from simcap.live.validate import Repeat, compare_sessions, session_trace_of
+    from simcap.simulator import simulate
+
+    sc = parse_scenario({
+        "engine": dict(block_size=16, num_gpu_blocks=1000, max_model_len=4096, max_num_seqs=4,
+                       max_num_batched_tokens=256),
+        "step_time": dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4),
+        "workload": dict(arrival={"process": "closed", "concurrency": 2}, input_len=8, output_len=5,
+                         sessions={"num_sessions": 4, "turns": 3, "first_input_len": 40, "think_time_s": 0.02}),
+    })
+    run = run_live(sc, "http://fake:8000", transport=httpx.MockTransport(SessionFakeVllm()), progress=False)
+    trace = session_trace_of(run)
+    ok = sorted((r for r in run.records if r.succeeded), key=lambda r: r.arrival_time)
+    # The closed loop's 2 clients, each its sessions' turns in order; the failed turn is out.
+    assert len(trace.clients) == 2 and trace.num_requests == len(ok) == len(run.records) - 1
+    for c, requests in enumerate(trace.clients):
+        live = [r for r in ok if r.client_id == c]
+        assert [(q.spec.session_id, q.spec.turn) for q in requests] == [(r.session_id, r.turn) for r in live]
+        for q, prev, rec in zip(requests[1:], live, live[1:]):
+            assert q.gap_s == pytest.approx(rec.arrival_time - prev.finish_time)
+            if rec.session_id == prev.session_id:
+                assert q.gap_s >= 0.02  # the think time, measured
+        for q, rec in zip(requests, live):
+            spec = run.specs[rec.request_id]
+            assert q.spec.segments == spec.segments and q.spec.output_key == spec.output_key
+            assert q.spec.max_tokens == rec.num_output_tokens
+    sim = simulate(sc, trace=trace, records=True)
+    sim_sessions = sim.summary.sessions
+    assert [row["requests"] for row in sim_sessions["by_turn"]] == [
+        sum(1 for r in ok if r.turn == k) for k in range(3)]
+    # Later turns resend turn 0's blocks: the simulated engine hits them, and counts it.
+    assert sim_sessions["by_turn"][0]["prefix_hit_share"] == 0.0
+    assert sim_sessions["by_turn"][1]["prefix_hit_share"] > 0.5
+    assert 0 < sim.prefix_cache["hits"] < sim.prefix_cache["queries"]
+    rep = Repeat(0, run, run.summary(), sim.summary, sim.records, {}, "skipped", sim.prefix_cache)
+    cmp = compare_sessions([rep])
+    assert cmp["prefix_hit_rate"]["live"] == [None]  # the fake has no /metrics
+    assert cmp["prefix_hit_rate"]["predicted"] == pytest.approx(sim.prefix_cache["hits"] / sim.prefix_cache["queries"])
+    assert [row["turn"] for row in cmp["by_turn"]] == [0, 1, 2]
+    for row in cmp["by_turn"]:
+        live_row = run.summary().sessions["by_turn"][row["turn"]]
+        assert row["ttft_p50"]["live"] == [live_row["ttft_s"]["p50"]]
+        assert row["ttft_p50"]["predicted"] == sim_sessions["by_turn"][row["turn"]]["ttft_s"]["p50"]
+        assert row["live_requests"] == row["predicted_requests"]
