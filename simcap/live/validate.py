@@ -569,7 +569,8 @@ def sessions_table(data: dict[str, Any]) -> Table | None:
     def add(name: str, m: dict[str, Any], fmt, count: str = "") -> None:
         err = m["rel_error"]
         table.add_row(
-            name, count, fmt(m["live_median"]), f"{fmt(m['live_min'])} - {fmt(m['live_max'])}",
+            name, count, fmt(m["live_median"]),
+            "-" if m["live_min"] is None else f"{fmt(m['live_min'])} - {fmt(m['live_max'])}",
             fmt(m["predicted"]), "-" if err is None else f"{err * 100:+.1f}%",
             {True: "yes", False: "NO", None: "-"}[m["in_range"]],
         )
