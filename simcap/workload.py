@@ -84,23 +84,26 @@ class ClosedLoopTrace:
 
     @classmethod
     def from_records(
-        cls, records: Iterable[RequestRecord], spec_of: Callable[[RequestRecord, int], RequestSpec]
+        cls, records: Iterable[RequestRecord], spec_of: Callable[[RequestRecord, int], RequestSpec],
+        by: str = "client_id",
     ) -> "ClosedLoopTrace":
         """The trace of a closed-loop run's completed records (each with its ``client_id``).
 
         ``spec_of(record, j)``: the request to replay for ``record``, with id ``j`` (0..N-1 in
         send order). A failed request is left out; its time folds into the gap before its
-        client's next send.
+        client's next send. ``by``: the record field that names the client, ``client_id``, or
+        ``session_id`` (an open-loop session run: each session is one client, its first turn
+        at its send time).
         """
         done = sorted((r for r in records if r.succeeded), key=lambda r: (r.arrival_time, r.request_id))
-        if any(r.client_id is None for r in done):
+        if any(getattr(r, by) is None for r in done):
             raise ValueError(
-                "records: a closed-loop replay needs each record's client_id (an open-loop run has none)"
+                f"records: a closed-loop replay needs each record's {by} (an open-loop run has no client_id)"
             )
         per_client: dict[int, list[ClientRequest]] = {}
         last_end: dict[int, float] = {}
         for j, rec in enumerate(done):
-            c = rec.client_id
+            c = getattr(rec, by)
             assert c is not None and rec.finish_time is not None
             gap = rec.arrival_time - last_end[c] if c in last_end else rec.arrival_time
             per_client.setdefault(c, []).append(ClientRequest(max(gap, 0.0), spec_of(rec, j)))

@@ -115,10 +115,14 @@ CASES = [
     (["crossover", "{s}", "--concurrency", "1", "--set",
       "speculative={method: eagle3, num_speculative_tokens: 3, acceptance_length: 2.5}", *SESSIONS,
       "workload.sessions={num_sessions: 2, turns: 3}"], "workload.sessions"),
-    (["live", "run", "{s}", "--base-url", URL, *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"],
-     "workload.sessions"),
-    (["live", "validate", "{s}", "--base-url", URL, *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"],
-     "workload.sessions"),
+    # live sessions: the completions endpoint only (exact token ids); replayed as sessions
+    (["live", "run", "{s}", "--base-url", URL, "--endpoint", "chat", *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3}"], "workload.sessions"),
+    (["live", "validate", "{s}", "--base-url", URL, "--endpoint", "chat", *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3}"], "workload.sessions"),
+    (["live", "validate", "{s}", "--base-url", URL, "--replay", "closed", *CLOSED, *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3}"], "replay"),
+    (["live", "validate", "{s}", "--base-url", URL, "--replay", "sessions"], "replay"),
     # kv
     (["kv", "{s}", "--set", "engine.num_gpu_blocks=true"], "engine.num_gpu_blocks"),
     (["kv", KV, "--set", "engine.memory.gpu_memory_utilization=.nan"], "engine.memory.gpu_memory_utilization"),

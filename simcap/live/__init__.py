@@ -3,6 +3,8 @@
 - :mod:`simcap.live.client` -- :func:`run_live`: the load generator (asyncio + httpx
   streaming), one :class:`~simcap.records.RequestRecord` per request, as the simulator makes.
 - :mod:`simcap.live.prompts` -- exact-length token-id prompts from a request's content segments.
+- :mod:`simcap.live.sessions` -- a live session's prompts: the conversation so far as exact
+  token ids, answers as the server sent them.
 - :mod:`simcap.live.prom` -- the server's ``/metrics``: snapshots, counter deltas, cross-checks.
 - :mod:`simcap.live.validate` -- ``validate.validate``: live repeats vs simulations of the same
   traces (the package's ``validate`` is that module, never the function).

@@ -108,15 +108,23 @@ def run_cmd(
     console = report.wide_console()
     report.render_summary(data, console)
     live, check = data["live"], data["cross_check"]
+    unit = live["rate_unit"]
     if live["requested_rate"] is not None:
         lag = live["max_send_lag_s"]
         console.print(
-            f"arrival rate: requested {live['requested_rate']:.3f} req/s (this draw "
-            f"{live['scheduled_rate'] or 0:.3f}), achieved {live['achieved_rate'] or 0:.3f} req/s; "
+            f"arrival rate: requested {live['requested_rate']:.3f} {unit} (this draw "
+            f"{live['scheduled_rate'] or 0:.3f}), achieved {live['achieved_rate'] or 0:.3f} {unit}; "
             f"worst send lag {(lag or 0) * 1e3:.1f} ms"
         )
     elif live["achieved_rate"] is not None:
-        console.print(f"closed loop: achieved arrival rate {live['achieved_rate']:.3f} req/s")
+        console.print(f"closed loop: achieved arrival rate {live['achieved_rate']:.3f} {unit}")
+    if live["sessions"] is not None:
+        sess, server = live["sessions"], data["server"]
+        rate = server.get("prefix_cache_hit_rate")
+        console.print(
+            f"sessions: {sess['sessions']:,} started, {sess['ended_by_error']:,} ended at an errored turn; "
+            f"server prefix-cache hit rate {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
+        )
     console.print(_cross_check_line(check))
     spec = _spec_line(data["server"])
     if spec:
@@ -184,13 +192,15 @@ def validate_cmd(
         None, "--replay",
         help="How each live run is simulated: closed (a closed-loop workload: its clients, each "
              "request sent the measured gap after the client's previous response; the default "
-             "there) or times (each request at its live send time; the default for open loop).",
+             "there), times (each request at its live send time; the default for open loop) or "
+             "sessions (a session workload, the default there: its sessions, each turn sent the "
+             "measured gap after the previous answer).",
     ),
 ) -> None:
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
     from simcap.live.plot import plot_validation_ecdfs
-    from simcap.live.validate import REPLAYS, ks_line, replay_line, validate, validation_table
+    from simcap.live.validate import REPLAYS, ks_line, replay_line, sessions_table, validate, validation_table
     from simcap.plots import check_figure_path
     from simcap.scenario import load_scenario
 
@@ -230,6 +240,9 @@ def validate_cmd(
     console = report.wide_console(150)
     console.print(replay_line(data))
     console.print(validation_table(data))
+    table = sessions_table(data)
+    if table is not None:
+        console.print(table)
     console.print(ks_line(data))
     for note in data["notes"]:
         console.print(f"note: {note}", style="dim")

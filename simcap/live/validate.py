@@ -7,7 +7,13 @@ sent as the live run sent them (``simulate(scenario, trace=...)``). An open-loop
 replayed at its send times. A closed-loop run is replayed as a closed loop
 (:class:`~simcap.workload.ClosedLoopTrace`): the same clients, each sending its own requests
 in its order, each send the measured gap after the end of that client's previous response.
-Replaying it at fixed send times instead (``replay="times"``) sends a request into a full
+A session workload's run is replayed as its sessions (``replay="sessions"``, the default
+there): the same sessions and turns, each turn's prompt as sent and its answer as long as it
+came back, each turn sent the measured gap after the previous turn's last token; beside the
+usual metrics it then compares the server's prefix-hit rate (``/metrics`` hits over queries)
+with the simulated engine's same counters, and per turn index the TTFT and prefix-hit share
+(:func:`compare_sessions`, from the per-turn summary of :mod:`simcap.metrics` on both sides).
+Replaying a closed loop at fixed send times instead (``replay="times"``) sends a request into a full
 engine whenever a step is priced a little slow, where a real client would still be waiting
 for its previous response: at concurrency = ``max_num_seqs`` a step model 5 % slow inflates
 the replayed TTFT median several times over. Run-to-run noise of a real server is
@@ -36,7 +42,7 @@ import httpx
 import numpy as np
 from rich.table import Table
 
-from simcap.live.client import LiveError, LiveRun, auth_headers, check_no_sessions, run_live
+from simcap.live.client import LiveError, LiveRun, auth_headers, check_live_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics
 from simcap.metrics import Summary
@@ -48,7 +54,7 @@ from simcap.workload import ClosedLoopTrace, RequestSpec
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p95", "p99")
 METRICS = tuple(f"{m}_{s}" for m in LATENCY_METRICS for s in STATS) + ("output_throughput",)
-REPLAYS = ("closed", "times")
+REPLAYS = ("closed", "times", "sessions")
 
 
 def metric_value(summary: Summary, key: str) -> float | None:
@@ -86,7 +92,14 @@ def _replayed_spec(run: LiveRun, rec: RequestRecord, j: int) -> RequestSpec:
             segments[-1] = (key, n + diff)
         else:
             segments = [(key, rec.num_prompt_tokens)]
-    return RequestSpec(j, rec.num_prompt_tokens, rec.max_tokens, tuple(segments))
+    if spec.session_id is None:
+        return RequestSpec(j, rec.num_prompt_tokens, rec.max_tokens, tuple(segments))
+    # A session turn: its answer as long as it came back (the next turn's prompt quotes it
+    # under its key), and which session and turn it is.
+    return RequestSpec(
+        j, rec.num_prompt_tokens, rec.num_output_tokens, tuple(segments), output_key=spec.output_key,
+        session_id=spec.session_id, turn=spec.turn,
+    )
 
 
 def trace_of(run: LiveRun) -> list[tuple[float, RequestSpec]]:
@@ -100,6 +113,16 @@ def closed_trace_of(run: LiveRun) -> ClosedLoopTrace:
     return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j))
 
 
+def session_trace_of(run: LiveRun) -> ClosedLoopTrace:
+    """A live session run as sessions: the same sessions and turns (each prompt the
+    conversation as sent, each answer as long as it came back), each turn sent its measured
+    gap (think time and client overhead) after the previous turn's last token. A closed loop
+    replays its clients, each running its sessions in order; an open loop one client per
+    session, starting at the session's send time."""
+    by = "client_id" if run.closed_loop else "session_id"
+    return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j), by=by)
+
+
 @dataclass
 class Repeat:
     """One live run and its simulated twin."""
@@ -111,6 +134,18 @@ class Repeat:
     sim_records: list[RequestRecord]
     cpu: dict[str, Any]
     prefix_cache_reset: str  # "ok", "not allowed (HTTP 404)", "skipped"
+    sim_prefix_cache: dict[str, int] | None = None  # the simulated engine's queries / hits
+
+    @property
+    def live_prefix_hit_rate(self) -> float | None:
+        """The server's prefix-cache hits over queries during the run (``/metrics`` deltas)."""
+        return self.live.server_delta().get("prefix_cache_hit_rate")
+
+    @property
+    def sim_prefix_hit_rate(self) -> float | None:
+        """The same ratio of the simulated engine's counters."""
+        pc = self.sim_prefix_cache
+        return pc["hits"] / pc["queries"] if pc and pc["queries"] else None
 
     @property
     def disturbed(self) -> bool:
@@ -134,6 +169,12 @@ class Repeat:
                 k: v for k, v in self.live.server_delta().items() if k != "cache_config"
             },
             "notes": list(self.live.notes),
+            **({"sessions": {
+                **self.live.sessions,
+                "live_prefix_hit_rate": self.live_prefix_hit_rate,
+                "predicted_prefix_hit_rate": self.sim_prefix_hit_rate,
+                "predicted_prefix_cache": self.sim_prefix_cache,
+            }} if self.live.sessions is not None else {}),
         }
 
 
@@ -146,6 +187,7 @@ class Validation:
     ks: dict[str, dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     replay: dict[str, Any] = field(default_factory=dict)  # how live runs were simulated
+    sessions: dict[str, Any] | None = None  # a session workload: compare_sessions()
 
     @property
     def used(self) -> list[Repeat]:
@@ -163,6 +205,7 @@ class Validation:
             "used_repeats": [r.index for r in self.used],
             "metrics": self.metrics,
             "ks": self.ks,
+            **({"sessions": self.sessions} if self.sessions is not None else {}),
             "notes": list(self.notes),
         }
 
@@ -173,31 +216,44 @@ def _rel(pred: float | None, ref: float | None) -> float | None:
     return (pred - ref) / ref
 
 
+def _used_mask(repeats: Sequence[Repeat]) -> list[bool]:
+    """Which repeats a comparison rests on: the undisturbed ones (all, if every one was)."""
+    mask = [not r.disturbed for r in repeats]
+    return mask if any(mask) else [True] * len(mask)
+
+
+def _entry(live_all: Sequence[float | None], pred_all: Sequence[float | None], used: Sequence[bool]) -> dict[str, Any]:
+    """One compared number: every repeat's live value and prediction; over the used repeats
+    the live range and median, the median prediction, its error and whether it is in range."""
+    live = [v for v, ok in zip(live_all, used) if ok and v is not None]
+    pred = [v for v, ok in zip(pred_all, used) if ok and v is not None]
+    lo = min(live) if live else None
+    hi = max(live) if live else None
+    med = float(np.median(live)) if live else None
+    p = float(np.median(pred)) if pred else None
+    return {
+        "live": list(live_all),
+        "predicted_per_repeat": list(pred_all),
+        "live_min": lo,
+        "live_max": hi,
+        "live_median": med,
+        "predicted": p,
+        "rel_error": _rel(p, med),
+        "in_range": None if p is None or lo is None else bool(lo <= p <= hi),
+    }
+
+
 def compare(repeats: Sequence[Repeat]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Per metric: live values, range, median; prediction, error, in range. And KS tests."""
     from scipy.stats import ks_2samp  # imported here: scipy.stats takes a second to load
 
-    clean = [r for r in repeats if not r.disturbed] or list(repeats)
-    metrics: dict[str, dict[str, Any]] = {}
-    for key in METRICS:
-        live_all = [metric_value(r.live_summary, key) for r in repeats]
-        pred_all = [metric_value(r.sim_summary, key) for r in repeats]
-        live = [v for r in clean if (v := metric_value(r.live_summary, key)) is not None]
-        pred = [v for r in clean if (v := metric_value(r.sim_summary, key)) is not None]
-        lo = min(live) if live else None
-        hi = max(live) if live else None
-        med = float(np.median(live)) if live else None
-        p = float(np.median(pred)) if pred else None
-        metrics[key] = {
-            "live": live_all,
-            "predicted_per_repeat": pred_all,
-            "live_min": lo,
-            "live_max": hi,
-            "live_median": med,
-            "predicted": p,
-            "rel_error": _rel(p, med),
-            "in_range": None if p is None or lo is None else bool(lo <= p <= hi),
-        }
+    used = _used_mask(repeats)
+    clean = [r for r, ok in zip(repeats, used) if ok]
+    metrics: dict[str, dict[str, Any]] = {
+        key: _entry([metric_value(r.live_summary, key) for r in repeats],
+                    [metric_value(r.sim_summary, key) for r in repeats], used)
+        for key in METRICS
+    }
     ks: dict[str, dict[str, Any]] = {}
     for name in ("ttft", "itl"):
         live_s = np.concatenate([samples(r.live.records)[name] for r in clean])
@@ -215,6 +271,51 @@ def compare(repeats: Sequence[Repeat]) -> tuple[dict[str, dict[str, Any]], dict[
         entry["per_repeat_statistic"] = per
         ks[name] = entry
     return metrics, ks
+
+
+TURN_STATS = ("mean", "p50", "p90")
+
+
+def compare_sessions(repeats: Sequence[Repeat]) -> dict[str, Any]:
+    """A session workload's own comparison, each number as :func:`compare`'s entries.
+
+    ``prefix_hit_rate``: the server's ``prefix_cache_hits / prefix_cache_queries`` over the
+    run against the simulated engine's same counters. ``prefix_hit_share``: cached over
+    prompt tokens of the completed turns (the summary's ``sessions`` block on both sides; live
+    only with the server's per-request cached tokens). ``by_turn``: per turn index, the
+    completed turns on each side and the TTFT mean, p50 and p90, and the prefix-hit share.
+    """
+    used = _used_mask(repeats)
+    live_blocks = [r.live_summary.sessions or {} for r in repeats]
+    sim_blocks = [r.sim_summary.sessions or {} for r in repeats]
+
+    def rows(blocks):
+        return [{row["turn"]: row for row in b.get("by_turn", ())} for b in blocks]
+
+    live_rows, sim_rows = rows(live_blocks), rows(sim_blocks)
+    turns = sorted({k for table in live_rows for k in table})
+    by_turn = []
+    for k in turns:
+        live_k = [t.get(k) for t in live_rows]
+        sim_k = [t.get(k) for t in sim_rows]
+        entry: dict[str, Any] = {
+            "turn": k,
+            "live_requests": [row["requests"] if row else 0 for row in live_k],
+            "predicted_requests": [row["requests"] if row else 0 for row in sim_k],
+        }
+        for stat in TURN_STATS:
+            entry[f"ttft_{stat}"] = _entry([row["ttft_s"][stat] if row else None for row in live_k],
+                                           [row["ttft_s"][stat] if row else None for row in sim_k], used)
+        entry["prefix_hit_share"] = _entry([row["prefix_hit_share"] if row else None for row in live_k],
+                                           [row["prefix_hit_share"] if row else None for row in sim_k], used)
+        by_turn.append(entry)
+    return {
+        "prefix_hit_rate": _entry([r.live_prefix_hit_rate for r in repeats],
+                                  [r.sim_prefix_hit_rate for r in repeats], used),
+        "prefix_hit_share": _entry([b.get("prefix_hit_share") for b in live_blocks],
+                                   [b.get("prefix_hit_share") for b in sim_blocks], used),
+        "by_turn": by_turn,
+    }
 
 
 def _local_port(base_url: str) -> int | None:
@@ -311,7 +412,7 @@ def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str,
             "seed": scenario.seed + 7919,
             "workload": wl.model_copy(
                 update={"arrival": ClosedArrival(process="closed", concurrency=min(4, n)),
-                        "num_requests": n, "duration_s": None}
+                        "num_requests": n, "duration_s": None, "sessions": None}
             ),
         }
     )
@@ -352,12 +453,17 @@ def validate(
     """
     if repeats < 1:
         raise LiveError(f"repeats: must be >= 1 (got {repeats})")
-    check_no_sessions(scenario)
+    check_live_sessions(scenario, endpoint)
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
+    has_sessions = scenario.workload.sessions is not None
     if replay is None:
-        replay = "closed" if closed else "times"
+        replay = "sessions" if has_sessions else "closed" if closed else "times"
     if replay not in REPLAYS:
         raise LiveError(f"replay: must be one of {', '.join(REPLAYS)} (got {replay!r})")
+    if replay == "sessions" and not has_sessions:
+        raise LiveError("replay: sessions needs a session workload (workload.sessions)")
+    if replay == "closed" and has_sessions:
+        raise LiveError("replay: a session workload replays as sessions (or times), not closed")
     if replay == "closed" and not closed:
         raise LiveError("replay: closed needs a closed-loop workload (workload.arrival.process: closed)")
     notes: list[str] = []
@@ -379,7 +485,7 @@ def validate(
         if not any(r.succeeded for r in run.records):
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
         trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace
-        trace = closed_trace_of(run) if replay == "closed" else trace_of(run)
+        trace = {"closed": closed_trace_of, "sessions": session_trace_of}.get(replay, trace_of)(run)
         this = _adopt_spec_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
         sim = simulate(this, trace=trace, records=True)
         if run.num_failed:
@@ -391,7 +497,10 @@ def validate(
             )
         elif not cpu.get("available", True):
             notes.append(f"run {i}: {cpu.get('note')}")
-        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset))
+        if run.sessions and run.sessions["ended_by_error"]:
+            notes.append(f"run {i}: {run.sessions['ended_by_error']} session(s) ended at an errored turn; "
+                         "their later turns are in neither run")
+        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset, sim.prefix_cache))
     if all(r.disturbed for r in results):
         notes.append("every run was disturbed: the comparison uses them all; rerun on a quiet machine")
     if scenario.engine.async_scheduling is None:
@@ -400,14 +509,22 @@ def validate(
             "always runs without async scheduling (set engine.async_scheduling=false)"
         )
     metrics, ks = compare(results)
-    if replay == "closed":
+    sessions = compare_sessions(results) if has_sessions else None
+    if replay == "sessions":
+        arrival = scenario.workload.arrival
+        who = (f"closed loop, {arrival.concurrency} clients each running its sessions in order"
+               if isinstance(arrival, ClosedArrival) else "one client per session, from its send time")
+        described = {"mode": "sessions", "clients": getattr(arrival, "concurrency", None),
+                     "text": f"sessions ({who}; each turn the measured gap after the previous "
+                             "answer's last token, its prompt and answer lengths as measured)"}
+    elif replay == "closed":
         assert isinstance(scenario.workload.arrival, ClosedArrival)
         described = {"mode": "closed", "clients": scenario.workload.arrival.concurrency,
                      "text": f"closed loop, {scenario.workload.arrival.concurrency} clients (each client's "
                              "requests in its order, sent the measured gap after its previous response)"}
     else:
         described = {"mode": "times", "clients": None, "text": "send times (each request at its live send time)"}
-    return Validation(scenario, simulated, results, metrics, ks, notes, described)
+    return Validation(scenario, simulated, results, metrics, ks, notes, described, sessions)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -441,6 +558,38 @@ def validation_table(data: dict[str, Any]) -> Table:
             "-" if err is None else f"{err * 100:+.1f}%",
             {True: "yes", False: "NO", None: "-"}[m["in_range"]],
         )
+    return table
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f}%"
+
+
+def sessions_table(data: dict[str, Any]) -> Table | None:
+    """A session workload's comparison from ``to_dict()``: prefix hits, and TTFT by turn (ms)."""
+    sessions = data.get("sessions")
+    if sessions is None:
+        return None
+    table = Table(title="sessions: simulated vs live (TTFT in ms; live median over repeats)", title_justify="left")
+    for col in ("metric", "turns live/sim", "live median", "live range", "predicted", "error vs median", "in range"):
+        table.add_column(col, justify="right" if col != "metric" else "left", no_wrap=True)
+
+    def add(name: str, m: dict[str, Any], fmt, count: str = "") -> None:
+        err = m["rel_error"]
+        table.add_row(
+            name, count, fmt(m["live_median"]),
+            "-" if m["live_min"] is None else f"{fmt(m['live_min'])} - {fmt(m['live_max'])}",
+            fmt(m["predicted"]), "-" if err is None else f"{err * 100:+.1f}%",
+            {True: "yes", False: "NO", None: "-"}[m["in_range"]],
+        )
+
+    add("prefix hit rate (server counters)", sessions["prefix_hit_rate"], _share)
+    add("prefix hit share (cached / prompt)", sessions["prefix_hit_share"], _share)
+    for row in sessions["by_turn"]:
+        count = f"{sum(row['live_requests'])}/{sum(row['predicted_requests'])}"
+        for stat in TURN_STATS:
+            add(f"turn {row['turn']} TTFT {stat}", row[f"ttft_{stat}"], lambda v: _fmt("ttft", v), count)
+        add(f"turn {row['turn']} prefix hits", row["prefix_hit_share"], _share, count)
     return table
 
 
