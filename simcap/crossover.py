@@ -452,7 +452,7 @@ def find_crossovers(
                            baseline=done[first + 2 * i + 1])
             for i, (load, (_, _, n)) in enumerate(zip(loads, mine))
         ]
-        results.append(_analyse(scenario, axis, loads, points, per_stream_tps,
+        results.append(analyse(scenario, axis, loads, points, per_stream_tps,
                                 requests_per_client, wall))
     return results
 
@@ -483,10 +483,12 @@ def _bundles(costs: list[float], count: int) -> list[list[int]]:
     return [members[b] for b in sorted(total, key=lambda b: -total[b]) if members[b]]
 
 
-def _analyse(
+def analyse(
     scenario: Scenario, axis: str, loads: list, points: list[CrossoverPoint],
     per_stream_tps: float | None, requests_per_client: int, wall: float,
 ) -> CrossoverResult:
+    """The crossovers and the per-stream answer of both arms at every load point (simulated
+    here, or measured live by :mod:`simcap.live.crossover`)."""
     gains = [p.gain_pct for p in points]
     crossover = locate_crossover(loads, [g["throughput"] for g in gains], axis=axis)
     latency_crossover = locate_crossover(

@@ -260,7 +260,7 @@ def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> 
     return scenario
 
 
-def _adopt_spec_acceptance(scenario: Scenario, run: LiveRun, index: int, notes: list[str]) -> Scenario:
+def adopt_run_acceptance(scenario: Scenario, run: LiveRun, index: int, notes: list[str]) -> Scenario:
     """The scenario with the run's own speculative acceptance (and ngram proposal rate)."""
     spec = scenario.speculative
     delta = run.server_delta()
@@ -371,7 +371,7 @@ def validate(
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
         trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace
         trace = closed_trace_of(run) if replay == "closed" else trace_of(run)
-        this = _adopt_spec_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
+        this = adopt_run_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
         sim = simulate(this, trace=trace, records=True)
         if run.num_failed:
             notes.append(f"run {i}: {run.num_failed} failed request(s) left out of the simulated trace")
