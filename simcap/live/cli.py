@@ -341,3 +341,74 @@ def calibrate_cmd(
         console.print(f"profile: {out}")
     for line in result.fit.warnings:
         typer.echo(line, err=True)
+
+
+@live_app.command("crossover")
+def crossover_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file with a speculative section."),
+    concurrency: str = typer.Option(..., "--concurrency", help="Closed-loop clients, comma-separated, e.g. 1,4,8."),
+    launch: Path = typer.Option(
+        ..., "--launch", help="Launch config SERVER.yaml (model, engine flags, speculative config): "
+                              "each arm's server is started from it and stopped after.",
+    ),
+    calibrate_up_to: Optional[int] = typer.Option(
+        None, "--calibrate-up-to",
+        help="The profile behind the prediction is calibrated with at most this many clients "
+             "(default: the lowest concurrency, at least 2); below the highest concurrency.",
+    ),
+    calibration_requests: int = typer.Option(24, "--calibration-requests", min=8, help="Requests in the calibration mix."),
+    requests_per_client: int = typer.Option(
+        8, "--requests-per-client", min=1, help="Each point runs max(num_requests, this x clients) requests."
+    ),
+    prompt_period: int = typer.Option(
+        16, "--prompt-period", min=0,
+        help="Prompts repeat every this many tokens, so ngram's prompt lookup finds matches (0: random prompts).",
+    ),
+    out_dir: Optional[Path] = typer.Option(
+        None, "--out-dir", help="Keep the profile, the servers' logs and every run's records here."
+    ),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
+) -> None:
+    """Measure speculation on vs off at each concurrency on servers started from --launch, beside
+    the crossover predicted from a profile calibrated at the lowest concurrencies."""
+    from simcap.crossover import parse_load_list, render_crossover
+    from simcap.live.crossover import comparison_lines, live_crossover
+    from simcap.live.launch import load_server_config, startup_failure_line
+    from simcap.live.server import VllmServerError
+    from simcap.scenario import load_scenario
+
+    say = None if json_out else (lambda msg: typer.echo(f"live crossover: {msg}", err=True))
+    try:
+        loads = parse_load_list(concurrency, "--concurrency", integer=True)
+        config, base_dir = load_server_config(launch)
+        sc = load_scenario(scenario, set_ or [])
+        result = live_crossover(
+            sc, config, loads, base_dir=base_dir, calibrate_up_to=calibrate_up_to,
+            calibration_requests=calibration_requests, requests_per_client=requests_per_client,
+            prompt_period=prompt_period or None, out_dir=out_dir, progress=say,
+            request_timeout_s=request_timeout,
+        )  # fmt: skip
+    except VllmServerError as exc:
+        _fail(f"--launch {launch}: {startup_failure_line(exc)}")
+    except SimcapError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        where = f"; finished runs' records are in {out_dir}" if out_dir else ""
+        typer.echo(f"interrupted{where}", err=True)
+        raise typer.Exit(130)
+    data = result.to_dict()
+    if json_out:
+        typer.echo(report.to_json(data))
+        return
+    console = report.wide_console(130)
+    console.print("measured (live servers from the launch config)", style="bold")
+    render_crossover(result.measured, console)
+    console.print("predicted (profile calibrated at the lowest concurrencies)", style="bold")
+    render_crossover(result.predicted, console)
+    for line in comparison_lines(data):
+        console.print(line)
+    for note in data["notes"]:
+        console.print(f"note: {note}", style="dim")
+    console.print(f"live crossover took {data['wall_s']:.0f} s", style="dim")
