@@ -166,9 +166,20 @@ def _num(v) -> str:
 @live_app.command("validate")
 def validate_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file (workload, engine and step-time model)."),
-    base_url: str = typer.Option(..., "--base-url", help="vLLM server, e.g. http://127.0.0.1:8000"),
+    base_url: Optional[str] = typer.Option(
+        None, "--base-url", help="vLLM server, e.g. http://127.0.0.1:8000 (or --launch)."
+    ),
     model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="Live runs (each simulated on its own trace)."),
+    repeats: int = typer.Option(
+        3, "--repeats", min=1, help="Live runs (each simulated on its own trace); per server instance with --launch."
+    ),
+    launch: Optional[Path] = typer.Option(
+        None, "--launch", help="Start the server from this launch config (SERVER.yaml) instead of --base-url."
+    ),
+    restarts: int = typer.Option(
+        0, "--restarts", help="With --launch: restart the server this many times, --repeats runs on each "
+                              "instance, so the band holds instance-to-instance variance.",
+    ),
     endpoint: str = typer.Option("completions", "--endpoint", help="completions or chat."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
@@ -190,7 +201,7 @@ def validate_cmd(
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
     from simcap.live.plot import plot_validation_ecdfs
-    from simcap.live.validate import REPLAYS, ks_line, replay_line, validate, validation_table
+    from simcap.live.validate import REPLAYS, ks_line, replay_line, spread_line, validate, validation_table
     from simcap.plots import check_figure_path
     from simcap.scenario import load_scenario
 
@@ -203,16 +214,37 @@ def validate_cmd(
             check_figure_path(plot, "--plot")
         except SimcapError as exc:
             _fail(str(exc))
+    if (base_url is None) == (launch is None):
+        _fail("--base-url: give either --base-url (a running server) or --launch SERVER.yaml, one of them")
+    if restarts < 0:
+        _fail(f"--restarts: must be >= 0 (got {restarts})")
+    if restarts and launch is None:
+        _fail("--restarts: restarting the server between repeats needs --launch (a server simcap starts)")
+    from simcap.live.launch import launch_server, load_server_config, startup_failure_line
+    from simcap.live.server import VllmServerError
+
     key = _api_key(api_key, api_key_env)
     try:
         sc = load_scenario(scenario, set_ or [])
+        starter = None
+        if launch is not None:
+            config, base_dir = load_server_config(launch)
+            from simcap.live.launch import engine_mismatches
+
+            differ = engine_mismatches(config, sc)
+            if differ:
+                _fail(f"--launch {launch}: launch config contradicts the scenario: " + "; ".join(differ))
+            model = model or config.served_model_name
+            starter = lambda: launch_server(config, base_dir, speculative=sc.speculative is not None)  # noqa: E731
         result = validate(
-            sc, base_url, model, repeats, endpoint=endpoint, progress=not json_out,
+            sc, base_url or "", model, repeats, endpoint=endpoint, progress=not json_out,
             warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
-            replay=replay,
+            replay=replay, launch=starter, restarts=restarts,
         )  # fmt: skip
         if plot is not None:
             plot_validation_ecdfs(result, plot)
+    except VllmServerError as exc:
+        _fail(f"--launch {launch}: {startup_failure_line(exc)}")
     except SimcapError as exc:
         _fail(str(exc))
     except SimulationError as exc:
@@ -229,6 +261,7 @@ def validate_cmd(
         return
     console = report.wide_console(150)
     console.print(replay_line(data))
+    console.print(spread_line(data))
     console.print(validation_table(data))
     console.print(ks_line(data))
     for note in data["notes"]:
@@ -354,7 +387,7 @@ def crossover_cmd(
     calibrate_up_to: Optional[int] = typer.Option(
         None, "--calibrate-up-to",
         help="The profile behind the prediction is calibrated with at most this many clients "
-             "(default: the lowest concurrency, at least 2); below the highest concurrency.",
+             "(default: the lowest concurrency; 2 when that is 1 and 2 is below the highest).",
     ),
     calibration_requests: int = typer.Option(24, "--calibration-requests", min=8, help="Requests in the calibration mix."),
     requests_per_client: int = typer.Option(

@@ -159,7 +159,7 @@ def live_crossover(
 ) -> LiveCrossover:
     """Measure both arms at each concurrency on servers started from ``config`` and predict
     them from a profile calibrated at ``calibrate_up_to`` clients at most (default: the lowest
-    concurrency, at least 2). ``out_dir``: where the profile, the servers' logs and every
+    concurrency, 2 if that is 1 and 2 is below the highest). ``out_dir``: where the profile, the servers' logs and every
     run's records go (default: a temporary folder, removed). Raises one-line
     :class:`ScenarioError` / :class:`LiveError` / :class:`~simcap.live.server.VllmServerError`."""
     import tempfile
@@ -172,7 +172,14 @@ def live_crossover(
         raise ScenarioError(f"--requests-per-client: must be >= 1 (got {requests_per_client})")
     if prompt_period is not None and prompt_period < 1:
         raise ScenarioError(f"--prompt-period: must be >= 1 tokens (got {prompt_period})")
+    if len(loads) < 2:
+        raise ScenarioError(
+            f"--concurrency: give at least two concurrencies (the profile is calibrated at the lowest "
+            f"and predicts the others; got {loads[0]})"
+        )
     cap = calibrate_up_to if calibrate_up_to is not None else max(2, loads[0])
+    if calibrate_up_to is None and cap >= loads[-1]:
+        cap = loads[0]
     if cap < 1:
         raise ScenarioError(f"--calibrate-up-to: must be >= 1 client (got {cap})")
     if cap >= loads[-1]:
@@ -276,19 +283,13 @@ def _predicted_scenario(
 ) -> tuple[Scenario, str]:
     """The scenario with the calibrated step time, the server's KV pool and the acceptance
     measured at the lowest concurrency (see the module doc)."""
-    import yaml
-
-    profile = yaml.safe_load(Path(calibration["profile"]).read_text())
+    profile = Path(calibration["profile"])
     data = scenario.model_dump(mode="json")
-    data.pop("profile", None)
-    data["step_time"] = profile["step_time"]
-    engine = dict(data["engine"])
-    engine.pop("memory", None)
-    for key in ("num_gpu_blocks", "vllm_version", "async_scheduling"):
-        if key in profile["engine"]:
-            engine[key] = profile["engine"][key]
-    data["engine"] = engine
-    sc = parse_scenario(data)
+    data["profile"] = profile.name  # its step time, and the server's KV pool and release
+    data.pop("step_time")
+    for key in ("num_gpu_blocks", "memory", "vllm_version", "async_scheduling"):
+        data["engine"].pop(key, None)
+    sc = parse_scenario(data, base_dir=profile.parent)
     notes: list[str] = []
     sc = adopt_run_acceptance(sc, lowest.run, 0, notes)
     how = (f"server counters of the speculative arm at {concurrency} clients: "

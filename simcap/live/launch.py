@@ -182,6 +182,8 @@ def engine_mismatches(config: ServerConfig, scenario: Scenario) -> list[str]:
         if getattr(sc, key) != getattr(eng, key)
     ]
     spec, mine = scenario.speculative, config.speculative
+    if spec is not None and mine is None:
+        out.append(f"speculative: scenario {spec.method} k={spec.num_speculative_tokens}, launch config none")
     if spec is not None and mine is not None:
         for key in ("method", "num_speculative_tokens"):
             if getattr(spec, key) != getattr(mine, key):
