@@ -205,7 +205,9 @@ def live_crossover(
         calibration: dict[str, Any] = {}
         for arm in ARMS:
             spec = arm == "spec"
-            server = launch_server(config, base, speculative=spec, log_path=folder / f"server-{arm}.log")
+            # Without out_dir the server logs into its own temporary folder, kept if it fails.
+            log = folder / f"server-{arm}.log" if out_dir is not None else None
+            server = launch_server(config, base, speculative=spec, log_path=log)
             say(f"{arm} arm: starting the server")
             with server:
                 servers.append({"arm": arm, "startup_s": round(server.startup_seconds or 0.0, 1),

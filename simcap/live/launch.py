@@ -33,6 +33,7 @@ measurement of one configuration judged against a prediction of another answers 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -191,13 +192,18 @@ def engine_mismatches(config: ServerConfig, scenario: Scenario) -> list[str]:
     return out
 
 
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
+
+
 def startup_failure_line(exc: Exception, lines: int = 3) -> str:
     """A server that failed to start, in one line: its exit code (or how long it was waited
-    for), its log file and its last log lines."""
+    for), its log file and its last log lines -- the last exception lines when the log has
+    any (the root cause sits above the shutdown chatter), else the last lines."""
     from simcap.live.server import VllmServerError
 
     if not isinstance(exc, VllmServerError) or exc.log_tail is None:
         return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     head = str(exc).splitlines()[0].rstrip(":")  # names the exit code (or the wait) and the log
-    tail = [line.strip() for line in exc.log_tail.splitlines() if line.strip()][-lines:]
-    return f"{head}; last log lines: " + " | ".join(tail)
+    tail = [line.strip() for line in exc.log_tail.splitlines() if line.strip()]
+    errors = [line for line in tail if _ERROR_LINE.search(line)]
+    return f"{head}; last log lines: " + " | ".join((errors or tail)[-lines:])

@@ -244,10 +244,10 @@ class VllmServer:
         with httpx.Client(timeout=2.0) as client:
             while True:
                 if self.proc is not None and self.proc.poll() is not None:
-                    tail = _tail(self.log_path)
                     raise VllmServerError(
                         f"vLLM server exited with code {self.proc.returncode} during startup; "
-                        f"log {self.log_path}:\n{tail}", self.proc.returncode, tail,
+                        f"log {self.log_path}:\n{_tail(self.log_path)}", self.proc.returncode,
+                        _tail(self.log_path, 80),
                     )
                 try:
                     if client.get(url).status_code == 200:
@@ -255,10 +255,9 @@ class VllmServer:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() - t0 > self.startup_timeout:
-                    tail = _tail(self.log_path)
                     raise VllmServerError(
                         f"vLLM server not healthy after {self.startup_timeout:.0f} s; "
-                        f"log {self.log_path}:\n{tail}", None, tail,
+                        f"log {self.log_path}:\n{_tail(self.log_path)}", None, _tail(self.log_path, 80),
                     )
                 time.sleep(0.5)
 

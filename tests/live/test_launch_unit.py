@@ -115,11 +115,16 @@ def test_engine_mismatches_name_every_flag_that_differs():
 
 
 def test_startup_failure_is_one_line_with_exit_code_and_last_log_lines():
-    tail = "line 1\nline 2\n\nValueError: max_num_batched_tokens (16) is smaller than max_model_len\n"
+    tail = ("line 1\nline 2\n\n(EngineCore pid=9) ValueError: Block size 16 is not a multiple of 32\nshutting down\n"
+            "RuntimeError: Engine core initialization failed. See root cause above.\nresource_tracker: leaked\n")
     exc = VllmServerError(f"vLLM server exited with code 1 during startup; log /x/server.log:\n{tail}", 1, tail)
     line = startup_failure_line(exc)
-    assert line == ("vLLM server exited with code 1 during startup; log /x/server.log; last log lines: line 1 | "
-                    "line 2 | ValueError: max_num_batched_tokens (16) is smaller than max_model_len")
+    assert line == ("vLLM server exited with code 1 during startup; log /x/server.log; last log lines: (EngineCore "
+                    "pid=9) ValueError: Block size 16 is not a multiple of 32 | RuntimeError: Engine core "
+                    "initialization failed. See root cause above.")
+    plain = VllmServerError("vLLM server exited with code 2 during startup; log /x/server.log:\na\nb\nc\nd", 2,
+                            "a\nb\nc\nd")
+    assert startup_failure_line(plain).endswith("; last log lines: b | c | d")
     waited = VllmServerError("vLLM server not healthy after 5 s; log /x/server.log:\nstill loading", None, "still loading")
     assert startup_failure_line(waited) == "vLLM server not healthy after 5 s; log /x/server.log; last log lines: still loading"
     assert startup_failure_line(VllmServerError("no vLLM python at /v: run .ci/vllm-cpu-setup")) == (
