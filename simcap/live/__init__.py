@@ -11,6 +11,10 @@
 - :mod:`simcap.live.plot` -- ECDFs of live vs simulated TTFT and ITL (``validate --plot``).
 - :mod:`simcap.live.hostload` -- CPU use of foreign processes, to flag disturbed runs.
 - :mod:`simcap.live.server` -- :class:`VllmServer`: start/stop a local vLLM CPU server.
+- :mod:`simcap.live.launch` -- launch configs (``--launch SERVER.yaml``): model, engine flags and
+  speculative config, turned into a :class:`VllmServer`.
+- :mod:`simcap.live.crossover` -- :func:`live_crossover`: both speculative arms measured on
+  launched servers, beside the crossover predicted from a low-concurrency calibration.
 - :mod:`simcap.live.cli` -- the ``simcap live`` commands.
 """
 
@@ -20,6 +24,7 @@ from simcap._lazy import lazy_exports
 # none of httpx, prometheus_client or the fitting code until a live command runs.
 _LAZY = {
     "LiveCalibration": "simcap.live.calibration",
+    "LiveCrossover": "simcap.live.crossover",
     "LiveError": "simcap.live.client",
     "LiveRun": "simcap.live.client",
     "PromptBuilder": "simcap.live.prompts",
@@ -27,6 +32,8 @@ _LAZY = {
     "VllmServer": "simcap.live.server",
     "VllmServerError": "simcap.live.server",
     "calibrate_live": "simcap.live.calibration",
+    "launch_server": "simcap.live.launch",
+    "live_crossover": "simcap.live.crossover",
     "run_live": "simcap.live.client",
 }
 
