@@ -23,7 +23,7 @@ from simcap.live.server import VllmServerError, tiny_model_dir
 from simcap.scenario import load_scenario
 
 REPO = Path(__file__).resolve().parents[2]
-SERVER_YAML = REPO / "examples" / "cpu-tiny-server.yaml"
+SERVER_YAML = REPO / "examples" / "servers" / "cpu-tiny.yaml"
 SCENARIO_YAML = REPO / "examples" / "cpu-tiny-ngram.yaml"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 

@@ -1,5 +1,5 @@
 """``simcap live crossover --launch`` and ``live validate --launch --restarts`` against REAL vLLM
-CPU servers that the commands start and stop themselves (from ``examples/cpu-tiny-server.yaml``).
+CPU servers that the commands start and stop themselves (from ``examples/servers/cpu-tiny.yaml``).
 
 - A two-point crossover (1 and 4 clients, short runs): both arms measured at both points, the
   speculative arm's acceptance read from the server's spec-decode counters, and the prediction
@@ -25,7 +25,7 @@ import yaml
 pytestmark = pytest.mark.live
 
 REPO = Path(__file__).resolve().parents[2]
-SERVER_YAML = REPO / "examples" / "cpu-tiny-server.yaml"
+SERVER_YAML = REPO / "examples" / "servers" / "cpu-tiny.yaml"
 SCENARIO_YAML = REPO / "examples" / "cpu-tiny-ngram.yaml"
 
 
