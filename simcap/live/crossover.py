@@ -264,6 +264,7 @@ def live_crossover(
         wall = time.monotonic() - started
         result = analyse(scenario, "concurrency", loads, points, None, requests_per_client, wall)
         result.provenance.update({
+            "step_time_source": "measured live (vLLM servers started from the launch config, one per arm)",
             "measured": "live: vLLM servers started from the launch config, one per arm",
             "prompt_period": prompt_period,
         })
