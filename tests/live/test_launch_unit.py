@@ -263,3 +263,43 @@ def test_calibration_phases_capped_at_a_concurrency():
     assert max(p.concurrency for p in full) > 2
     assert [p.concurrency for p in capped] == [1, 2, 2, 2]
     assert [p.num_requests for p in capped] == [p.num_requests for p in full]
+
+
+def test_spread_separates_instances_from_repeats():
+    """Runs against two instances: the instances' medians and the runs within each."""
+    from simcap.live.client import LiveRun
+    from simcap.live.validate import Repeat, spread_figures, spread_line
+    from simcap.scenario import parse_scenario
+    from simcap.simulator import simulate
+
+    sc = parse_scenario({
+        "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=2048, max_num_seqs=4),
+        "step_time": {"base": 0.004, "per_prefill_token": 1e-5, "per_decode_token": 1e-4},
+        "workload": dict(arrival={"process": "closed", "concurrency": 2}, num_requests=6, input_len=64,
+                         output_len=16),
+    })  # fmt: skip
+    reps = []
+    # Instance 0 runs at base 4 ms and 5 ms, instance 1 at 8 ms and 10 ms a step.
+    for i, (instance, base) in enumerate([(0, 0.004), (0, 0.005), (1, 0.008), (1, 0.010)]):
+        run_sc = sc.model_copy(update={"step_time": sc.step_time.model_copy(update={"base": base})})
+        sim = simulate(run_sc, records=True)
+        live = LiveRun(records=sim.records, specs={}, base_url="x", model="m", endpoint="completions",
+                       closed_loop=True, requested_rate=None, scheduled_rate=None, achieved_rate=None,
+                       wall_duration_s=1.0, max_send_lag_s=None)
+        reps.append(Repeat(i, live, sim.summary, sim.summary, sim.records, {"disturbed": False}, "ok", instance))
+    figures = spread_figures(reps)
+    tpot = [r.live_summary.tpot_s.p50 for r in reps]
+    mid = sorted(tpot)[1:3]
+    median = (mid[0] + mid[1]) / 2
+    between = ((tpot[2] + tpot[3]) / 2 - (tpot[0] + tpot[1]) / 2) / median
+    within = sorted([(tpot[1] - tpot[0]) / median, (tpot[3] - tpot[2]) / median])
+    assert figures["tpot_p50"]["between_instances"] == pytest.approx(between)
+    assert figures["tpot_p50"]["within_instance"] == pytest.approx(sum(within) / 2)
+    assert between > 0.4 and figures["tpot_p50"]["within_instance"] < between
+    line = spread_line({"spread": {"text": "2 server instances (restarted between them), 2 run(s) each",
+                                   "metrics": figures}})
+    assert line.startswith("spread: 2 server instances (restarted between them), 2 run(s) each (ttft_p50 between "
+                           "instances ")
+    assert f"tpot_p50 between instances {between * 100:.1f}%, within an instance" in line
+    one = spread_figures(reps[:1])
+    assert one["tpot_p50"] == {"between_instances": None, "within_instance": None}
