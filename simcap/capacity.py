@@ -640,6 +640,11 @@ def find_capacity(
     ``early_stop``: stop a run once its SLO is certain to fail (see the module doc); True,
     False, or ``"interval"`` (only the bootstrap interval's runs).
     """
+    if scenario.workload.sessions is not None:
+        raise ScenarioError(
+            "workload.sessions: capacity searches a request rate and does not run session "
+            "workloads yet; sweep workload.arrival.rate (sessions per second) instead"
+        )
     targets = parse_slo(slo) if slo else dict(scenario.slo)
     if not targets:
         raise ScenarioError(

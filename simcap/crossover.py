@@ -328,6 +328,11 @@ def arm_scenarios(
             "speculative: the scenario has no speculative section; crossover compares a "
             "scenario with speculation against the same one without it"
         )
+    if scenario.workload.sessions is not None:
+        raise ScenarioError(
+            "workload.sessions: crossover sizes its load points in requests and does not run "
+            "session workloads yet; compare the two arms with simulate or sweep"
+        )
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency or rate")
     data = scenario.model_dump(mode="json")

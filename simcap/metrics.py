@@ -30,6 +30,12 @@ Per-request statistics are over completed requests in request-id order. Each dis
 whether its sample count is enough for a p90/p95/p99 claim by MLPerf loadgen's early-stopping
 rule (confidence 0.99) allowing one query over the bound.
 
+Sessions (multi-turn workloads, :mod:`simcap.sessions`): requests that carry a session id and
+turn index also give, per turn index, the TTFT distribution and the prefix-hit share (cached
+prompt tokens over prompt tokens), and per session its duration (first turn sent to last
+answer's last token; sessions with every turn completed). The summary's ``sessions`` block
+holds them with the counts of overflowing turns (``session_overflow``, from the workload).
+
 Goodput follows ``vllm bench``: a completed request is good when its own TTFT, TPOT and E2E are
 each within the SLO targets named for those metrics (requests with one output token have no
 TPOT and pass that check; ITL targets only apply to the run-level SLO check). ``fraction`` is
@@ -188,12 +194,16 @@ class Summary:
     input_tokens: int
     # vLLM's spec-decode counters and the mean acceptance length they give; None without drafts.
     spec_decode: dict[str, Any] | None = None
+    # Multi-turn sessions: per turn and per session (see the module doc); None without.
+    sessions: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict with keys in field order."""
         out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
+            if name == "sessions" and value is None:
+                continue  # (a run without sessions prints as it did before they existed)
             if isinstance(value, Distribution):
                 value = value.to_dict()
             elif isinstance(value, dict):
@@ -359,6 +369,8 @@ class MetricsAccumulator:
         self._cached = 0
         self._itl = _WeightedSamples(compact_at)
         self._itl_token = _WeightedSamples(compact_at)
+        # Session turns only: request id, session id, turn, cached prompt tokens.
+        self._session_ints = array("q")
 
     def __len__(self) -> int:
         """Number of requests added."""
@@ -377,9 +389,12 @@ class MetricsAccumulator:
         num_preemptions: int = 0,
         num_cached_tokens: int = 0,
         succeeded: bool = True,
+        session_id: int | None = None,
+        turn: int | None = None,
     ) -> None:
         """One request's scalars. Preemptions and cached tokens count for failed requests too;
-        a failed request gives no latency samples (and its gaps must not be fed to add_itl)."""
+        a failed request gives no latency samples (and its gaps must not be fed to add_itl).
+        ``session_id`` and ``turn``: the session turn it is, if any."""
         if succeeded:
             if first_token_time is None or finish_time is None:
                 raise ValueError("a succeeded request needs first_token_time and finish_time")
@@ -394,6 +409,10 @@ class MetricsAccumulator:
         self._ints.extend((request_id, num_prompt_tokens, num_output_tokens, 1 if succeeded else 0))
         self._preemptions += num_preemptions
         self._cached += num_cached_tokens
+        if session_id is not None:
+            if turn is None:
+                raise ValueError("a session's request needs its turn index")
+            self._session_ints.extend((request_id, session_id, turn, num_cached_tokens))
 
     def add_itl(
         self, gaps: float | np.ndarray, weight: int | np.ndarray = 1, tokens: int | Any = 1
@@ -465,6 +484,8 @@ class MetricsAccumulator:
                 num_preemptions=r.num_preemptions,
                 num_cached_tokens=r.num_cached_tokens,
                 succeeded=succeeded,
+                session_id=r.session_id,
+                turn=r.turn,
             )
             if succeeded:
                 times += r.chunk_times
@@ -542,6 +563,7 @@ class MetricsAccumulator:
         duration_s: float | None = None,
         kv_usage: KVUsage | None = None,
         spec_decode: dict[str, Any] | None = None,
+        session_overflow: dict[str, int] | None = None,
     ) -> Summary:
         """The ``Summary`` of everything added so far; arguments as for ``summarize``."""
         times, ints = self._table()
@@ -627,7 +649,60 @@ class MetricsAccumulator:
             output_tokens=output_tokens,
             input_tokens=input_tokens,
             spec_decode=spec_decode,
+            sessions=self._sessions(session_overflow),
         )
+
+    def _sessions(self, overflow: dict[str, int] | None) -> dict[str, Any] | None:
+        """The summary's ``sessions`` block (see the module doc); None without session turns."""
+        if not self._session_ints and overflow is None:
+            return None
+        times, ints = self._table()
+        sess = np.frombuffer(self._session_ints, dtype=np.int64).reshape(-1, 4)
+        sess = sess[np.argsort(sess[:, 0], kind="stable")]  # request-id order
+        order = np.argsort(ints[:, 0], kind="stable")
+        rows = order[np.searchsorted(ints[order, 0], sess[:, 0])]
+        done = ints[rows, 3] != 0
+        arrival, first, finish = times[rows, 0], times[rows, 1], times[rows, 2]
+        prompt = ints[rows, 1]
+        session_ids, turns, cached = sess[:, 1], sess[:, 2], sess[:, 3]
+
+        def share(mask: np.ndarray) -> float | None:
+            total = int(prompt[mask].sum())
+            return float(cached[mask].sum() / total) if total else None
+
+        by_turn = []
+        for k in np.unique(turns).tolist():
+            at = turns == k
+            ok = at & done
+            by_turn.append({
+                "turn": int(k),
+                "requests": int(ok.sum()),
+                "ttft_s": Distribution.of(first[ok] - arrival[ok]).to_dict(),
+                "mean_prompt_tokens": float(prompt[ok].mean()) if ok.any() else None,
+                "prefix_hit_share": share(ok),
+            })
+        # Sessions: first send to last answer's end, over sessions with every turn completed.
+        order = np.argsort(session_ids, kind="stable")
+        ids, firsts = np.unique(session_ids[order], return_index=True)
+        if ids.size:
+            start = np.minimum.reduceat(arrival[order], firsts)
+            end = np.maximum.reduceat(np.where(done, finish, -np.inf)[order], firsts)
+            complete = np.logical_and.reduceat(done[order], firsts)
+            turns_per = np.diff(np.append(firsts, order.size))
+        else:
+            start = end = np.zeros(0)
+            complete = np.zeros(0, dtype=bool)
+            turns_per = np.zeros(0, dtype=np.int64)
+        return {
+            "sessions": int(ids.size),
+            "completed_sessions": int(complete.sum()),
+            "turns": int(turns.size),
+            "mean_turns": float(turns_per.mean()) if ids.size else None,
+            "prefix_hit_share": share(done),
+            "duration_s": Distribution.of(end[complete] - start[complete]).to_dict(),
+            "by_turn": by_turn,
+            **(dict(overflow) if overflow else {}),
+        }
 
 
 def summarize(
@@ -637,6 +712,7 @@ def summarize(
     duration_s: float | None = None,
     kv_usage: KVUsage | None = None,
     spec_decode: dict[str, Any] | None = None,
+    session_overflow: dict[str, int] | None = None,
 ) -> Summary:
     """Summarize request records into a ``Summary`` (see the module docstring for definitions).
 
@@ -645,8 +721,13 @@ def summarize(
     requests); ``kv_usage`` is a ``(times, usages)`` step series of KV-cache usage fractions
     (or its reduced ``{"mean", "max"}``);
     ``spec_decode`` holds the engine's speculative-decoding counters (simulated, or the server's
-    Prometheus deltas in a live run), passed through unchanged.
+    Prometheus deltas in a live run), passed through unchanged; ``session_overflow`` the
+    session workload's counts of overflowing turns (``truncated_turns``, ``dropped_turns``,
+    ``ended_sessions``), reported in the ``sessions`` block.
     """
     acc = MetricsAccumulator()
     acc.add_records(records)
-    return acc.summary(slo=slo, duration_s=duration_s, kv_usage=kv_usage, spec_decode=spec_decode)
+    return acc.summary(
+        slo=slo, duration_s=duration_s, kv_usage=kv_usage, spec_decode=spec_decode,
+        session_overflow=session_overflow,
+    )

@@ -8,10 +8,14 @@
 - :func:`plot_itl_histogram`: the per-step ITL (one gap per stream chunk, as the field
   measures it) on a log axis; two peaks when prefill chunks stall decodes.
 - :func:`plot_kv_queue`: KV-cache usage and running / waiting requests over time.
+- :func:`plot_sessions` (session workloads): prompt tokens over time, split into prefix-cache
+  hits and prefill actually computed, beside TTFT by turn index: later turns resend more
+  context, and the cache decides how much of it a step computes again.
 - :func:`plot_capacity`: SLO metrics against the measured arrival rate, with the SLO line
   and the safe and saturation rates.
 
-``write_simulation_plots(result, out_dir)`` writes the first three (``simcap simulate --plot``).
+``write_simulation_plots(result, out_dir)`` writes the first three, and the sessions view for a
+session workload (``simcap simulate --plot``).
 ``check_figure_path`` refuses, before any work, a figure path that cannot be written.
 """
 
@@ -442,8 +446,72 @@ def plot_kv_queue(result: "Result", path: str | Path) -> Path:
     return _save(fig, path)
 
 
+# --------------------------------------------------------------------------- sessions
+
+HIT_COLOR = "#7fbf7b"
+
+
+def session_token_series(result: "Result", bins: int = 60) -> dict[str, np.ndarray]:
+    """Prompt tokens over time in ``bins`` equal windows of the run: ``hit`` (prefix-cache
+    hits, counted when the request is first scheduled, as vLLM counts them) and ``computed``
+    (prompt tokens the engine's steps computed, at each step's start), in tokens per second;
+    ``edges`` the windows' bounds. Needs the run's records and step rows."""
+    if result.records is None or not result.steps.keep or len(result.steps) == 0:
+        raise SimcapError("session plot: the run kept no records and steps (simulate with records and steps)")
+    st = result.steps.as_arrays()
+    end = float(st["start"][-1] + st["duration"][-1])
+    edges = np.linspace(0.0, end if end > 0 else 1.0, bins + 1)
+    width = edges[1] - edges[0]
+    recs = [r for r in result.records if r.scheduled_time is not None]
+    hit, _ = np.histogram([r.scheduled_time for r in recs], edges,
+                          weights=[r.num_cached_tokens for r in recs])
+    computed, _ = np.histogram(st["start"], edges, weights=st["num_prefill_tokens"])
+    return {"edges": edges, "hit": hit / width, "computed": computed / width}
+
+
+def plot_sessions(result: "Result", path: str | Path) -> Path:
+    """Left: prompt tokens per second over time, prefix-cache hits stacked on the prefill the
+    steps computed. Right: every turn's TTFT by its turn index, with the median per turn."""
+    plt = _plt()
+    series = session_token_series(result)
+    edges = series["edges"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    width = edges[1] - edges[0]
+    ax1.bar(edges[:-1], series["computed"], width=width, align="edge", color=PREFILL_COLOR,
+            label="prefill computed")
+    ax1.bar(edges[:-1], series["hit"], width=width, align="edge", bottom=series["computed"],
+            color=HIT_COLOR, label="prefix-cache hits")
+    ax1.set_xlabel("simulated time (s)")
+    ax1.set_ylabel("prompt tokens / s")
+    ax1.legend(loc="upper right", fontsize=8)
+    sessions = result.summary.sessions or {}
+    share = sessions.get("prefix_hit_share")
+    ax1.set_title("prompt tokens: hits vs computed" + (f" (hits {share * 100:.1f}%)" if share is not None else ""),
+                  fontsize=10)
+    recs = [r for r in result.records or () if r.turn is not None and r.succeeded]
+    turns = np.array([r.turn for r in recs])
+    ttft = np.array([r.chunk_times[0] - r.arrival_time for r in recs])
+    if turns.size:
+        jitter = (np.arange(turns.size) % 7 - 3) * 0.05
+        ax2.scatter(turns + jitter, ttft, s=8, alpha=0.5, color=DECODE_COLOR, label="one turn")
+        ks = np.unique(turns)
+        ax2.plot(ks, [np.median(ttft[turns == k]) for k in ks], color=STALL_COLOR, lw=1.5,
+                 marker="o", ms=3, label="median")
+        ax2.legend(loc="upper left", fontsize=8)
+    ax2.set_yscale("log")
+    ax2.yaxis.set_major_formatter(plt.FuncFormatter(_ms_label))
+    ax2.yaxis.set_minor_formatter(plt.FuncFormatter(_ms_label))
+    ax2.tick_params(axis="y", which="minor", labelsize=7)
+    ax2.set_xlabel("turn index (0 = a session's first turn)")
+    ax2.set_ylabel("TTFT")
+    ax2.set_title("TTFT by turn", fontsize=10)
+    fig.suptitle(f"Sessions -- {_title(result)}", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def write_simulation_plots(result: "Result", out_dir: str | Path) -> list[Path]:
-    """The three teaching views of one run, as PNGs in ``out_dir``; returns their paths."""
+    """The teaching views of one run, as PNGs in ``out_dir``; returns their paths."""
     out = check_figure_path(out_dir, "--plot", directory=True)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -455,6 +523,7 @@ def write_simulation_plots(result: "Result", out_dir: str | Path) -> list[Path]:
         plot_step_timeline(result, out / "step_timeline.png"),
         plot_itl_histogram(result, out / "itl_histogram.png"),
         plot_kv_queue(result, out / "kv_queue.png"),
+        *([plot_sessions(result, out / "sessions.png")] if result.summary.sessions else []),
     ]
 
 

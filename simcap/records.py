@@ -6,7 +6,8 @@ chunk arrived and how many tokens it carried. One engine step that emits tokens 
 request is one chunk, so chunk gaps are the field's ITL (per step, not per token).
 In a closed-loop run, ``client_id`` says which client (0..concurrency-1) sent the request
 (None in an open-loop run), so the run can be replayed client by client
-(:class:`simcap.workload.ClosedLoopTrace`).
+(:class:`simcap.workload.ClosedLoopTrace`). A turn of a multi-turn session
+(:mod:`simcap.sessions`) carries its ``session_id`` and ``turn`` (0-based); None otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class RequestRecord:
     finish_reason: str | None = None  # "length", "stop", "abort" or "error"
     error: str | None = None
     client_id: int | None = None  # closed loop: the client that sent it
+    session_id: int | None = None  # a session's turn: which session
+    turn: int | None = None  # and which of its turns (0-based)
 
     @property
     def num_output_tokens(self) -> int:

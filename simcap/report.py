@@ -130,6 +130,8 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
     if "num_steps" in result:
         line += f"; engine steps {result['num_steps']:,}"
     console.print(line)
+    if result.get("sessions"):
+        render_sessions(result["sessions"], console)
     prov = result.get("provenance") or {}
     if prov:
         console.print(
@@ -139,6 +141,40 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
             f"step time from {prov.get('step_time_source')}",
             style="dim",
         )
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def render_sessions(sessions: dict[str, Any], console: Console) -> None:
+    """Print a session workload's block: TTFT and prefix hits by turn, session durations."""
+    from rich.table import Table
+
+    table = Table(title="sessions: by turn (TTFT in ms)", title_justify="left")
+    for col in ("turn (0 = first)", "requests", "mean prompt", "prefix hits", "TTFT mean", "p50", "p90", "p99"):
+        table.add_column(col, justify="right")
+    for row in sessions["by_turn"]:
+        ttft = row["ttft_s"]
+        prompt = row["mean_prompt_tokens"]
+        table.add_row(
+            str(row["turn"]), f"{row['requests']:,}", "-" if prompt is None else f"{prompt:,.0f}",
+            _share(row["prefix_hit_share"]), *(_ms(ttft[c]) for c in ("mean", "p50", "p90", "p99")),
+        )
+    console.print(table)
+    dur = sessions["duration_s"]
+    line = (
+        f"{sessions['sessions']:,} sessions ({sessions['completed_sessions']:,} completed), "
+        f"{sessions['turns']:,} turns; prefix hits {_share(sessions['prefix_hit_share'])} of "
+        f"prompt tokens; session duration mean {dur['mean'] or 0:,.2f} s, p90 {dur['p90'] or 0:,.2f} s"
+    )
+    if "truncated_turns" in sessions:
+        line += (
+            f"; over max_model_len: {sessions['truncated_turns']:,} turns truncated "
+            f"({sessions['dropped_turns']:,} turns dropped), {sessions['ended_sessions']:,} "
+            "sessions ended"
+        )
+    console.print(line)
 
 
 def render_kv_plan(plan: dict[str, Any], console: Console) -> None:

@@ -474,6 +474,114 @@ class PrefixSharing(_Model):
     num_prefixes: int = Field(1, gt=0, le=MAX_REQUESTS)
 
 
+class FixedSeconds(_Model):
+    dist: Literal["fixed"]
+    value: float = Field(ge=0.0, le=MAX_SIMULATED_S)
+
+    @property
+    def mean(self) -> float:
+        return self.value
+
+
+class UniformSeconds(_Model):
+    """Seconds uniform on [low, high]."""
+
+    dist: Literal["uniform"]
+    low: float = Field(ge=0.0, le=MAX_SIMULATED_S)
+    high: float = Field(ge=0.0, le=MAX_SIMULATED_S)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "UniformSeconds":
+        if self.high < self.low:
+            raise ValueError(f"high must be >= low (got low={self.low}, high={self.high})")
+        return self
+
+    @property
+    def mean(self) -> float:
+        return (self.low + self.high) / 2.0
+
+
+class ExponentialSeconds(_Model):
+    """Seconds drawn from an exponential distribution of the given mean."""
+
+    dist: Literal["exponential"]
+    mean_s: float = Field(gt=0.0, le=MAX_SIMULATED_S)
+
+    @property
+    def mean(self) -> float:
+        return self.mean_s
+
+
+class EmpiricalSeconds(_Model):
+    """Seconds drawn with replacement from a list."""
+
+    dist: Literal["empirical"]
+    values: tuple[Annotated[float, Field(ge=0.0, le=MAX_SIMULATED_S)], ...] = Field(min_length=1)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values)
+
+
+def _seconds_shorthand(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value  # let validation reject it
+    if isinstance(value, (int, float)):
+        return {"dist": "fixed", "value": float(value)}
+    if isinstance(value, dict) and isinstance(value.get("values"), list):
+        return {**value, "values": tuple(value["values"])}
+    return value
+
+
+Seconds = Annotated[
+    Union[FixedSeconds, UniformSeconds, ExponentialSeconds, EmpiricalSeconds],
+    Field(discriminator="dist"),
+]
+
+
+class SessionsConfig(_Model):
+    """Multi-turn sessions (conversations, agent loops): see :mod:`simcap.sessions`.
+
+    Each turn's prompt is the whole conversation so far (every earlier turn's new tokens and
+    answer) plus the turn's new tokens (``workload.input_len``; the first turn's from
+    ``first_input_len`` when given); its answer is ``workload.output_len`` tokens. The next
+    turn is sent ``think_time_s`` after the answer's last token. ``workload.prefix``, when
+    given, opens every session's first turn with one of the shared prefixes (a system prompt
+    and tool definitions, counted in the first turn's new tokens), kept when a turn is
+    truncated. ``workload.arrival`` paces sessions: ``rate`` is sessions per second, a closed loop's ``concurrency`` is sessions in
+    flight (its ``think_time_s`` is the pause between one session's end and the client's next).
+    """
+
+    num_sessions: int | None = Field(
+        None, gt=0, le=MAX_REQUESTS, description="sessions in the run; or give workload.duration_s"
+    )
+    turns: Length = Field(description="turns per session")
+    first_input_len: Length | None = Field(
+        None, description="new tokens of a session's first turn; None: workload.input_len"
+    )
+    think_time_s: Seconds = Field(
+        FixedSeconds(dist="fixed", value=0.0),
+        description="seconds from an answer's last token to the next turn (think or tool time)",
+    )
+    on_overflow: Literal["truncate", "end"] = Field(
+        "truncate",
+        description="a turn whose prompt + answer would exceed max_model_len: drop the oldest "
+        "turns from its prompt (truncate) or end the session there (end)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthands(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in ("turns", "first_input_len"):
+                if key in data:
+                    data[key] = _length_shorthand(data[key])
+            if "think_time_s" in data:
+                data["think_time_s"] = _seconds_shorthand(data["think_time_s"])
+        return data
+
+
 class WorkloadConfig(_Model):
     arrival: Arrival
     num_requests: int | None = Field(None, gt=0, le=MAX_REQUESTS)
@@ -481,6 +589,14 @@ class WorkloadConfig(_Model):
     input_len: Length
     output_len: Length
     prefix: PrefixSharing | None = None
+    sessions: SessionsConfig | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_sessions(self, handler):
+        data = handler(self)
+        if self.sessions is None:  # a dump (and digest) of a scenario without sessions is unchanged
+            data.pop("sessions", None)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -494,6 +610,18 @@ class WorkloadConfig(_Model):
 
     @model_validator(mode="after")
     def _one_stop_rule(self) -> "WorkloadConfig":
+        if self.sessions is not None:
+            if self.num_requests is not None:
+                raise ValueError(
+                    "workload.num_requests: a session workload counts sessions; give "
+                    "workload.sessions.num_sessions or workload.duration_s"
+                )
+            if (self.sessions.num_sessions is None) == (self.duration_s is None):
+                raise ValueError(
+                    "workload.sessions.num_sessions: give exactly one of "
+                    "sessions.num_sessions or workload.duration_s"
+                )
+            return self
         if (self.num_requests is None) == (self.duration_s is None):
             raise ValueError("give exactly one of num_requests or duration_s")
         return self
@@ -661,7 +789,7 @@ def _field_names(loc: tuple[Any, ...], root: Any = None) -> list[str] | None:
 
 
 _SIZE_LIMITS = {MAX_REQUESTS, MAX_SIMULATED_S, MAX_KV_BLOCKS, MAX_TOKENS, MAX_NUM_SEQS, MAX_CLIENTS}
-_TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical", "lognormal"}
+_TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical", "lognormal", "exponential"}
 
 
 def format_validation_error(exc: ValidationError, root: Any = None) -> str:
@@ -736,12 +864,22 @@ def check_feasible(scenario: Scenario) -> None:
     check_limits(scenario)
     eng, wl = scenario.engine, scenario.workload
     max_in, max_out = wl.input_len.max_value, wl.output_len.max_value
-    if wl.prefix is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
+    if wl.sessions is not None:
+        _check_sessions_fit(scenario)
+        max_in = max_session_context(wl) - max_out
+    first_len = wl.input_len if wl.sessions is None else (wl.sessions.first_input_len or wl.input_len)
+    if wl.sessions is not None and wl.prefix is not None and wl.prefix.shared_tokens >= first_len.min_value:
+        key = "sessions.first_input_len" if wl.sessions.first_input_len is not None else "input_len"
+        raise ScenarioError(
+            f"workload.prefix.shared_tokens: must be < the shortest first turn "
+            f"(workload.{key}: {first_len.min_value}), got {wl.prefix.shared_tokens}"
+        )
+    if wl.sessions is None and wl.prefix is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
         raise ScenarioError(
             f"workload.prefix.shared_tokens: must be < the shortest input_len "
             f"({wl.input_len.min_value}), got {wl.prefix.shared_tokens}"
         )
-    if max_in + max_out > eng.max_model_len:
+    if wl.sessions is None and max_in + max_out > eng.max_model_len:
         raise ScenarioError(
             f"workload.input_len: prompt ({max_in}) + output ({max_out}) tokens exceed "
             f"engine.max_model_len ({eng.max_model_len}); vLLM rejects such a request"
@@ -755,6 +893,38 @@ def check_feasible(scenario: Scenario) -> None:
             f"{eng.kv_capacity_tokens} tokens (({eng.num_blocks} - 1) x {eng.block_size}) can "
             f"never hold one request of {need} tokens; need at least "
             f"{math.ceil(need / eng.block_size) + 1} blocks"
+        )
+
+
+def max_session_context(wl: WorkloadConfig) -> int:
+    """The longest prompt + answer a session turn can reach before ``max_model_len`` caps it:
+    a first turn and then every turn at its longest."""
+    sessions = wl.sessions
+    assert sessions is not None
+    first = (sessions.first_input_len or wl.input_len).max_value
+    out = wl.output_len.max_value
+    return first + out + (sessions.turns.max_value - 1) * (wl.input_len.max_value + out)
+
+
+def _check_sessions_fit(scenario: Scenario) -> None:
+    """One turn's new tokens and answer must fit ``max_model_len`` even with no history:
+    neither truncation nor ending the session could serve it otherwise."""
+    eng, wl = scenario.engine, scenario.workload
+    sessions = wl.sessions
+    assert sessions is not None
+    max_out = wl.output_len.max_value
+    for key, spec in (("sessions.first_input_len", sessions.first_input_len), ("input_len", wl.input_len)):
+        if spec is not None and spec.max_value + max_out > eng.max_model_len:
+            raise ScenarioError(
+                f"workload.{key}: a turn's new tokens ({spec.max_value}) + output ({max_out}) "
+                f"exceed engine.max_model_len ({eng.max_model_len}) even with no earlier turns"
+            )
+    shared = wl.prefix.shared_tokens if wl.prefix is not None else 0
+    if shared and shared + wl.input_len.max_value + max_out > eng.max_model_len:
+        raise ScenarioError(
+            f"workload.prefix.shared_tokens: a later turn keeps the shared prefix ({shared}), "
+            f"so its new tokens ({wl.input_len.max_value}) + output ({max_out}) + the prefix "
+            f"exceed engine.max_model_len ({eng.max_model_len}) even with no earlier turns"
         )
 
 
@@ -778,7 +948,8 @@ def _shortest_request_s(scenario: Scenario) -> float:
     per_step = 1 + (scenario.speculative.num_speculative_tokens if scenario.speculative else 0)
     steps = math.ceil(wl.output_len.min_value / per_step)
     assert isinstance(wl.arrival, ClosedArrival)
-    return wl.arrival.think_time_s + steps * step
+    think = wl.arrival.think_time_s if wl.sessions is None else 0.0  # (between sessions only)
+    return think + steps * step
 
 
 def expected_requests(scenario: Scenario) -> float:
@@ -786,11 +957,14 @@ def expected_requests(scenario: Scenario) -> float:
     expected); clients x (duration_s / shortest request + 1) (closed loop, at most); inf when
     a closed loop's requests may take no time at all."""
     wl = scenario.workload
+    if wl.sessions is not None and wl.sessions.num_sessions is not None:
+        return wl.sessions.num_sessions * _mean_length(wl.sessions.turns)
     if wl.num_requests is not None:
         return float(wl.num_requests)
     assert wl.duration_s is not None
     if not isinstance(wl.arrival, ClosedArrival):
-        return wl.arrival.rate * wl.duration_s
+        turns = 1.0 if wl.sessions is None else _mean_length(wl.sessions.turns)
+        return wl.arrival.rate * wl.duration_s * turns
     shortest = _shortest_request_s(scenario)
     if shortest <= 0.0:
         return math.inf
@@ -811,7 +985,23 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
         )
     arrival = wl.arrival
     requests = expected_requests(scenario)
-    if isinstance(arrival, ClosedArrival):
+    sessions = wl.sessions
+    if sessions is not None and sessions.num_sessions is not None:
+        if requests > MAX_REQUESTS:
+            raise ScenarioError(
+                f"workload.sessions.num_sessions: {sessions.num_sessions:,} sessions x "
+                f"{_mean_length(sessions.turns):g} turns is ~{requests:.3g} requests; one "
+                f"simulation holds at most {MAX_REQUESTS:,} requests"
+            )
+        if not isinstance(arrival, ClosedArrival):
+            span = (sessions.num_sessions - 1) / arrival.rate
+            if span > MAX_SIMULATED_S:
+                raise ScenarioError(
+                    f"workload.arrival.rate: {sessions.num_sessions:,} sessions at "
+                    f"{arrival.rate:g} sessions/s start over ~{span:.3g} s; one simulation "
+                    f"covers at most {MAX_SIMULATED_S:.0e} s of arrivals"
+                )
+    elif isinstance(arrival, ClosedArrival):
         if math.isinf(requests):
             raise ScenarioError(
                 "workload.duration_s: closed-loop requests that take no time (step_time 0, "
@@ -841,7 +1031,11 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
         )
     tokens = requests * _mean_length(wl.output_len)
     if records and tokens > MAX_RECORDED_TOKENS:
-        field = "num_requests" if wl.num_requests is not None else "duration_s"
+        field = (
+            "num_requests" if wl.num_requests is not None
+            else "sessions.num_sessions" if sessions is not None and sessions.num_sessions is not None
+            else "duration_s"
+        )
         raise ScenarioError(
             f"workload.{field}: ~{requests:.3g} requests x {_mean_length(wl.output_len):g} "
             f"output tokens is ~{tokens:.3g} tokens to keep chunk by chunk (plots); a run that "

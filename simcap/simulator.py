@@ -7,7 +7,10 @@ arrivals are known in advance, so the engine takes them itself: before each step
 request that has arrived by then. Tokens a step produces reach the client at the end of the
 step, as one stream chunk per request. Clients (closed loop) are SimPy processes that wait on
 their request's completion; a replayed closed-loop run (:class:`simcap.workload.ClosedLoopTrace`)
-has one such client per recorded client, sending that client's requests after its gaps.
+has one such client per recorded client, sending that client's requests after its gaps; a
+session workload (:mod:`simcap.sessions`) has one process per live session, sending each turn
+when the previous turn's answer has streamed back plus the think time, its prompt the whole
+conversation so far.
 Finished requests go straight into the run's metrics; full records and step-log rows are kept
 only when asked for.
 """
@@ -38,6 +41,7 @@ from simcap.fast_forward import (
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario, check_limits
+from simcap.sessions import Conversation, SessionWorkload
 from simcap.steplog import StepLog
 from simcap.workload import ClosedLoopTrace, RequestSpec, Workload
 
@@ -178,7 +182,12 @@ class _World:
         self._verify_stretches = _StretchGaps()
         self._verify_tokens: list[int] = []  # per gap, per request: the later chunk's tokens
         self._wakeup: simpy.Event | None = None
-        self._on_finish: dict[int, Callable[[], None]] = {}
+        # Clients waiting on a request, called with its output tokens when it finishes.
+        self._on_finish: dict[int, Callable[[int], object]] = {}
+        self._session_of: dict[int, tuple[int, int]] = {}  # request id -> (session, turn)
+        self._next_request_id = 0  # sessions: ids in send order
+        # Sessions: turns sent truncated, turns dropped from contexts, sessions ended early.
+        self.session_overflow = {"truncated_turns": 0, "dropped_turns": 0, "ended_sessions": 0}
 
     # ------------------------------------------------------------------ actors
 
@@ -186,11 +195,15 @@ class _World:
         """``spec`` arrives at ``now`` (sent by closed-loop client ``client_id``)."""
         if self.records is not None:
             self.records[spec.request_id] = RequestRecord(
-                spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, client_id=client_id
+                spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, client_id=client_id,
+                session_id=spec.session_id, turn=spec.turn,
             )
-        self.scheduler.add_request(
-            Request(spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments)
-        )
+        if spec.session_id is not None:
+            self._session_of[spec.request_id] = (spec.session_id, spec.turn)
+        self.scheduler.add_request(Request(
+            spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments,
+            spec.output_key,
+        ))
         if self._wakeup is not None:
             self._wakeup.succeed()
             self._wakeup = None
@@ -230,6 +243,65 @@ class _World:
 
         for c, requests in enumerate(trace.clients):
             env.process(client(c, requests))
+
+    def session_clients(self) -> None:
+        """One process per live session: send a turn, wait for its answer, think, send the
+        next (its prompt the conversation so far). Sessions start open loop at their start
+        times, or closed loop: ``concurrency`` clients, each running one session after another
+        (with the arrival's think time between sessions) until ``num_sessions`` have started
+        or ``duration_s`` has passed."""
+        env = self.env
+        workload = SessionWorkload(self.scenario.workload, self.scenario.seed)
+        max_model_len = self.scenario.engine.max_model_len
+        on_overflow = workload.sessions.on_overflow
+        overflow = self.session_overflow
+
+        def session(i: int, client_id: int | None):
+            conv = Conversation(workload.plan(i), max_model_len, on_overflow)
+            while True:
+                rid = self._next_request_id
+                spec = conv.request(rid)
+                if spec is None:
+                    break
+                self._next_request_id = rid + 1
+                done = env.event()
+                self._on_finish[rid] = done.succeed
+                self.submit(spec, env.now, client_id)
+                num_output_tokens = yield done
+                think = conv.answered(num_output_tokens)
+                if conv.done:
+                    break
+                if think > 0:
+                    yield env.timeout(think)
+            overflow["truncated_turns"] += conv.truncated_turns
+            overflow["dropped_turns"] += conv.dropped_turns
+            overflow["ended_sessions"] += conv.ended
+
+        arrival = self.scenario.workload.arrival
+        if isinstance(arrival, ClosedArrival):
+            limit, duration = workload.num_sessions, workload.duration_s
+            counter = iter(range(limit) if limit is not None else itertools.count())
+
+            def client(c: int):
+                for i in counter:
+                    if duration is not None and env.now >= duration:
+                        return
+                    yield from session(i, c)
+                    if arrival.think_time_s:
+                        yield env.timeout(arrival.think_time_s)
+
+            for c in range(arrival.concurrency):
+                env.process(client(c))
+            return
+        starts = workload.start_times().tolist()
+
+        def starter():
+            for i, t in enumerate(starts):
+                if t > env.now:
+                    yield env.timeout_at(t)
+                env.process(session(i, None))
+
+        env.process(starter())
 
     # ------------------------------------------------------------------ client view
 
@@ -322,6 +394,10 @@ class _World:
             self.metrics.add_itl(np.repeat(gaps, sizes), tokens=tokens)
             self._verify_tokens.clear()
 
+    def _session_fields(self, request_id: int) -> dict[str, int]:
+        where = self._session_of.pop(request_id, None) if self._session_of else None
+        return {} if where is None else {"session_id": where[0], "turn": where[1]}
+
     def finish(self, reqs: list[Request], now: float) -> None:
         """Requests that got their last token at ``now``: summarise them, wake their clients."""
         for req in reqs:
@@ -331,6 +407,7 @@ class _World:
                 finish_time=now, scheduled_time=req.scheduled_ts,
                 num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                 num_preemptions=req.num_preemptions, num_cached_tokens=cached,
+                **self._session_fields(req.request_id),
             )
             if self.records is not None:
                 rec = self.records[req.request_id]
@@ -341,7 +418,7 @@ class _World:
                 rec.num_cached_tokens = cached
             notify = self._on_finish.pop(req.request_id, None)
             if notify is not None:
-                notify()
+                notify(req.num_output_tokens)
 
     def engine(
         self, times: Sequence[float] | None = None, specs: Callable[[int], RequestSpec] | None = None
@@ -458,6 +535,11 @@ class _World:
             times = list(itertools.accumulate((t for t, _ in trace), max))  # (in send order)
             self.num_arrivals = len(times)
             self.env.process(self.engine(times, lambda i: trace[i][1]))
+        elif self.scenario.workload.sessions is not None:
+            if self.stop is not None:
+                raise ValueError("a stop rule needs open-loop or replayed arrivals, not sessions")
+            self.session_clients()
+            self.env.process(self.engine())
         elif isinstance(arrival, ClosedArrival):
             if self.stop is not None:
                 raise ValueError("a stop rule needs open-loop or replayed arrivals")
@@ -476,6 +558,7 @@ class _World:
             slo=dict(self.scenario.slo) or None,
             kv_usage=self.steps.kv_usage_summary(),
             spec_decode=self.spec_counters.to_dict() if self.spec_counters else None,
+            session_overflow=self.session_overflow if self.scenario.workload.sessions else None,
         )
         if stopped is not None:
             for key in stopped.failed:

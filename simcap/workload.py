@@ -41,6 +41,11 @@ class RequestSpec(NamedTuple):
     # (content key, tokens): prompts sharing a key share those tokens (prefix caching); a
     # key below zero is the request's own (see simcap.engine.request).
     segments: tuple[tuple[int, int], ...]
+    # Key of the answer's tokens: >= 0 when a later prompt quotes them (a session's next
+    # turn); None: the request's own (private) key.
+    output_key: int | None = None
+    session_id: int | None = None  # a session's turn: which session, and which turn (0-based)
+    turn: int | None = None
 
 
 class ClientRequest(NamedTuple):
@@ -103,6 +108,42 @@ class ClosedLoopTrace:
         return cls(tuple(tuple(per_client[c]) for c in sorted(per_client)))
 
 
+def draw_lengths(
+    spec: FixedLength | UniformLength | EmpiricalLength, rng: np.random.Generator, size: int
+) -> np.ndarray:
+    """``size`` lengths (int64) drawn from ``spec`` with ``rng``."""
+    if isinstance(spec, FixedLength):
+        return np.full(size, spec.value, dtype=np.int64)
+    if isinstance(spec, UniformLength):
+        return rng.integers(spec.low, spec.high + 1, size=size, dtype=np.int64)
+    return rng.choice(np.asarray(spec.values, dtype=np.int64), size=size)
+
+
+def arrival_times(
+    arrival: PoissonArrival | GammaArrival, rng: np.random.Generator,
+    count: int | None, duration_s: float | None,
+) -> np.ndarray:
+    """Open-loop send times in seconds, the first at 0 (as a benchmark client starts): the
+    first ``count`` of them, or all before ``duration_s``."""
+    if isinstance(arrival, PoissonArrival):
+        shape, scale = 1.0, 1.0 / arrival.rate
+    else:
+        assert isinstance(arrival, GammaArrival)
+        shape, scale = arrival.burstiness, 1.0 / (arrival.rate * arrival.burstiness)
+    if count is not None:
+        gaps = rng.gamma(shape, scale, size=count - 1)
+        return np.concatenate([[0.0], np.cumsum(gaps)])
+    assert duration_s is not None
+    parts = [np.zeros(1)]
+    last = 0.0
+    while last <= duration_s:
+        times = last + np.cumsum(rng.gamma(shape, scale, size=_CHUNK))
+        parts.append(times)
+        last = float(times[-1])
+    times = np.concatenate(parts)
+    return times[times < duration_s]
+
+
 class _LengthSampler:
     def __init__(self, spec: FixedLength | UniformLength | EmpiricalLength, rng: np.random.Generator):
         self.spec = spec
@@ -110,12 +151,7 @@ class _LengthSampler:
         self.drawn = array("q")  # (8 bytes a request; indexing gives a Python int)
 
     def _draw(self) -> np.ndarray:
-        spec = self.spec
-        if isinstance(spec, FixedLength):
-            return np.full(_CHUNK, spec.value, dtype=np.int64)
-        if isinstance(spec, UniformLength):
-            return self.rng.integers(spec.low, spec.high + 1, size=_CHUNK, dtype=np.int64)
-        return self.rng.choice(np.asarray(spec.values, dtype=np.int64), size=_CHUNK)
+        return draw_lengths(self.spec, self.rng, _CHUNK)
 
     def __getitem__(self, i: int) -> int:
         while i >= len(self.drawn):
@@ -168,22 +204,4 @@ class Workload:
         arrival = self.config.arrival
         if isinstance(arrival, ClosedArrival):
             raise ValueError("a closed-loop workload has no arrival times; clients pace it")
-        if isinstance(arrival, PoissonArrival):
-            shape, scale = 1.0, 1.0 / arrival.rate
-        else:
-            assert isinstance(arrival, GammaArrival)
-            shape, scale = arrival.burstiness, 1.0 / (arrival.rate * arrival.burstiness)
-        rng = self._arrival_rng
-        if self.num_requests is not None:
-            gaps = rng.gamma(shape, scale, size=self.num_requests - 1)
-            return np.concatenate([[0.0], np.cumsum(gaps)])
-        duration = self.duration_s
-        assert duration is not None
-        parts = [np.zeros(1)]
-        last = 0.0
-        while last <= duration:
-            times = last + np.cumsum(rng.gamma(shape, scale, size=_CHUNK))
-            parts.append(times)
-            last = float(times[-1])
-        times = np.concatenate(parts)
-        return times[times < duration]
+        return arrival_times(arrival, self._arrival_rng, self.num_requests, self.duration_s)

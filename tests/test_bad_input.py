@@ -44,6 +44,7 @@ LIVE_CAL = ["live", "calibrate", "--base-url", URL, "--out", "{tmp}/p.yaml", "--
 KV = str(ROOT / "examples" / "ascend910b4-kv.yaml")
 ESTIMATE = ["--set", "engine.memory.kv_cache_gb=null"]  # the pool from card memory, not measured
 MANY = ",".join(str(i) for i in range(400))
+SESSIONS = ["--set", "workload.num_requests=null", "--set"]  # + "workload.sessions={...}"
 
 # (args, the field the line must name). {s}: a valid scenario; {csv}: valid step samples;
 # {recipe}: a calibration recipe with a negative bootstrap; {file}: a regular file (a path
@@ -79,7 +80,45 @@ CASES = [
     (["simulate", "{s}", "--plot", "{tmp}/figs", "--set", "workload.num_requests=1000000"],
      "workload.num_requests"),
     (["simulate", "{s}", "--bogus"], "--bogus"),
+    # simulate: session workloads
+    (["simulate", "{s}", "--set", "workload.sessions={num_sessions: 2, turns: 3}"], "workload.num_requests"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={turns: 3}"], "workload.sessions.num_sessions"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 0}"], "workload.sessions.turns"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3, think_time_s: -1}"],
+     "workload.sessions.think_time_s"),
+    (["simulate", "{s}", *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3, think_time_s: {dist: exponential, mean_s: 0}}"],
+     "workload.sessions.think_time_s.mean_s"),
+    (["simulate", "{s}", *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3, think_time_s: {dist: gauss, mean_s: 1}}"],
+     "workload.sessions.think_time_s"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3, on_overflow: drop}"],
+     "workload.sessions.on_overflow"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3, first_input_len: 2000}"],
+     "workload.sessions.first_input_len"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3, bogus: 1}"],
+     "workload.sessions.bogus"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}", "--set",
+      "workload.prefix={shared_tokens: 512}"], "workload.prefix.shared_tokens"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3, first_input_len: 1900}",
+      "--set", "workload.prefix={shared_tokens: 1800}", "--set", "workload.input_len=200"],
+     "workload.prefix.shared_tokens"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 9000000, turns: 3}"],
+     "workload.sessions.num_sessions"),
+    (["simulate", "{s}", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}", "--set",
+      "workload.duration_s=10"], "workload.sessions.num_sessions"),
+    (["simulate", "{s}", "--plot", "{tmp}/figs", *SESSIONS, "workload.sessions={num_sessions: 400000, turns: 3}"],
+     "workload.sessions.num_sessions"),
     (["simulate"], "scenario"),
+    (["capacity", "{s}", "--rates", "1", *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"],
+     "workload.sessions"),
+    (["crossover", "{s}", "--concurrency", "1", "--set",
+      "speculative={method: eagle3, num_speculative_tokens: 3, acceptance_length: 2.5}", *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3}"], "workload.sessions"),
+    (["live", "run", "{s}", "--base-url", URL, *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"],
+     "workload.sessions"),
+    (["live", "validate", "{s}", "--base-url", URL, *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"],
+     "workload.sessions"),
     # kv
     (["kv", "{s}", "--set", "engine.num_gpu_blocks=true"], "engine.num_gpu_blocks"),
     (["kv", KV, "--set", "engine.memory.gpu_memory_utilization=.nan"], "engine.memory.gpu_memory_utilization"),

@@ -70,6 +70,16 @@ class LiveError(SimcapError):
     """The server cannot be used for this run (unreachable, wrong model, too short context)."""
 
 
+def check_no_sessions(scenario: Scenario) -> None:
+    """Live runs send single requests: a session workload is refused before any server is
+    contacted (simulate it instead)."""
+    if scenario.workload.sessions is not None:
+        raise LiveError(
+            "workload.sessions: live mode does not send multi-turn sessions yet; simulate them "
+            "(simcap simulate), or remove workload.sessions"
+        )
+
+
 @dataclass
 class LiveRun:
     """One live run: its records and how the load it offered compares with what was asked."""
@@ -430,6 +440,7 @@ async def _run_live_async(
 ) -> LiveRun:
     if endpoint not in ENDPOINTS:
         raise LiveError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
+    check_no_sessions(scenario)
     base_url = base_url.rstrip("/")
     workload = Workload(scenario.workload, scenario.seed)
     arrival = scenario.workload.arrival

@@ -42,7 +42,7 @@ import httpx
 import numpy as np
 from rich.table import Table
 
-from simcap.live.client import LiveError, LiveRun, auth_headers, run_live
+from simcap.live.client import LiveError, LiveRun, auth_headers, check_no_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.metrics import Summary
 from simcap.records import RequestRecord
@@ -365,6 +365,7 @@ def validate(
         raise LiveError(f"--restarts: must be >= 0 (got {restarts})")
     if restarts and launch is None:
         raise LiveError("--restarts: restarting the server between repeats needs --launch (a server simcap starts)")
+    check_no_sessions(scenario)
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
     if replay is None:
         replay = "closed" if closed else "times"
