@@ -389,7 +389,9 @@ def crossover_cmd(
         help="The profile behind the prediction is calibrated with at most this many clients "
              "(default: the lowest concurrency; 2 when that is 1 and 2 is below the highest).",
     ),
-    calibration_requests: int = typer.Option(24, "--calibration-requests", min=8, help="Requests in the calibration mix."),
+    calibration_requests: int = typer.Option(
+        24, "--calibration-requests", min=8, help="Requests in the calibration mix."
+    ),
     requests_per_client: int = typer.Option(
         8, "--requests-per-client", min=1, help="Each point runs max(num_requests, this x clients) requests."
     ),

@@ -111,7 +111,8 @@ def test_engine_mismatches_name_every_flag_that_differs():
         "speculative.num_speculative_tokens: scenario 2, launch config 3",
     ]
     plain = parse_server_config({})
-    assert engine_mismatches(plain, load_scenario(SCENARIO_YAML)) == ["speculative: scenario ngram k=3, launch config none"]
+    assert engine_mismatches(plain, load_scenario(SCENARIO_YAML)) == [
+        "speculative: scenario ngram k=3, launch config none"]
 
 
 def test_startup_failure_is_one_line_with_exit_code_and_last_log_lines():
@@ -125,8 +126,10 @@ def test_startup_failure_is_one_line_with_exit_code_and_last_log_lines():
     plain = VllmServerError("vLLM server exited with code 2 during startup; log /x/server.log:\na\nb\nc\nd", 2,
                             "a\nb\nc\nd")
     assert startup_failure_line(plain).endswith("; last log lines: b | c | d")
-    waited = VllmServerError("vLLM server not healthy after 5 s; log /x/server.log:\nstill loading", None, "still loading")
-    assert startup_failure_line(waited) == "vLLM server not healthy after 5 s; log /x/server.log; last log lines: still loading"
+    waited = VllmServerError("vLLM server not healthy after 5 s; log /x/server.log:\nstill loading", None,
+                             "still loading")
+    assert startup_failure_line(waited) == (
+        "vLLM server not healthy after 5 s; log /x/server.log; last log lines: still loading")
     assert startup_failure_line(VllmServerError("no vLLM python at /v: run .ci/vllm-cpu-setup")) == (
         "no vLLM python at /v: run .ci/vllm-cpu-setup")
 
@@ -179,7 +182,8 @@ def test_live_crossover_bad_input_fails_before_any_server_starts(tmp_path, args,
 @pytest.mark.parametrize("args, message", [
     ([], "--base-url: give either --base-url (a running server) or --launch SERVER.yaml"),
     (["--base-url", "http://127.0.0.1:9", "--launch", "SERVER"], "--base-url: give either"),
-    (["--base-url", "http://127.0.0.1:9", "--restarts", "1"], "--restarts: restarting the server between repeats needs --launch"),
+    (["--base-url", "http://127.0.0.1:9", "--restarts", "1"],
+     "--restarts: restarting the server between repeats needs --launch"),
     (["--launch", "SERVER", "--restarts", "-1"], "--restarts: must be >= 0 (got -1)"),
     (["--launch", "SERVER", "--set", "engine.max_model_len=4096"],
      "launch config contradicts the scenario: max_model_len: scenario 4096, launch config 2048"),
