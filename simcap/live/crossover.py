@@ -222,7 +222,7 @@ def live_crossover(
                         num_requests=calibration_requests, speculative_method=config.speculative.method,
                         request_timeout_s=request_timeout_s, bootstrap=bootstrap, seed=scenario.seed,
                         server_pids=sorted(server.pids()), max_concurrency=cap, prompt_period=prompt_period,
-                        noise=None,
+                        noise=None, name=f"{config.served_model_name} calibrated at <= {cap} clients",
                     )  # fmt: skip
                     calibration = {
                         "profile": str(profile_path),
