@@ -979,9 +979,10 @@ def _resolve_files(data: dict[str, Any], base_dir: Path) -> None:
             workload[key] = spec
 
 
-def _field_names(loc: tuple[Any, ...]) -> list[str] | None:
-    """The keys allowed at the section ``loc`` of a scenario, for 'unknown key' messages."""
-    model: Any = Scenario
+def _field_names(loc: tuple[Any, ...], root: Any = None) -> list[str] | None:
+    """The keys allowed at the section ``loc`` of a scenario (or of the model ``root``), for
+    'unknown key' messages."""
+    model: Any = root or Scenario
     for part in loc:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return None
@@ -1002,14 +1003,15 @@ _SIZE_LIMITS = {MAX_REQUESTS, MAX_SIMULATED_S, MAX_KV_BLOCKS, MAX_TOKENS, MAX_NU
 _TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical", "lognormal", "exponential"}
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line: the first error's dotted field path, what is wrong and what is allowed."""
+def format_validation_error(exc: ValidationError, root: Any = None) -> str:
+    """One line: the first error's dotted field path, what is wrong and what is allowed.
+    ``root``: the model validated (default :class:`Scenario`), for the allowed keys."""
     err = exc.errors()[0]
     loc = tuple(p for p in err["loc"] if p not in _TAGS)
     path = ".".join(str(p) for p in loc) or "scenario"
     kind = err["type"]
     if kind == "extra_forbidden":
-        allowed = _field_names(loc[:-1])
+        allowed = _field_names(loc[:-1], root)
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
         msg = f"{path}: unknown key{hint}"
     elif kind == "missing":

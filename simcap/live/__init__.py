@@ -15,6 +15,10 @@
 - :mod:`simcap.live.plot` -- ECDFs of live vs simulated TTFT and ITL (``validate --plot``).
 - :mod:`simcap.live.hostload` -- CPU use of foreign processes, to flag disturbed runs.
 - :mod:`simcap.live.server` -- :class:`VllmServer`: start/stop a local vLLM CPU server.
+- :mod:`simcap.live.launch` -- launch configs (``--launch SERVER.yaml``): model, engine flags and
+  speculative config, turned into a :class:`VllmServer`.
+- :mod:`simcap.live.crossover` -- :func:`live_crossover`: both speculative arms measured on
+  launched servers, beside the crossover predicted from a low-concurrency calibration.
 - :mod:`simcap.live.cli` -- the ``simcap live`` commands.
 """
 
@@ -25,6 +29,7 @@ from simcap._lazy import lazy_exports
 _LAZY = {
     "LiveCalibration": "simcap.live.calibration",
     "LiveCapacity": "simcap.live.capacity",
+    "LiveCrossover": "simcap.live.crossover",
     "LiveError": "simcap.live.client",
     "LiveRun": "simcap.live.client",
     "PromptBuilder": "simcap.live.prompts",
@@ -33,6 +38,8 @@ _LAZY = {
     "VllmServerError": "simcap.live.server",
     "calibrate_live": "simcap.live.calibration",
     "live_capacity": "simcap.live.capacity",
+    "launch_server": "simcap.live.launch",
+    "live_crossover": "simcap.live.crossover",
     "run_live": "simcap.live.client",
 }
 

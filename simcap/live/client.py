@@ -485,6 +485,7 @@ async def _run_live_async(
     return_token_ids: bool = True,
     on_record: Callable[[RequestRecord], None] | None = None,
     api_key: str | None = None,
+    prompt_period: int | None = None,
 ) -> LiveRun:
     if endpoint not in ENDPOINTS:
         raise LiveError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
@@ -528,7 +529,7 @@ async def _run_live_async(
                 )
                 context_len = max_len
             pool = list(token_pool) if token_pool is not None else await discover_token_pool(client, base_url, model)
-            builder = PromptBuilder(pool, seed=scenario.seed)
+            builder = PromptBuilder(pool, seed=scenario.seed, period=prompt_period)
             chat_text = _ChatText(client, base_url, model, builder) if chat else None
             if chat:
                 notes.append(
@@ -790,7 +791,8 @@ def run_live(
     ``model``: the served model name (None: the server's first). ``out_path``: JSONL file the
     records are appended to as requests complete (truncated first). ``progress``: a rich
     progress bar on stderr. Keyword options: ``api_key`` (Bearer token, never stored),
-    ``request_timeout_s`` (per request, send to done; None: no limit), ``token_pool``,
+    ``request_timeout_s`` (per request, send to done; None: no limit), ``prompt_period``
+    (prompts that repeat every that many tokens, see :class:`PromptBuilder`), ``token_pool``,
     ``transport`` (tests only), ``return_token_ids``, ``on_record``. Raises
     :class:`LiveError` (a one-line user error) when the server cannot be reached or cannot
     serve the workload.

@@ -23,6 +23,12 @@ prediction, its relative error against the live median, and whether it lies insi
 For TTFT and ITL it also gives the two-sample Kolmogorov-Smirnov statistic between the pooled
 simulated and live samples.
 
+A server restarted with the same flags and trace moves the medians more than repeats against
+one instance do. With ``launch`` (``live validate --launch SERVER.yaml --restarts N``) the
+server is started ``N + 1`` times, ``repeats`` runs against each, so the measured band holds
+instance-to-instance variance; the result's ``spread`` says which spread the band holds and,
+per headline metric, the range of the instances' medians and the range within an instance.
+
 Runs disturbed by foreign processes (see :mod:`simcap.live.hostload`) are flagged and left
 out of the range and median while at least one undisturbed run remains.
 
@@ -36,7 +42,7 @@ the run's values are both in the notes. ``adopt_spec_acceptance=False`` keeps th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import httpx
 import numpy as np
@@ -135,6 +141,7 @@ class Repeat:
     cpu: dict[str, Any]
     prefix_cache_reset: str  # "ok", "not allowed (HTTP 404)", "skipped"
     sim_prefix_cache: dict[str, int] | None = None  # the simulated engine's queries / hits
+    instance: int = 0  # which server instance it ran against (restarts)
 
     @property
     def live_prefix_hit_rate(self) -> float | None:
@@ -154,6 +161,7 @@ class Repeat:
     def to_dict(self) -> dict[str, Any]:
         return {
             "index": self.index,
+            "instance": self.instance,
             "disturbed": self.disturbed,
             "prefix_cache_reset": self.prefix_cache_reset,
             "cpu": self.cpu,
@@ -188,6 +196,7 @@ class Validation:
     notes: list[str] = field(default_factory=list)
     replay: dict[str, Any] = field(default_factory=dict)  # how live runs were simulated
     sessions: dict[str, Any] | None = None  # a session workload: compare_sessions()
+    spread: dict[str, Any] = field(default_factory=dict)  # which spread the band holds
 
     @property
     def used(self) -> list[Repeat]:
@@ -201,6 +210,7 @@ class Validation:
             "scenario_sha256": self.scenario.digest(),
             "simulated_engine": self.simulated_scenario.engine.model_dump(mode="json"),
             "replay": dict(self.replay),
+            "spread": dict(self.spread),
             "repeats": [r.to_dict() for r in self.repeats],
             "used_repeats": [r.index for r in self.used],
             "metrics": self.metrics,
@@ -369,7 +379,7 @@ def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> 
     return scenario
 
 
-def _adopt_spec_acceptance(scenario: Scenario, run: LiveRun, index: int, notes: list[str]) -> Scenario:
+def adopt_run_acceptance(scenario: Scenario, run: LiveRun, index: int, notes: list[str]) -> Scenario:
     """The scenario with the run's own speculative acceptance (and ngram proposal rate)."""
     spec = scenario.speculative
     delta = run.server_delta()
@@ -436,6 +446,8 @@ def validate(
     out_prefix: str | None = None,
     api_key: str | None = None,
     replay: str | None = None,
+    launch: Callable[[], Any] | None = None,
+    restarts: int = 0,
     **live_kwargs: Any,
 ) -> Validation:
     """Run ``scenario`` live ``repeats`` times and compare each run with its simulated twin.
@@ -449,10 +461,19 @@ def validate(
     ``replay``: how each live run is simulated, ``"closed"`` (a closed-loop workload only: its
     clients and their measured gaps, the default for one) or ``"times"`` (its send times, the
     default and the only choice for an open-loop workload).
+    ``launch``: makes a fresh (not yet started) server, e.g. a
+    :class:`~simcap.live.server.VllmServer` from :func:`simcap.live.launch.launch_server`;
+    then ``base_url`` is ignored and ``restarts + 1`` servers are started one after another,
+    ``repeats`` runs against each, so the band holds the spread between server instances
+    (``Validation.spread`` says which spread it holds).
     Other keyword options go to :func:`~simcap.live.client.run_live`.
     """
     if repeats < 1:
         raise LiveError(f"repeats: must be >= 1 (got {repeats})")
+    if restarts < 0:
+        raise LiveError(f"--restarts: must be >= 0 (got {restarts})")
+    if restarts and launch is None:
+        raise LiveError("--restarts: restarting the server between repeats needs --launch (a server simcap starts)")
     check_live_sessions(scenario, endpoint)
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
     has_sessions = scenario.workload.sessions is not None
@@ -467,11 +488,18 @@ def validate(
     if replay == "closed" and not closed:
         raise LiveError("replay: closed needs a closed-loop workload (workload.arrival.process: closed)")
     notes: list[str] = []
-    if warmup:
-        _warmup(scenario, base_url, model, endpoint, api_key=api_key, **live_kwargs)
     results: list[Repeat] = []
     simulated = scenario
-    for i in range(repeats):
+
+    def one_instance(base_url: str, server_pids: Iterable[int], instance: int) -> None:
+        nonlocal simulated
+        if warmup:
+            _warmup(scenario, base_url, model, endpoint, api_key=api_key, **live_kwargs)
+        for _ in range(repeats):
+            simulated = _one_repeat(len(results), instance, base_url, server_pids, simulated)
+
+    def _one_repeat(i: int, instance: int, base_url: str, server_pids: Iterable[int],
+                    simulated: Scenario) -> Scenario:
         reset = reset_prefix_cache(base_url, api_key=api_key) if reset_cache else "skipped"
         if reset != "ok" and reset_cache and i == 0:
             notes.append(f"prefix cache not reset between runs: {reset}; reruns may hit the cache")
@@ -486,7 +514,7 @@ def validate(
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
         trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace
         trace = {"closed": closed_trace_of, "sessions": session_trace_of}.get(replay, trace_of)(run)
-        this = _adopt_spec_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
+        this = adopt_run_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
         sim = simulate(this, trace=trace, records=True)
         if run.num_failed:
             notes.append(f"run {i}: {run.num_failed} failed request(s) left out of the simulated trace")
@@ -500,7 +528,29 @@ def validate(
         if run.sessions and run.sessions["ended_by_error"]:
             notes.append(f"run {i}: {run.sessions['ended_by_error']} session(s) ended at an errored turn; "
                          "their later turns are in neither run")
-        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset, sim.prefix_cache))
+        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset,
+                              sim_prefix_cache=sim.prefix_cache, instance=instance))
+        return simulated
+
+    if launch is None:
+        one_instance(base_url, server_pids, 0)
+    else:
+        for instance in range(restarts + 1):
+            server = launch()
+            with server:
+                one_instance(server.base_url, sorted(server.pids()), instance)
+            if getattr(server, "failed", False):
+                notes.append(f"server instance {instance} did not stop cleanly (log {server.log_path})")
+    instances = restarts + 1 if launch is not None else 1
+    spread = {
+        "kind": "restarts" if instances > 1 else "repeats",
+        "instances": instances,
+        "repeats_per_instance": repeats,
+        "text": (f"{instances} server instances (restarted between them), {repeats} run(s) each: the "
+                 "band holds instance-to-instance variance" if instances > 1 else
+                 f"{repeats} run(s) against one server instance: the band holds run-to-run variance only"),
+        "metrics": spread_figures(results),
+    }
     if all(r.disturbed for r in results):
         notes.append("every run was disturbed: the comparison uses them all; rerun on a quiet machine")
     if scenario.engine.async_scheduling is None:
@@ -524,7 +574,48 @@ def validate(
                              "requests in its order, sent the measured gap after its previous response)"}
     else:
         described = {"mode": "times", "clients": None, "text": "send times (each request at its live send time)"}
-    return Validation(scenario, simulated, results, metrics, ks, notes, described, sessions)
+    return Validation(scenario, simulated, results, metrics, ks, notes, described, spread=spread, sessions=sessions)
+
+
+SPREAD_METRICS = ("ttft_p50", "tpot_p50", "e2e_p50", "output_throughput")
+
+
+def spread_figures(repeats: Sequence[Repeat]) -> dict[str, dict[str, float | None]]:
+    """Per metric, relative to the median of all runs: the range of the server instances'
+    medians (``between_instances``; None with one instance) and the median over instances of
+    their runs' range (``within_instance``; None with one run per instance)."""
+    out: dict[str, dict[str, float | None]] = {}
+    by: dict[int, list[Repeat]] = {}
+    for r in repeats:
+        by.setdefault(r.instance, []).append(r)
+    for key in SPREAD_METRICS:
+        values = {i: [v for r in rs if (v := metric_value(r.live_summary, key)) is not None] for i, rs in by.items()}
+        every = [v for vs in values.values() for v in vs]
+        mid = float(np.median(every)) if every else None
+        if not mid:
+            out[key] = {"between_instances": None, "within_instance": None}
+            continue
+        medians = [float(np.median(vs)) for vs in values.values() if vs]
+        within = [(max(vs) - min(vs)) / mid for vs in values.values() if len(vs) > 1]
+        out[key] = {
+            "between_instances": (max(medians) - min(medians)) / mid if len(medians) > 1 else None,
+            "within_instance": float(np.median(within)) if within else None,
+        }
+    return out
+
+
+def spread_line(data: dict[str, Any]) -> str:
+    """Which spread the measured band shows, from ``to_dict()``."""
+    spread = data["spread"]
+    parts = []
+    for key, fig in spread.get("metrics", {}).items():
+        b, w = fig["between_instances"], fig["within_instance"]
+        if b is None and w is None:
+            continue
+        shown = [f"between instances {b * 100:.1f}%" if b is not None else None,
+                 f"within an instance {w * 100:.1f}%" if w is not None else None]
+        parts.append(f"{key} " + ", ".join(x for x in shown if x))
+    return f"spread: {spread['text']}" + (f" ({'; '.join(parts)} of the median)" if parts else "")
 
 
 # --------------------------------------------------------------------------- rendering
