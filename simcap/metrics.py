@@ -254,8 +254,11 @@ def _merge_table(
     """A (value, count) table sorted by value, equal values merged, zero counts dropped.
 
     ``counts``: int64-able, one per value or one for all. ``sorted_runs``: the input is a few
-    sorted runs (tables concatenated), which a stable sort merges in linear time. -0.0 becomes
-    0.0, so that equal values merge to the same one whatever order they came in.
+    sorted runs (tables concatenated). Values that mostly ascend (fewer than one descent in
+    eight: a run's gaps without noise, as periods grow with the context) are ordered by a
+    stable sort, which merges runs in about linear time (2-5x faster there than numpy's
+    default sort, which is faster on shuffled values). -0.0 becomes 0.0, so that equal values
+    merge to the same one whatever order they came in.
     """
     values = np.asarray(values, dtype=np.float64).ravel() + 0.0
     counts = np.asarray(counts, dtype=np.int64).ravel()
@@ -269,7 +272,8 @@ def _merge_table(
         if not sorted_runs and (counts == 1).all():  # plain samples: np.unique sorts faster
             values, counts = np.unique(values, return_counts=True)
         else:  # equal values merge, so their order does not matter
-            order = np.argsort(values, kind="stable" if sorted_runs else None)
+            runs = sorted_runs or np.count_nonzero(values[1:] < values[:-1]) * 8 < values.size
+            order = np.argsort(values, kind="stable" if runs else None)
             values, counts = values[order], counts[order]
             starts = np.flatnonzero(np.concatenate(([True], values[1:] != values[:-1])))
             if starts.size < values.size:

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcap.metrics import (
+    _merge_table,
     PERCENTILES,
     Distribution,
     MetricsAccumulator,
@@ -452,3 +453,20 @@ def test_itl_samples_kept_to_the_nanosecond():
     assert values.tolist() == [0.0043] and counts.tolist() == [999 * 7]
     acc.add_itl([0.00430000049, 0.0043000005001])
     assert acc.itl_table()[0].tolist() == [0.0043, 0.004300001]
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_merge_table_of_weighted_values_mostly_ascending_or_shuffled(shuffled):
+    """Weighted values that mostly ascend (a stretch's gaps: stable sort) or come shuffled
+    (numpy's default sort) give the table of the expanded samples."""
+    rng = np.random.default_rng(7)
+    runs = [np.sort(np.round(rng.random(rng.integers(1, 400)) * 0.05, 5)) for _ in range(300)]
+    values = np.concatenate(runs)
+    if shuffled:
+        values = rng.permutation(values)
+    values[:3] = [-0.0, 0.0, -0.0]  # merge as one
+    counts = rng.integers(0, 50, values.size)
+    got_values, got_counts = _merge_table(values, counts)
+    want_values, want_counts = np.unique(np.repeat(values + 0.0, counts), return_counts=True)
+    assert got_values.tolist() == want_values.tolist()
+    assert got_counts.tolist() == want_counts.tolist()
