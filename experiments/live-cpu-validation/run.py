@@ -56,9 +56,9 @@ from simcap.scenario import load_scenario
 HERE = Path(__file__).resolve().parent
 CALIBRATE_UP_TO = 2  # clients: the capacity profile sees light load only
 
-FULL = dict(duration_s=15.0, replicates=2, max_points=5, max_probes=2, instances=2,
-            calibration_requests=24, bootstrap=50, concurrencies=(1, 2, 4, 8, 16),
-            requests_per_client=6, crossover_repeats=2)
+FULL = dict(duration_s=12.0, replicates=2, max_points=4, max_probes=1, instances=2,
+            calibration_requests=24, bootstrap=30, concurrencies=(1, 2, 4, 8, 16),
+            requests_per_client=4, crossover_repeats=2)
 QUICK = dict(duration_s=5.0, replicates=1, max_points=2, max_probes=1, instances=1,
              calibration_requests=8, bootstrap=10, concurrencies=(1, 4),
              requests_per_client=2, crossover_repeats=1)
