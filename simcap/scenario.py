@@ -327,6 +327,13 @@ class SpeculativeConfig(_Model):
         1.0, gt=0.0, le=1.0,
         description="ngram: fraction of request-steps whose prompt lookup finds a match.",
     )
+    proposal_concentration: float | None = Field(
+        None, gt=0.0,
+        description="ngram: requests differ in how often their content repeats: each request's "
+        "match probability is Beta with mean proposal_rate and this concentration (a + b); "
+        "small values: some requests match almost always, others almost never. None: every "
+        "request matches at proposal_rate.",
+    )
 
     @model_validator(mode="after")
     def _acceptance(self) -> "SpeculativeConfig":
@@ -355,6 +362,11 @@ class SpeculativeConfig(_Model):
                 )
         if self.method != "ngram" and self.proposal_rate != 1.0:
             raise ValueError("speculative.proposal_rate: only ngram drafts selectively; allowed: 1.0")
+        if self.method != "ngram" and self.proposal_concentration is not None:
+            raise ValueError(
+                "speculative.proposal_concentration: only ngram drafts selectively; allowed only "
+                f"for ngram (method is {self.method})"
+            )
         return self
 
     @property

@@ -54,6 +54,8 @@ def speculative_configs(draw) -> dict:
         spec["acceptance_rates"] = rates
     if method == "ngram":
         spec["proposal_rate"] = draw(st.sampled_from([1.0, 0.5]))
+        if draw(st.booleans()):  # a match probability per request (Beta over requests)
+            spec["proposal_concentration"] = draw(st.sampled_from([0.3, 4.0]))
     return spec
 
 
@@ -284,6 +286,9 @@ def test_verify_stretches_equal_reference_path_at_scale():
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_length": 2.0,
           "proposal_rate": 0.6}, {"decode": {"kind": "lognormal", "sigma": 0.3}},
          {"process": "poisson", "rate": 40.0}),
+        ({"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 3.0,
+          "proposal_rate": 0.4, "proposal_concentration": 0.5}, None,
+         {"process": "closed", "concurrency": 20}),
     ]:
         scenario = make_scenario(
             engine=dict(num_gpu_blocks=160, block_size=16, max_num_seqs=24,
