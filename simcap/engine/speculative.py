@@ -192,18 +192,25 @@ def splitmix64(x: int) -> int:
 _MASK64 = (1 << 64) - 1
 
 
-def step_rate_for_request_mean(mean: float, concentration: float, accepted_per_draft: float) -> float:
-    """The fraction of request-steps with drafts when match probabilities are Beta(mean,
+def step_moments(mean: float, concentration: float, accepted_per_draft: float) -> tuple[float, float]:
+    """Mean and variance of the match probability over request-steps when it is Beta(mean,
     concentration) over requests: a request matching with chance ``p`` emits ``1 + p * a``
     tokens a step (``a`` accepted per draft), so it takes steps in proportion to
-    ``1 / (1 + p * a)``; the rate is ``E[p / (1 + p a)] / E[1 / (1 + p a)]`` (midpoint
+    ``1 / (1 + p * a)``. The mean is the fraction of request-steps with drafts (midpoint
     quantiles of the Beta)."""
     from scipy.special import betaincinv
 
     q = (np.arange(_QUANTILES) + 0.5) / _QUANTILES
     p = betaincinv(mean * concentration, (1.0 - mean) * concentration, q)
     w = 1.0 / (1.0 + p * accepted_per_draft)
-    return float((p * w).sum() / w.sum())
+    w /= w.sum()
+    m = float((p * w).sum())
+    return m, float((w * (p - m) ** 2).sum())
+
+
+def step_rate_for_request_mean(mean: float, concentration: float, accepted_per_draft: float) -> float:
+    """The fraction of request-steps with drafts (:func:`step_moments`)."""
+    return step_moments(mean, concentration, accepted_per_draft)[0]
 
 
 _QUANTILES = 1024

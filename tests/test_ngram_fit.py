@@ -1,0 +1,51 @@
+"""The ngram proposal fit: match-probability spread over requests from per-step drafting counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simcap.calibrate.ngram import fit_proposal_concentration
+
+
+def step_rows(probabilities, steps_per_batch, rng, k=3, batches=40):
+    """Batches of requests with their own match probabilities, each batch decoding for a
+    while (the log's rows: one prefill step joining the batch, then pure-decode steps whose
+    verified tokens are k per request that drafted after the step before)."""
+    rows = []
+    n = 8
+    for _ in range(batches):
+        p = rng.choice(probabilities, size=n)
+        rows.append({"num_prefill_reqs": n, "num_decode_reqs": 0, "num_verify_tokens": 0})
+        for _ in range(steps_per_batch):
+            drafted = int((rng.random(n) < p).sum())
+            rows.append({"num_prefill_reqs": 0, "num_decode_reqs": n, "num_verify_tokens": k * drafted})
+    return rows
+
+
+def test_a_spread_of_requests_gives_its_concentration_back():
+    # Nothing accepted (a = 0): steps weigh every request alike, so the step variance is the
+    # Beta's, rate (1 - rate) / (c + 1).
+    rng = np.random.default_rng(0)
+    c, rate = 0.5, 0.4
+    probabilities = rng.beta(rate * c, (1 - rate) * c, size=5000)
+    rows = step_rows(probabilities, 60, rng, batches=400)  # 3200 requests: the spread's noise
+    fit = fit_proposal_concentration(rows, float(probabilities.mean()), 3.0, 0.0)
+    assert fit["pairs"] == 400 * 59
+    assert fit["step_variance"] == pytest.approx(rate * (1 - rate) / (c + 1), rel=0.15)
+    assert fit["concentration"] == pytest.approx(c, rel=0.35)
+
+
+def test_requests_alike_give_no_concentration():
+    rng = np.random.default_rng(1)
+    rows = step_rows(np.array([0.4]), 60, rng)
+    fit = fit_proposal_concentration(rows, 0.4, 3.0, 2.0)
+    # Every request at the rate: the covariance is noise around 0, so either no spread
+    # or a concentration so large that the Beta is a point.
+    assert fit["concentration"] is None or fit["concentration"] > 20
+
+
+def test_too_few_pure_decode_pairs_give_none():
+    rows = [{"num_prefill_reqs": 1, "num_decode_reqs": 2, "num_verify_tokens": 3}] * 100
+    fit = fit_proposal_concentration(rows, 0.5, 3.0, 1.0)
+    assert fit["concentration"] is None and fit["pairs"] == 0
