@@ -61,6 +61,7 @@ from simcap.calibrate import (
     read_step_samples,
     write_profile,
 )
+from simcap.calibrate.ngram import fit_proposal_concentration
 from simcap.calibrate.pipeline import check_options
 from simcap.live.client import (
     LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
@@ -547,8 +548,23 @@ def calibrate_live(
             raise LiveError(f"{base_url}: the server drafted nothing during the calibration workload")
         speculative = {"method": method, "num_speculative_tokens": k, "acceptance_length": round(min(acc, k + 1), 4)}
         if method == "ngram" and host is not None and host["log_decode_request_steps"]:
-            rate = (delta.get("spec_decode_num_drafts") or 0.0) / host["log_decode_request_steps"]
+            drafts = delta.get("spec_decode_num_drafts") or 0.0
+            rate = drafts / host["log_decode_request_steps"]
             speculative["proposal_rate"] = round(min(max(rate, 1e-3), 1.0), 4)
+            if drafts and speculative["proposal_rate"] < 1.0:
+                # How much requests differ in matching: the per-step log's drafting counts.
+                draft_len = (delta.get("spec_decode_num_draft_tokens") or drafts * k) / drafts
+                proposals = fit_proposal_concentration(
+                    rows, speculative["proposal_rate"], draft_len, speculative["acceptance_length"] - 1.0)
+                proposals["mean_draft_length"] = round(draft_len, 4)
+                if proposals["concentration"] is not None:
+                    speculative["proposal_concentration"] = proposals["concentration"]
+                notes.append(
+                    "ngram proposals: rate {:.3g} of decode request-steps; {}".format(
+                        speculative["proposal_rate"],
+                        f"concentration {proposals['concentration']:.3g} over requests "
+                        f"(step variance {proposals['step_variance']:.3g}, {proposals['pairs']} step pairs)"
+                        if proposals["concentration"] is not None else proposals.get("note", "")))
         SpeculativeConfig(**speculative)
     description = (
         f"Fitted live by simcap live calibrate from {source} of vLLM {facts.version or '?'} serving "

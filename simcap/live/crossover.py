@@ -297,6 +297,12 @@ def _predicted_scenario(
     sc = adopt_run_acceptance(sc, lowest.run, 0, notes)
     how = (f"server counters of the speculative arm at {concurrency} clients: "
            + (notes[0].split("speculative ", 1)[1] if notes else "no drafts counted; the scenario's acceptance kept"))
+    # ngram: the spread of match probabilities over requests, from the calibration's step log.
+    conc = (calibration.get("speculative") or {}).get("proposal_concentration")
+    if conc is not None and sc.speculative is not None and sc.speculative.method == "ngram":
+        spec = sc.speculative.model_copy(update={"proposal_concentration": conc})
+        sc = sc.model_copy(update={"speculative": type(spec).model_validate(spec.model_dump())})
+        how += f", proposal concentration {conc:.3g} over requests (calibration's step log)"
     return sc, how
 
 
