@@ -344,7 +344,8 @@ def advance_verify_stretch(
     last_accepted = [0] * num_reqs  # each request's accepted drafts in the last step
     # Plain steps (every request verifies k drafts, none finishes, no draft or block is
     # capped by max_model_len) run in bulk when no noise and no proposal draws are in play.
-    bulk = drafts_all and noise is None
+    onset = proposer.onset  # ngram: no drafts before this many output tokens
+    bulk = drafts_all and not onset and noise is None
     full = num_reqs * k
     tail = min(uncapped, max_model_len - k - lookahead)  # a plain step follows up to here
     out = first
@@ -574,6 +575,8 @@ def advance_verify_stretch(
             outs[b] = o
             nts[b] = nt
             news_all.append(new)
+        if onset:
+            proposed = [d if o >= onset else 0 for d, o in zip(proposed, outs)]
         if finished or t >= horizon:
             break
         out = None

@@ -327,6 +327,11 @@ class SpeculativeConfig(_Model):
         1.0, gt=0.0, le=1.0,
         description="ngram: fraction of request-steps whose prompt lookup finds a match.",
     )
+    proposal_onset_tokens: int = Field(
+        0, ge=0,
+        description="ngram: no match before a request has this many output tokens (the lookup "
+        "needs the output to repeat); proposal_rate then counts request-steps from there on.",
+    )
     proposal_concentration: float | None = Field(
         None, gt=0.0,
         description="ngram: requests differ in how often their content repeats: each request's "
@@ -362,6 +367,11 @@ class SpeculativeConfig(_Model):
                 )
         if self.method != "ngram" and self.proposal_rate != 1.0:
             raise ValueError("speculative.proposal_rate: only ngram drafts selectively; allowed: 1.0")
+        if self.method != "ngram" and self.proposal_onset_tokens:
+            raise ValueError(
+                "speculative.proposal_onset_tokens: only ngram drafts selectively; allowed: 0 "
+                f"for {self.method}"
+            )
         if self.method != "ngram" and self.proposal_concentration is not None:
             raise ValueError(
                 "speculative.proposal_concentration: only ngram drafts selectively; allowed only "

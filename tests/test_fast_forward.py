@@ -56,6 +56,8 @@ def speculative_configs(draw) -> dict:
         spec["proposal_rate"] = draw(st.sampled_from([1.0, 0.5]))
         if draw(st.booleans()):  # a match probability per request (Beta over requests)
             spec["proposal_concentration"] = draw(st.sampled_from([0.3, 4.0]))
+        if draw(st.booleans()):  # no match before the output repeats
+            spec["proposal_onset_tokens"] = draw(st.sampled_from([2, 5]))
     return spec
 
 
@@ -280,6 +282,8 @@ def test_verify_stretches_equal_reference_path_at_scale():
     for spec, noise, arrival in [
         ({"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.4}, None,
          {"process": "poisson", "rate": 40.0}),
+        ({"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 3.5,
+          "proposal_onset_tokens": 5}, None, {"process": "poisson", "rate": 40.0}),
         ({"method": "eagle", "num_speculative_tokens": 4,
           "acceptance_rates": [0.9, 0.7, 0.5, 0.2]}, None,
          {"process": "closed", "concurrency": 20, "think_time_s": 0.02}),
@@ -287,7 +291,7 @@ def test_verify_stretches_equal_reference_path_at_scale():
           "proposal_rate": 0.6}, {"decode": {"kind": "lognormal", "sigma": 0.3}},
          {"process": "poisson", "rate": 40.0}),
         ({"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 3.0,
-          "proposal_rate": 0.4, "proposal_concentration": 0.5}, None,
+          "proposal_rate": 0.4, "proposal_concentration": 0.5, "proposal_onset_tokens": 5}, None,
          {"process": "closed", "concurrency": 20}),
     ]:
         scenario = make_scenario(

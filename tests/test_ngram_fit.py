@@ -49,3 +49,33 @@ def test_too_few_pure_decode_pairs_give_none():
     rows = [{"num_prefill_reqs": 1, "num_decode_reqs": 2, "num_verify_tokens": 3}] * 100
     fit = fit_proposal_concentration(rows, 0.5, 3.0, 1.0)
     assert fit["concentration"] is None and fit["pairs"] == 0
+
+
+def request_alone(pattern: str, k=3):
+    """A request alone in the log: its prefill step, then one decode step per character
+    (``.`` no drafts verified, a digit: that many drafts)."""
+    rows = [{"num_prefill_reqs": 1, "num_decode_reqs": 0, "num_verify_tokens": 0}]
+    rows += [{"num_prefill_reqs": 0, "num_decode_reqs": 1, "num_verify_tokens": 0 if ch == "." else int(ch)}
+             for ch in pattern]
+    return rows
+
+
+def test_onset_is_the_median_token_count_of_the_first_match():
+    from simcap.calibrate.ngram import fit_proposal_onset, rows_after_onset
+
+    # Drafts first verified in decode steps 5, 5, 6, 8: proposed at 5, 5, 6, 8 tokens; one
+    # request never drafted.
+    rows = (request_alone("....1333") + request_alone("....13") + request_alone(".....2333")
+            + request_alone(".......3") + request_alone("......"))
+    fit = fit_proposal_onset(rows)
+    assert fit["onset_tokens"] == 5 and fit["requests"] == 4 and fit["never_drafted"] == 1
+    after = rows_after_onset(rows, 5)
+    verify = [r["num_verify_tokens"] for r in after if not r["num_prefill_reqs"]]
+    assert verify == [1, 3, 3, 3] + [1, 3] + [0, 2, 3, 3, 3] + [0, 0, 0, 3] + [0, 0]
+
+
+def test_a_request_cut_short_by_another_is_not_counted_as_never_drafting():
+    from simcap.calibrate.ngram import fit_proposal_onset
+
+    rows = request_alone("...") + [{"num_prefill_reqs": 1, "num_decode_reqs": 1, "num_verify_tokens": 0}]
+    assert fit_proposal_onset(rows)["never_drafted"] == 0

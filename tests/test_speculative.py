@@ -200,6 +200,21 @@ def test_ngram_match_probabilities_follow_the_requests_not_the_load():
     assert abs(np.corrcoef([c[i] for i in ids], [d[i] for i in ids])[0, 1]) < 0.5
 
 
+def test_ngram_drafts_only_once_the_output_repeats():
+    """Onset 5: the lookup finds nothing before a request has 5 output tokens. Full
+    acceptance, rate 1: the prefill's token, then 4 one-token steps (outputs 2..5), then
+    4 tokens a step."""
+    scenario = ngram_scenario(1.0, num_requests=3)
+    scenario = scenario.model_copy(update={"speculative": scenario.speculative.model_copy(
+        update={"proposal_onset_tokens": 5})})
+    result = simulate(scenario, records=True)
+    for rec in result.records:
+        assert rec.chunk_tokens[:6] == [1, 1, 1, 1, 1, 4]
+        assert set(rec.chunk_tokens[5:-1]) == {4}
+    sd = result.summary.spec_decode
+    assert sd["num_drafts"] == 3 * (len(result.records[0].chunk_tokens) - 5)
+
+
 def test_proposal_concentration_is_ngram_only():
     with pytest.raises(ValueError, match="proposal_concentration: only ngram"):
         SpeculativeConfig(method="eagle3", num_speculative_tokens=3, acceptance_length=2.0,

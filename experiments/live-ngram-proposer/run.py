@@ -1,9 +1,9 @@
-"""ngram proposals on the real vLLM CPU server: fitted at 1 client, predicted at more.
+"""ngram proposals on the real vLLM CPU server: fitted at 1-2 clients, predicted at more.
 
 For each prompt period (repeating prompts, and random token ids), one ngram server (k=3,
 prompt_lookup_max 4, per-step log) is started; ``simcap live calibrate`` fits the step time,
-the acceptance, the proposal rate and the spread of match probabilities over requests at one
-client; then closed loops of more clients run ``--repeats`` times and each run is simulated
+the acceptance, the proposal rate and the spread of match probabilities over requests at 1-2
+clients; then closed loops of more clients run ``--repeats`` times and each run is simulated
 twice on its own replay (its clients, their gaps, its prompt and output lengths): with every
 request matching at the fitted rate (``proposal_rate`` alone) and with the requests' own match
 probabilities (``proposal_concentration`` too). Nothing measured at the higher loads is fed
@@ -85,12 +85,17 @@ def main() -> None:
         with VllmServer(extra_args=SERVER_ARGS, eager=True, startup_timeout=420) as server:
             profile = work / f"profile-p{period}.yaml"
             cal = calibrate_live(server.base_url, "tiny", profile, max_num_seqs=8, max_num_batched_tokens=512,
-                                 log_path=server.log_path, speculative_method="ngram", max_concurrency=1,
+                                 log_path=server.log_path, speculative_method="ngram", max_concurrency=2,
                                  prompt_period=prompt_period, server_pids=sorted(server.pids()),
                                  bootstrap=0, noise=None, progress=lambda m: print(m, flush=True))
             fitted = dict(cal.speculative)
-            fixed = {k: v for k, v in fitted.items() if k != "proposal_concentration"}
-            cond = {"prompt_period": period, "fitted": fitted, "calibration_notes": cal.notes,
+            # The rate over every decode request-step, every request alike (what calibrate gave before).
+            counters = cal.profile["provenance"]["live"]["server_counters"]
+            old_rate = counters["spec_decode_num_drafts"] / cal.host["log_decode_request_steps"]
+            fixed = {k: v for k, v in fitted.items()
+                     if k not in ("proposal_concentration", "proposal_onset_tokens")}
+            fixed["proposal_rate"] = round(min(max(old_rate, 1e-3), 1.0), 4)
+            cond = {"prompt_period": period, "fitted": fitted, "fixed": fixed, "calibration_notes": cal.notes,
                     "step_time": cal.profile["step_time"], "loads": []}
             print(f"period {period}: fitted {fitted}", flush=True)
             for c in loads:
@@ -100,9 +105,8 @@ def main() -> None:
                                prompt_period=prompt_period)
                 runs = []
                 for rep in val.repeats:
-                    mine = val.simulated.model_copy(update={"speculative": val.simulated.speculative.model_copy(
-                        update={"proposal_concentration": fitted.get("proposal_concentration")})})
-                    mine = type(mine).model_validate(mine.model_dump())
+                    mine = val.simulated_scenario.model_copy(update={"speculative": type(
+                        val.simulated_scenario.speculative).model_validate(fitted)})
                     sim = simulate(mine, trace=closed_trace_of(rep.live), records=True).summary
                     delta = rep.live.server_delta()
                     runs.append({

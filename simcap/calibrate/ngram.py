@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 from simcap.engine.speculative import request_mean_for_step_rate, step_moments
 
 MIN_PAIRS = 20  # consecutive pure-decode step pairs needed for an estimate
+MIN_ONSET_REQUESTS = 3  # requests that ran alone and drafted, needed for an onset
 CONCENTRATION_RANGE = (1e-2, 1e3)  # fits outside are clipped to the range
 
 
@@ -78,4 +79,62 @@ def fit_proposal_concentration(
                 hi = mid
         conc = math.exp((lo + hi) / 2)
     out["concentration"] = float(f"{conc:.4g}")
+    return out
+
+
+def one_request_segments(rows: Sequence[Mapping[str, float]]) -> list[tuple[list[Mapping[str, float]], bool]]:
+    """The decode steps of requests that ran alone: after a step that only prefills one
+    request, the following steps that decode exactly one request and prefill none. Each
+    segment comes with whether it ran to the request's end (the next step prefills another
+    request alone, or the log ends) rather than being cut by another request joining."""
+    out: list[tuple[list[Mapping[str, float]], bool]] = []
+    current: list[Mapping[str, float]] | None = None
+    for row in rows:
+        alone_prefill = row["num_prefill_reqs"] == 1 and row["num_decode_reqs"] == 0
+        if current is not None:
+            if not row["num_prefill_reqs"] and row["num_decode_reqs"] == 1:
+                current.append(row)
+                continue
+            out.append((current, alone_prefill))
+            current = None
+        if alone_prefill:
+            current = []
+    if current is not None:
+        out.append((current, True))
+    return [(seg, whole) for seg, whole in out if seg]
+
+
+def fit_proposal_onset(rows: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+    """Output tokens a request has before its prompt lookup first matches (the median over
+    requests that ran alone): a request's prefill step gives it 1 token and each decode
+    step without drafts 1 more, so drafts first verified in its j-th decode step were
+    proposed when it had j tokens. Requests that never drafted are counted, not used."""
+    onsets, undrafted = [], []
+    for seg, whole in one_request_segments(rows):
+        j = next((i + 1 for i, r in enumerate(seg) if r["num_verify_tokens"] > 0), None)
+        if j is not None:
+            onsets.append(j)
+        elif whole:
+            undrafted.append(len(seg))
+    out: dict[str, Any] = {"requests": len(onsets), "never_drafted": 0, "onset_tokens": 0}
+    if len(onsets) >= MIN_ONSET_REQUESTS:
+        onsets.sort()
+        m = out["onset_tokens"] = int(onsets[(len(onsets) - 1) // 2])
+        out["quartiles"] = [onsets[len(onsets) // 4], onsets[(3 * len(onsets)) // 4]]
+        # Requests that ended before the onset tell nothing; those that ran past it undrafted never matched.
+        out["never_drafted"] = sum(1 for n in undrafted if n >= m)
+    else:
+        out["note"] = f"{len(onsets)} requests ran alone and drafted (need {MIN_ONSET_REQUESTS}): no onset"
+    return out
+
+
+def rows_after_onset(rows: Sequence[Mapping[str, float]], onset: int) -> list[Mapping[str, float]]:
+    """The one-request segments' steps whose drafts were proposed at ``onset`` tokens or
+    later, the segments kept apart (a prefill row between them) for
+    :func:`fit_proposal_concentration`."""
+    out: list[Mapping[str, float]] = []
+    gap = {"num_prefill_reqs": 1, "num_decode_reqs": 0, "num_verify_tokens": 0}
+    for seg, _ in one_request_segments(rows):
+        out += seg[max(onset - 1, 0):]
+        out.append(gap)
     return out

@@ -239,7 +239,9 @@ class Proposer:
     that gives ``proposal_rate`` of request-steps (:func:`request_mean_for_step_rate`): the
     inverse CDF of a uniform hashed from the scenario's seed and the request id, so a request
     keeps its content whatever else runs (another load, the other arm of a crossover, another
-    replica) and whichever path (stepping, fast path) first asks.
+    replica) and whichever path (stepping, fast path) first asks. ``proposal_onset_tokens``:
+    no match before the request has that many output tokens (a lookup in content that repeats
+    only once the output does); the uniform is drawn all the same.
     """
 
     def __init__(self, config: SpeculativeConfig, rng: np.random.Generator, content_seed: int = 0) -> None:
@@ -247,6 +249,8 @@ class Proposer:
         self.method = config.method
         self.proposal_rate = config.proposal_rate
         self.concentration = config.proposal_concentration
+        # ngram: no match before a request has this many output tokens.
+        self.onset = config.proposal_onset_tokens
         # Each request's match probability varies (Beta) only with a concentration and a rate
         # below 1 (at rate 1 every request matches in every step).
         self.per_request = self.concentration is not None and self.proposal_rate < 1.0
@@ -283,10 +287,10 @@ class Proposer:
     def propose(self, sampled: Sequence[Request]) -> None:
         """Set ``num_spec_tokens`` for requests that sampled this step and still run."""
         # vLLM drafts k tokens even near max_tokens; tokens past the stop are trimmed.
-        k = self.k
+        k, onset = self.k, self.onset
         if self.proposal_rate >= 1.0:
             for req in sampled:
-                if not req.is_finished:
+                if not req.is_finished and req.num_output_tokens >= onset:
                     req.num_spec_tokens = k
             return
         n = len(sampled)
@@ -294,9 +298,9 @@ class Proposer:
         if self.per_request:
             match = self.match_probability
             for req, u in zip(sampled, draws[start : start + n]):
-                if not req.is_finished and u < match(req):
+                if not req.is_finished and u < match(req) and req.num_output_tokens >= onset:
                     req.num_spec_tokens = k
             return
         for req, u in zip(sampled, draws[start : start + n]):
-            if not req.is_finished and u < self.proposal_rate:
+            if not req.is_finished and u < self.proposal_rate and req.num_output_tokens >= onset:
                 req.num_spec_tokens = k

@@ -61,7 +61,7 @@ from simcap.calibrate import (
     read_step_samples,
     write_profile,
 )
-from simcap.calibrate.ngram import fit_proposal_concentration
+from simcap.calibrate.ngram import fit_proposal_concentration, fit_proposal_onset, rows_after_onset
 from simcap.calibrate.pipeline import check_options
 from simcap.live.client import (
     LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
@@ -549,22 +549,36 @@ def calibrate_live(
         speculative = {"method": method, "num_speculative_tokens": k, "acceptance_length": round(min(acc, k + 1), 4)}
         if method == "ngram" and host is not None and host["log_decode_request_steps"]:
             drafts = delta.get("spec_decode_num_drafts") or 0.0
-            rate = drafts / host["log_decode_request_steps"]
+            steps = host["log_decode_request_steps"]
+            # Output tokens before the lookup first matches (requests that ran alone); the
+            # rate then counts the request-steps from there on.
+            onset = fit_proposal_onset(rows)
+            proposal_rows = rows
+            if drafts and onset["onset_tokens"] > 1:
+                m = onset["onset_tokens"]
+                speculative["proposal_onset_tokens"] = m
+                steps -= sum(min(m - 1, r.num_output_tokens - 1) for r in records if r.succeeded)
+                proposal_rows = rows_after_onset(rows, m)
+            rate = drafts / steps if steps > 0 else 1.0
             speculative["proposal_rate"] = round(min(max(rate, 1e-3), 1.0), 4)
+            proposals: dict[str, Any] = {"concentration": None, "note": "rate 1: every request-step drafts"}
             if drafts and speculative["proposal_rate"] < 1.0:
                 # How much requests differ in matching: the per-step log's drafting counts.
                 draft_len = (delta.get("spec_decode_num_draft_tokens") or drafts * k) / drafts
                 proposals = fit_proposal_concentration(
-                    rows, speculative["proposal_rate"], draft_len, speculative["acceptance_length"] - 1.0)
+                    proposal_rows, speculative["proposal_rate"], draft_len, speculative["acceptance_length"] - 1.0)
                 proposals["mean_draft_length"] = round(draft_len, 4)
                 if proposals["concentration"] is not None:
                     speculative["proposal_concentration"] = proposals["concentration"]
-                notes.append(
-                    "ngram proposals: rate {:.3g} of decode request-steps; {}".format(
-                        speculative["proposal_rate"],
-                        f"concentration {proposals['concentration']:.3g} over requests "
-                        f"(step variance {proposals['step_variance']:.3g}, {proposals['pairs']} step pairs)"
-                        if proposals["concentration"] is not None else proposals.get("note", "")))
+            notes.append(
+                "ngram proposals: {}rate {:.3g} of decode request-steps{}; {}".format(
+                    f"onset {onset['onset_tokens']} output tokens (median of {onset['requests']} requests "
+                    f"alone, {onset['never_drafted']} never drafted), " if "proposal_onset_tokens" in speculative else "",
+                    speculative["proposal_rate"],
+                    " from the onset on" if "proposal_onset_tokens" in speculative else "",
+                    f"concentration {proposals['concentration']:.3g} over requests "
+                    f"(step variance {proposals['step_variance']:.3g}, {proposals['pairs']} step pairs)"
+                    if proposals["concentration"] is not None else proposals.get("note", "")))
         SpeculativeConfig(**speculative)
     description = (
         f"Fitted live by simcap live calibrate from {source} of vLLM {facts.version or '?'} serving "

@@ -244,6 +244,13 @@ def test_prediction_takes_the_calibrated_profile_and_the_measured_acceptance(tmp
     assert how == ("server counters of the speculative arm at 1 clients: acceptance length 3.400, proposal rate "
                    "0.800 (scenario 2.500, 1.000)")
     assert sc.workload == load_scenario(SCENARIO_YAML).workload
+    assert spec.proposal_concentration is None
+    # A calibration that found requests differing in how often they match passes that on.
+    cal = {"profile": str(profile), "speculative": {"method": "ngram", "proposal_concentration": 0.7}}
+    sc2, how2 = _predicted_scenario(load_scenario(SCENARIO_YAML), cal,
+                                    MeasuredPoint("spec", run=run, concurrency=1, cpu={}, prefix_cache_reset="ok"), 1)
+    assert sc2.speculative.proposal_concentration == 0.7 and sc2.speculative.proposal_rate == 0.8
+    assert how2 == how + ", proposal concentration 0.7 over requests (calibration's step log)"
 
 
 def test_repeating_prompts_keep_shared_prefixes_shared():
