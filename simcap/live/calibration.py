@@ -32,7 +32,11 @@ server's ``/metrics`` ``vllm:cache_config_info``; ``max_num_seqs`` and
 given or from ``/v1/models``; ``async_scheduling: false`` (the CPU platform forces it off).
 A drafting server (per-position acceptance counters) adds a ``speculative`` section: ``k``
 from those counters, the method as given or from ``/server_info`` (dev mode), and the
-acceptance length (and, for ngram, the proposal rate) measured during the workload.
+acceptance length measured during the workload; for ngram also the proposals
+(:mod:`simcap.calibrate.ngram`, from the per-step log): the onset (output tokens before a
+request's first match), the proposal rate of the request-steps after it, and the spread of
+match probabilities over requests (``proposal_concentration``), each left out when the log
+does not show it.
 """
 
 from __future__ import annotations

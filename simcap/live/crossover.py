@@ -22,7 +22,8 @@ analysis and rendering as ``simcap crossover``. The prediction is ``simcap cross
 (:func:`~simcap.crossover.find_crossover`) on the scenario with the calibrated step time, the
 server's KV pool and the acceptance (per-position rates and, for ngram, the proposal rate)
 the server's counters measured at the lowest concurrency: the acceptance of this workload's
-content, measured where the profile was calibrated.
+content, measured where the profile was calibrated. For ngram the calibration's proposal
+onset and spread over requests (from its step log) go with it.
 """
 
 from __future__ import annotations
