@@ -65,7 +65,11 @@ def errors(live, sim) -> dict:
 
 
 def median_errors(rows: list[dict]) -> dict:
-    return {k: round(statistics.median(r[k] for r in rows if r[k] is not None), 1) for k in METRICS}
+    out = {}
+    for k in METRICS:
+        values = [r[k] for r in rows if r[k] is not None]
+        out[k] = round(statistics.median(values), 1) if values else None
+    return out
 
 
 def main() -> None:
@@ -91,7 +95,7 @@ def main() -> None:
             fitted = dict(cal.speculative)
             # The rate over every decode request-step, every request alike (what calibrate gave before).
             counters = cal.profile["provenance"]["live"]["server_counters"]
-            old_rate = counters["spec_decode_num_drafts"] / cal.host["log_decode_request_steps"]
+            old_rate = counters["spec_decode_num_drafts"] / cal.host_overhead["log_decode_request_steps"]
             fixed = {k: v for k, v in fitted.items()
                      if k not in ("proposal_concentration", "proposal_onset_tokens")}
             fixed["proposal_rate"] = round(min(max(old_rate, 1e-3), 1.0), 4)
