@@ -79,3 +79,18 @@ def test_a_request_cut_short_by_another_is_not_counted_as_never_drafting():
 
     rows = request_alone("...") + [{"num_prefill_reqs": 1, "num_decode_reqs": 1, "num_verify_tokens": 0}]
     assert fit_proposal_onset(rows)["never_drafted"] == 0
+
+
+def test_onset_from_stream_chunks():
+    from simcap.calibrate.ngram import onset_from_records
+    from simcap.records import RequestRecord
+
+    def rec(i, tokens):
+        return RequestRecord(i, 0.0, 16, sum(tokens), chunk_times=[1.0] * len(tokens), chunk_tokens=tokens,
+                             finish_time=2.0)
+
+    # First multi-token chunks after 5, 5, 7 tokens; one request never drafted.
+    records = [rec(0, [1, 1, 1, 1, 1, 4, 4]), rec(1, [1, 1, 1, 1, 1, 2, 4]), rec(2, [1] * 7 + [4]),
+               rec(3, [1] * 9)]
+    fit = onset_from_records(records)
+    assert fit["onset_tokens"] == 5 and fit["requests"] == 3

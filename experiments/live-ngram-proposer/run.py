@@ -99,6 +99,10 @@ def main() -> None:
             fixed = {k: v for k, v in fitted.items()
                      if k not in ("proposal_concentration", "proposal_onset_tokens")}
             fixed["proposal_rate"] = round(min(max(old_rate, 1e-3), 1.0), 4)
+            # (explicitly: the scenario's profile carries the fitted keys)
+            fixed.update(proposal_concentration=None, proposal_onset_tokens=0)
+            fitted.setdefault("proposal_concentration", None)
+            fitted.setdefault("proposal_onset_tokens", 0)
             cond = {"prompt_period": period, "fitted": fitted, "fixed": fixed, "calibration_notes": cal.notes,
                     "step_time": cal.profile["step_time"], "loads": []}
             print(f"period {period}: fitted {fitted}", flush=True)

@@ -138,3 +138,24 @@ def rows_after_onset(rows: Sequence[Mapping[str, float]], onset: int) -> list[Ma
         out += seg[max(onset - 1, 0):]
         out.append(gap)
     return out
+
+
+def onset_from_records(records: Sequence[Any]) -> dict[str, Any]:
+    """The onset from the client's records when few requests ran alone in the log: a request's
+    first stream chunk of more than one token is the first step whose drafts verified, so its
+    drafts were proposed when it had the tokens of the chunks before (the median over
+    requests). A draft rejected whole hides its step (the estimate runs late), a client that
+    reads two steps as one chunk shows one early."""
+    onsets = []
+    for rec in records:
+        tokens = rec.chunk_tokens if rec.succeeded else []
+        j = next((i for i, n in enumerate(tokens) if i and n > 1), None)
+        if j is not None:
+            onsets.append(sum(tokens[:j]))
+    out: dict[str, Any] = {"requests": len(onsets), "never_drafted": 0, "onset_tokens": 0,
+                           "source": "client stream chunks"}
+    if len(onsets) >= MIN_ONSET_REQUESTS:
+        onsets.sort()
+        out["onset_tokens"] = int(onsets[(len(onsets) - 1) // 2])
+        out["quartiles"] = [onsets[len(onsets) // 4], onsets[(3 * len(onsets)) // 4]]
+    return out

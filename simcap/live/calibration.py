@@ -65,7 +65,9 @@ from simcap.calibrate import (
     read_step_samples,
     write_profile,
 )
-from simcap.calibrate.ngram import fit_proposal_concentration, fit_proposal_onset, rows_after_onset
+from simcap.calibrate.ngram import (
+    MIN_ONSET_REQUESTS, fit_proposal_concentration, fit_proposal_onset, onset_from_records, rows_after_onset,
+)
 from simcap.calibrate.pipeline import check_options
 from simcap.live.client import (
     LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
@@ -557,6 +559,8 @@ def calibrate_live(
             # Output tokens before the lookup first matches (requests that ran alone); the
             # rate then counts the request-steps from there on.
             onset = fit_proposal_onset(rows)
+            if onset["requests"] < MIN_ONSET_REQUESTS:  # few requests ran alone: the stream chunks
+                onset = onset_from_records(records)
             proposal_rows = rows
             if drafts and onset["onset_tokens"] > 1:
                 m = onset["onset_tokens"]
@@ -576,8 +580,8 @@ def calibrate_live(
                     speculative["proposal_concentration"] = proposals["concentration"]
             notes.append(
                 "ngram proposals: {}rate {:.3g} of decode request-steps{}; {}".format(
-                    f"onset {onset['onset_tokens']} output tokens (median of {onset['requests']} requests "
-                    f"alone, {onset['never_drafted']} never drafted), " if "proposal_onset_tokens" in speculative else "",
+                    f"onset {onset['onset_tokens']} output tokens (median of {onset['requests']} requests, "
+                    f"{onset.get('source', 'alone in the step log')}), " if "proposal_onset_tokens" in speculative else "",
                     speculative["proposal_rate"],
                     " from the onset on" if "proposal_onset_tokens" in speculative else "",
                     f"concentration {proposals['concentration']:.3g} over requests "
