@@ -340,6 +340,16 @@ class SpeculativeConfig(_Model):
         "request matches at proposal_rate.",
     )
 
+    @model_serializer(mode="wrap")
+    def _drop_unset_proposals(self, handler):
+        data = handler(self)
+        # Without an onset or a spread the config dumps (and hashes) as before they existed.
+        if self.proposal_onset_tokens == 0:
+            data.pop("proposal_onset_tokens", None)
+        if self.proposal_concentration is None:
+            data.pop("proposal_concentration", None)
+        return data
+
     @model_validator(mode="after")
     def _acceptance(self) -> "SpeculativeConfig":
         k = self.num_speculative_tokens

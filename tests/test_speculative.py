@@ -215,6 +215,16 @@ def test_ngram_drafts_only_once_the_output_repeats():
     assert sd["num_drafts"] == 3 * (len(result.records[0].chunk_tokens) - 5)
 
 
+def test_scenarios_without_onset_or_spread_dump_and_hash_as_before():
+    plain = SpeculativeConfig(method="ngram", num_speculative_tokens=3, acceptance_length=2.0, proposal_rate=0.5)
+    assert "proposal_onset_tokens" not in plain.model_dump() and "proposal_concentration" not in plain.model_dump()
+    both = plain.model_copy(update={"proposal_onset_tokens": 5, "proposal_concentration": 0.5})
+    assert both.model_dump()["proposal_onset_tokens"] == 5 and both.model_dump()["proposal_concentration"] == 0.5
+    a = ngram_scenario(0.5)
+    b = a.model_copy(update={"speculative": a.speculative.model_copy(update={"proposal_onset_tokens": 5})})
+    assert a.digest() != b.digest()
+
+
 def test_proposal_concentration_is_ngram_only():
     with pytest.raises(ValueError, match="proposal_concentration: only ngram"):
         SpeculativeConfig(method="eagle3", num_speculative_tokens=3, acceptance_length=2.0,
