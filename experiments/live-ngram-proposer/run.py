@@ -9,7 +9,7 @@ request matching at the fitted rate (``proposal_rate`` alone) and with the reque
 probabilities (``proposal_concentration`` too). Nothing measured at the higher loads is fed
 to either prediction.
 
-Run under ``flock /tmp/simcap-cpu.lock`` (it starts vLLM servers); about 10 minutes on two cores.
+Run under ``flock /tmp/simcap-cpu.lock`` (it starts vLLM servers); about 4 minutes of server time on two cores.
 ``python experiments/live-ngram-proposer/run.py [--repeats 3] [--loads 4,8]`` writes
 ``results.json`` beside itself.
 """
