@@ -21,6 +21,7 @@ the token budget and rolls rejected ones back; this module decides the rest:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -196,16 +197,20 @@ def step_moments(mean: float, concentration: float, accepted_per_draft: float) -
     """Mean and variance of the match probability over request-steps when it is Beta(mean,
     concentration) over requests: a request matching with chance ``p`` emits ``1 + p * a``
     tokens a step (``a`` accepted per draft), so it takes steps in proportion to
-    ``1 / (1 + p * a)``. The mean is the fraction of request-steps with drafts (midpoint
-    quantiles of the Beta)."""
-    from scipy.special import betaincinv
+    ``w = 1 / (1 + p * a)``. The mean is the fraction of request-steps with drafts. Closed
+    form: ``E[w] = 2F1(1, alpha; alpha + beta; -a)`` (Gauss's hypergeometric function), and
+    ``p w = (1 - w) / a``, ``p^2 w = (p - p w) / a``."""
+    from scipy.special import hyp2f1
 
-    q = (np.arange(_QUANTILES) + 0.5) / _QUANTILES
-    p = betaincinv(mean * concentration, (1.0 - mean) * concentration, q)
-    w = 1.0 / (1.0 + p * accepted_per_draft)
-    w /= w.sum()
-    m = float((p * w).sum())
-    return m, float((w * (p - m) ** 2).sum())
+    alpha, beta = mean * concentration, (1.0 - mean) * concentration
+    a = accepted_per_draft
+    if a <= 0.0:  # every request takes as many steps
+        return mean, mean * (1.0 - mean) / (concentration + 1.0)
+    ew = float(hyp2f1(1.0, alpha, alpha + beta, -a))
+    epw = (1.0 - ew) / a
+    ep2w = (mean - epw) / a
+    m = epw / ew
+    return m, max(ep2w / ew - m * m, 0.0)
 
 
 def step_rate_for_request_mean(mean: float, concentration: float, accepted_per_draft: float) -> float:
@@ -213,12 +218,11 @@ def step_rate_for_request_mean(mean: float, concentration: float, accepted_per_d
     return step_moments(mean, concentration, accepted_per_draft)[0]
 
 
-_QUANTILES = 1024
-
-
+@lru_cache(maxsize=256)
 def request_mean_for_step_rate(rate: float, concentration: float, accepted_per_draft: float) -> float:
     """The Beta's mean over requests whose fraction of request-steps with drafts is ``rate``
-    (bisection: the step rate rises with the mean)."""
+    (bisection: the step rate rises with the mean; cached, as every simulation of a search
+    asks again)."""
     lo, hi = 0.0, 1.0
     for _ in range(50):
         mid = (lo + hi) / 2
