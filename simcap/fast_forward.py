@@ -248,7 +248,7 @@ def advance_verify_stretch(
     acceptance model's stream (one uniform per request, in batch order, in steps with
     drafts), emits ``accepted + 1`` tokens (capped by ``max_tokens`` and ``max_model_len``) and
     gets its next drafts from the proposer (ngram: one uniform per request from the
-    proposer's stream). Steps in which every request verifies k drafts and none finishes
+    proposer's stream, below the request's match probability). Steps in which every request verifies k drafts and none finishes
     (EAGLE, no noise) run in bulk, a request at a time; the rest one at a time.
 
     These are the reference path's operations on plain integers: step periods come from the
@@ -294,6 +294,9 @@ def advance_verify_stretch(
     k = proposer.k
     rate = proposer.proposal_rate
     drafts_all = rate >= 1.0  # EAGLE: every request that sampled drafts k
+    # ngram with a match probability per request (drawn from its content, in any order).
+    per_request = proposer.per_request
+    matches = [proposer.match_probability(req) for req in reqs] if per_request else []
     uncapped = max_model_len - 1 - k  # up to this many tokens, k drafts fit max_model_len
     # Uniforms are read from the streams' buffers in order and used up at the end (or when
     # a buffer runs out): acceptance, one per request in steps with drafts; proposals
@@ -341,7 +344,8 @@ def advance_verify_stretch(
     last_accepted = [0] * num_reqs  # each request's accepted drafts in the last step
     # Plain steps (every request verifies k drafts, none finishes, no draft or block is
     # capped by max_model_len) run in bulk when no noise and no proposal draws are in play.
-    bulk = drafts_all and noise is None
+    onset = proposer.onset  # ngram: no drafts before this many output tokens
+    bulk = drafts_all and not onset and noise is None
     full = num_reqs * k
     tail = min(uncapped, max_model_len - k - lookahead)  # a plain step follows up to here
     out = first
@@ -546,7 +550,10 @@ def advance_verify_stretch(
                 pi = p0
             ps = pb[pi : pi + num_reqs]
             pi += num_reqs
-            proposed = [k if u < rate else 0 for u in ps]
+            if per_request:
+                proposed = [k if u < r else 0 for u, r in zip(ps, matches)]
+            else:
+                proposed = [k if u < rate else 0 for u in ps]
         for b in range(num_reqs):
             d = ds[b]
             if d:
@@ -568,6 +575,8 @@ def advance_verify_stretch(
             outs[b] = o
             nts[b] = nt
             news_all.append(new)
+        if onset:
+            proposed = [d if o >= onset else 0 for d, o in zip(proposed, outs)]
         if finished or t >= horizon:
             break
         out = None

@@ -327,6 +327,28 @@ class SpeculativeConfig(_Model):
         1.0, gt=0.0, le=1.0,
         description="ngram: fraction of request-steps whose prompt lookup finds a match.",
     )
+    proposal_onset_tokens: int = Field(
+        0, ge=0,
+        description="ngram: no match before a request has this many output tokens (the lookup "
+        "needs the output to repeat); proposal_rate then counts request-steps from there on.",
+    )
+    proposal_concentration: float | None = Field(
+        None, gt=0.0,
+        description="ngram: requests differ in how often their content repeats: each request's "
+        "match probability is Beta with mean proposal_rate and this concentration (a + b); "
+        "small values: some requests match almost always, others almost never. None: every "
+        "request matches at proposal_rate.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_proposals(self, handler):
+        data = handler(self)
+        # Without an onset or a spread the config dumps (and hashes) as before they existed.
+        if self.proposal_onset_tokens == 0:
+            data.pop("proposal_onset_tokens", None)
+        if self.proposal_concentration is None:
+            data.pop("proposal_concentration", None)
+        return data
 
     @model_validator(mode="after")
     def _acceptance(self) -> "SpeculativeConfig":
@@ -355,6 +377,16 @@ class SpeculativeConfig(_Model):
                 )
         if self.method != "ngram" and self.proposal_rate != 1.0:
             raise ValueError("speculative.proposal_rate: only ngram drafts selectively; allowed: 1.0")
+        if self.method != "ngram" and self.proposal_onset_tokens:
+            raise ValueError(
+                "speculative.proposal_onset_tokens: only ngram drafts selectively; allowed: 0 "
+                f"for {self.method}"
+            )
+        if self.method != "ngram" and self.proposal_concentration is not None:
+            raise ValueError(
+                "speculative.proposal_concentration: only ngram drafts selectively; allowed only "
+                f"for ngram (method is {self.method})"
+            )
         return self
 
     @property

@@ -173,7 +173,11 @@ class _World:
         self.acceptance = (
             AcceptanceModel.from_config(spec, np.random.default_rng(accept_ss)) if spec else None
         )
-        self.proposer = Proposer(spec, np.random.default_rng(propose_ss)) if spec else None
+        # ngram match probabilities belong to the requests' content: the scenario's seed, the
+        # same on every replica.
+        self.proposer = (
+            Proposer(spec, np.random.default_rng(propose_ss), content_seed=scenario.seed) if spec else None
+        )
         self.spec_counters = SpecDecodeCounters() if spec else None
         # Step-time noise (None when off): its own stream, SeedSequence([seed, 2]).
         self.noise = StepNoise.from_config(scenario.step_time.noise, scenario.seed, index)

@@ -54,6 +54,10 @@ def speculative_configs(draw) -> dict:
         spec["acceptance_rates"] = rates
     if method == "ngram":
         spec["proposal_rate"] = draw(st.sampled_from([1.0, 0.5]))
+        if draw(st.booleans()):  # a match probability per request (Beta over requests)
+            spec["proposal_concentration"] = draw(st.sampled_from([0.3, 4.0]))
+        if draw(st.booleans()):  # no match before the output repeats
+            spec["proposal_onset_tokens"] = draw(st.sampled_from([2, 5]))
     return spec
 
 
@@ -278,12 +282,17 @@ def test_verify_stretches_equal_reference_path_at_scale():
     for spec, noise, arrival in [
         ({"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.4}, None,
          {"process": "poisson", "rate": 40.0}),
+        ({"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 3.5,
+          "proposal_onset_tokens": 5}, None, {"process": "poisson", "rate": 40.0}),
         ({"method": "eagle", "num_speculative_tokens": 4,
           "acceptance_rates": [0.9, 0.7, 0.5, 0.2]}, None,
          {"process": "closed", "concurrency": 20, "think_time_s": 0.02}),
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_length": 2.0,
           "proposal_rate": 0.6}, {"decode": {"kind": "lognormal", "sigma": 0.3}},
          {"process": "poisson", "rate": 40.0}),
+        ({"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 3.0,
+          "proposal_rate": 0.4, "proposal_concentration": 0.5, "proposal_onset_tokens": 5}, None,
+         {"process": "closed", "concurrency": 20}),
     ]:
         scenario = make_scenario(
             engine=dict(num_gpu_blocks=160, block_size=16, max_num_seqs=24,

@@ -116,6 +116,124 @@ def test_ngram_drafts_only_where_a_match_is_found():
     assert sd["num_drafts"] == pytest.approx(0.5 * steps_with_tokens, rel=0.1)
 
 
+def ngram_scenario(rate, concentration=None, seed=0, concurrency=4, num_requests=400):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "acceptance_rates": [1.0, 1.0, 1.0],
+            "proposal_rate": rate}
+    if concentration is not None:
+        spec["proposal_concentration"] = concentration
+    return make_scenario(
+        speculative=spec, seed=seed,
+        workload={"arrival": {"process": "closed", "concurrency": concurrency},
+                  "num_requests": num_requests, "input_len": 64, "output_len": 200},
+    )
+
+
+def test_ngram_match_probability_is_the_requests_own_beta_draw():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, acceptance_length=1.0,
+                               proposal_rate=0.3, proposal_concentration=0.5)
+    proposer = Proposer(config, np.random.default_rng(0), content_seed=11)
+    # Nothing accepted: a request takes as many steps however often it matches, so the mean
+    # over requests is the rate of request-steps.
+    assert proposer.beta_mean == pytest.approx(0.3, abs=1e-6)
+    p = np.array([proposer.content_match_probability(i) for i in range(20000)])
+    # Beta(0.15, 0.35): mean 0.3, variance 0.3 * 0.7 / 1.5 = 0.14, mass at both ends.
+    assert p.mean() == pytest.approx(0.3, abs=0.01)
+    assert p.var() == pytest.approx(0.14, abs=0.01)
+    from scipy.stats import beta
+
+    for x in (0.01, 0.5, 0.99):  # the distribution, not only its moments
+        assert (p < x).mean() == pytest.approx(beta.cdf(x, 0.15, 0.35), abs=0.01)
+    assert (p < 0.01).mean() > 0.3 and (p > 0.9).mean() > 0.1  # mass at both ends
+    # A request's probability is its content's: the same for another proposer of that seed
+    # (another stream, another order of asking), another for another seed.
+    again = Proposer(config, np.random.default_rng(5), content_seed=11)
+    assert [again.content_match_probability(i) for i in (7, 3, 19999)] == [p[7], p[3], p[19999]]
+    other = Proposer(config, np.random.default_rng(0), content_seed=12)
+    assert other.content_match_probability(7) != p[7]
+    # Without a concentration (or at rate 1) every request matches at the rate.
+    fixed = SpeculativeConfig(method="ngram", num_speculative_tokens=3, acceptance_length=1.0,
+                              proposal_rate=0.3)
+    assert Proposer(fixed, np.random.default_rng(0)).content_match_probability(7) == 0.3
+    always = SpeculativeConfig(method="ngram", num_speculative_tokens=3, acceptance_length=3.0,
+                               proposal_concentration=0.5)
+    assert Proposer(always, np.random.default_rng(0)).content_match_probability(7) == 1.0
+
+
+def test_ngram_requests_that_repeat_draft_and_the_others_do_not():
+    """With a small concentration a request drafts in almost every step or almost none; its
+    TPOT follows (full acceptance: 4 tokens a step with drafts, 1 without), while the fixed
+    rate gives every request the same mix. Both keep the rate of request-steps."""
+    fixed = simulate(ngram_scenario(0.5), records=True)
+    mixed = simulate(ngram_scenario(0.5, concentration=0.2), records=True)
+    for result in (fixed, mixed):
+        steps = sum(len(r.chunk_times) for r in result.records) - len(result.records)
+        assert result.summary.spec_decode["num_drafts"] == pytest.approx(0.5 * steps, rel=0.15)
+
+    def tokens_per_step(result):  # per request: output tokens per decode step
+        return np.array([(r.num_output_tokens - 1) / (len(r.chunk_times) - 1) for r in result.records])
+
+    f, m = tokens_per_step(fixed), tokens_per_step(mixed)
+    # Fixed: every request near 1 + 3 * 0.5 = 2.5 tokens a step (proposals one step late).
+    assert np.percentile(f, 5) > 2.0 and np.percentile(f, 95) < 3.0
+    # Mixed (concentration 0.2): most requests near 1 or near 4 tokens a step; more of them
+    # near 4 (requests drafting often take fewer steps, so the mean over requests is above
+    # the rate of request-steps).
+    assert (m < 1.3).mean() > 0.1 and (m > 3.5).mean() > 0.5
+    assert ((m > 2.0) & (m < 3.0)).mean() < 0.2
+
+
+def test_ngram_match_probabilities_follow_the_requests_not_the_load():
+    """The same request (same seed and id) repeats its content at any concurrency."""
+    low = simulate(ngram_scenario(0.4, concentration=0.3, concurrency=2, num_requests=60), records=True)
+    high = simulate(ngram_scenario(0.4, concentration=0.3, concurrency=16, num_requests=60), records=True)
+
+    def rate_by_request(result):
+        return {r.request_id: (r.num_output_tokens - 1) / (len(r.chunk_times) - 1) for r in result.records}
+
+    a, b = rate_by_request(low), rate_by_request(high)
+    ids = sorted(a)
+    corr = np.corrcoef([a[i] for i in ids], [b[i] for i in ids])[0, 1]
+    assert corr > 0.8
+    fixed_low = simulate(ngram_scenario(0.4, concurrency=2, num_requests=60), records=True)
+    fixed_high = simulate(ngram_scenario(0.4, concurrency=16, num_requests=60), records=True)
+    c, d = rate_by_request(fixed_low), rate_by_request(fixed_high)
+    assert abs(np.corrcoef([c[i] for i in ids], [d[i] for i in ids])[0, 1]) < 0.5
+
+
+def test_ngram_drafts_only_once_the_output_repeats():
+    """Onset 5: the lookup finds nothing before a request has 5 output tokens. Full
+    acceptance, rate 1: the prefill's token, then 4 one-token steps (outputs 2..5), then
+    4 tokens a step."""
+    scenario = ngram_scenario(1.0, num_requests=3)
+    scenario = scenario.model_copy(update={"speculative": scenario.speculative.model_copy(
+        update={"proposal_onset_tokens": 5})})
+    result = simulate(scenario, records=True)
+    for rec in result.records:
+        assert rec.chunk_tokens[:6] == [1, 1, 1, 1, 1, 4]
+        assert set(rec.chunk_tokens[5:-1]) == {4}
+    sd = result.summary.spec_decode
+    assert sd["num_drafts"] == 3 * (len(result.records[0].chunk_tokens) - 5)
+
+
+def test_scenarios_without_onset_or_spread_dump_and_hash_as_before():
+    plain = SpeculativeConfig(method="ngram", num_speculative_tokens=3, acceptance_length=2.0, proposal_rate=0.5)
+    assert "proposal_onset_tokens" not in plain.model_dump() and "proposal_concentration" not in plain.model_dump()
+    both = plain.model_copy(update={"proposal_onset_tokens": 5, "proposal_concentration": 0.5})
+    assert both.model_dump()["proposal_onset_tokens"] == 5 and both.model_dump()["proposal_concentration"] == 0.5
+    a = ngram_scenario(0.5)
+    b = a.model_copy(update={"speculative": a.speculative.model_copy(update={"proposal_onset_tokens": 5})})
+    assert a.digest() != b.digest()
+
+
+def test_proposal_concentration_is_ngram_only():
+    with pytest.raises(ValueError, match="proposal_concentration: only ngram"):
+        SpeculativeConfig(method="eagle3", num_speculative_tokens=3, acceptance_length=2.0,
+                          proposal_concentration=1.0)
+    with pytest.raises(ValueError, match="proposal_concentration"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, acceptance_length=2.0,
+                          proposal_concentration=0.0)
+
+
 def test_speculation_keeps_scheduler_invariants_and_exact_output_lengths():
     engine = make_engine(num_gpu_blocks=30, block_size=8, max_num_batched_tokens=20, max_num_seqs=4,
                          max_model_len=120)

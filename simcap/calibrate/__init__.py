@@ -66,6 +66,7 @@ _LAZY = {
     "ITERATION_RE": "simcap.calibrate.readers",
     "StepSamples": "simcap.calibrate.readers",
     "parse_iteration_log": "simcap.calibrate.readers",
+    "fit_proposal_concentration": "simcap.calibrate.ngram",
     "read_benchmarks": "simcap.calibrate.readers",
     "read_step_samples": "simcap.calibrate.readers",
     "split_input": "simcap.calibrate.readers",

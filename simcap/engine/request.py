@@ -45,6 +45,7 @@ class Request:
         "num_computed_tokens",
         "num_output_tokens",
         "num_spec_tokens",
+        "match_probability",
         "is_prefill_chunk",
         "num_accepted_uncommitted",
         "num_preemptions",
@@ -92,6 +93,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.num_spec_tokens = 0  # len(spec_token_ids): drafts awaiting verification
+        # ngram: the chance that a step's prompt lookup matches this request's content
+        # (set by the proposer when first needed; -1.0 until then).
+        self.match_probability = -1.0
         # Whether the last scheduled chunk left tokens to compute (a prefill still under way).
         # Kept only under speculation, where the waiting queue's draft padding reads it.
         self.is_prefill_chunk = False

@@ -13,12 +13,15 @@ the token budget and rolls rejected ones back; this module decides the rest:
   ``accepted = #{i : u < r_i}``, which has exactly these rates.
 - :class:`Proposer` -- after each step, which requests carry ``k`` drafts into the next:
   EAGLE/EAGLE3 draft for every request that sampled (k sequential draft passes); ngram only
-  where the prompt-lookup finds a match (``proposal_rate`` of request-steps).
+  where the prompt-lookup finds a match: ``proposal_rate`` of request-steps, the same chance
+  for every request or (``proposal_concentration``) a chance of each request's own, as its
+  content repeats or not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -179,27 +182,129 @@ class SpecDecodeCounters:
         }
 
 
-class Proposer:
-    """Gives requests their next drafts after a step (EAGLE: all who sampled; ngram: matches)."""
+def splitmix64(x: int) -> int:
+    """A 64-bit mix of ``x`` (SplitMix64's finaliser): neighbouring inputs, unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
-    def __init__(self, config: SpeculativeConfig, rng: np.random.Generator) -> None:
+
+_MASK64 = (1 << 64) - 1
+
+
+def step_moments(mean: float, concentration: float, accepted_per_draft: float) -> tuple[float, float]:
+    """Mean and variance of the match probability over request-steps when it is Beta(mean,
+    concentration) over requests: a request matching with chance ``p`` emits ``1 + p * a``
+    tokens a step (``a`` accepted per draft), so it takes steps in proportion to
+    ``w = 1 / (1 + p * a)``. The mean is the fraction of request-steps with drafts. Closed
+    form: ``E[w] = 2F1(1, alpha; alpha + beta; -a)`` (Gauss's hypergeometric function), and
+    ``p w = (1 - w) / a``, ``p^2 w = (p - p w) / a``."""
+    from scipy.special import hyp2f1
+
+    alpha, beta = mean * concentration, (1.0 - mean) * concentration
+    a = accepted_per_draft
+    if a <= 0.0:  # every request takes as many steps
+        return mean, mean * (1.0 - mean) / (concentration + 1.0)
+    ew = float(hyp2f1(1.0, alpha, alpha + beta, -a))
+    epw = (1.0 - ew) / a
+    ep2w = (mean - epw) / a
+    m = epw / ew
+    return m, max(ep2w / ew - m * m, 0.0)
+
+
+def step_rate_for_request_mean(mean: float, concentration: float, accepted_per_draft: float) -> float:
+    """The fraction of request-steps with drafts (:func:`step_moments`)."""
+    return step_moments(mean, concentration, accepted_per_draft)[0]
+
+
+@lru_cache(maxsize=256)
+def request_mean_for_step_rate(rate: float, concentration: float, accepted_per_draft: float) -> float:
+    """The Beta's mean over requests whose fraction of request-steps with drafts is ``rate``
+    (bisection: the step rate rises with the mean; cached, as every simulation of a search
+    asks again)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if step_rate_for_request_mean(mid, concentration, accepted_per_draft) < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class Proposer:
+    """Gives requests their next drafts after a step (EAGLE: all who sampled; ngram: matches).
+
+    ngram's prompt lookup finds a match where the request's own prompt and output repeat the
+    last few tokens, so whether it drafts depends on the request's content. Each request has a
+    match probability: ``proposal_rate`` for all (no ``proposal_concentration``), or its own,
+    drawn from Beta(``m * c``, ``(1 - m) * c``) with ``c`` the concentration and the mean ``m``
+    that gives ``proposal_rate`` of request-steps (:func:`request_mean_for_step_rate`): the
+    inverse CDF of a uniform hashed from the scenario's seed and the request id, so a request
+    keeps its content whatever else runs (another load, the other arm of a crossover, another
+    replica) and whichever path (stepping, fast path) first asks. ``proposal_onset_tokens``:
+    no match before the request has that many output tokens (a lookup in content that repeats
+    only once the output does); the uniform is drawn all the same.
+    """
+
+    def __init__(self, config: SpeculativeConfig, rng: np.random.Generator, content_seed: int = 0) -> None:
         self.k = config.num_speculative_tokens
         self.method = config.method
         self.proposal_rate = config.proposal_rate
+        self.concentration = config.proposal_concentration
+        # ngram: no match before a request has this many output tokens.
+        self.onset = config.proposal_onset_tokens
+        # Each request's match probability varies (Beta) only with a concentration and a rate
+        # below 1 (at rate 1 every request matches in every step).
+        self.per_request = self.concentration is not None and self.proposal_rate < 1.0
+        self.content_key = splitmix64(int(content_seed) & _MASK64)
+        # proposal_rate is a rate of request-steps (what vLLM's counters measure); requests
+        # that match often emit more tokens a step and so take fewer steps, so the Beta's mean
+        # over requests sits above it.
+        self.beta_mean = (
+            request_mean_for_step_rate(self.proposal_rate, self.concentration,
+                                       sum(config.per_position_rates))
+            if self.per_request else self.proposal_rate
+        )
         # ngram: one uniform per request that sampled, whether it finished or not.
         self.uniforms = UniformStream(rng)
+
+    def match_probability(self, req: Request) -> float:
+        """The chance that a step's prompt lookup matches ``req`` (its own, drawn once)."""
+        p = req.match_probability
+        if p < 0.0:
+            p = req.match_probability = self.content_match_probability(req.request_id)
+        return p
+
+    def content_match_probability(self, request_id: int) -> float:
+        """Request ``request_id``'s match probability: ``proposal_rate``, or its Beta draw."""
+        if not self.per_request:
+            return self.proposal_rate
+        from scipy.special import betaincinv
+
+        h = splitmix64(self.content_key ^ (int(request_id) & _MASK64))
+        u = ((h >> 11) + 0.5) / 9007199254740992.0  # in (0, 1), 53 bits
+        m, c = self.beta_mean, self.concentration
+        return float(betaincinv(m * c, (1.0 - m) * c, u))
 
     def propose(self, sampled: Sequence[Request]) -> None:
         """Set ``num_spec_tokens`` for requests that sampled this step and still run."""
         # vLLM drafts k tokens even near max_tokens; tokens past the stop are trimmed.
-        k = self.k
+        k, onset = self.k, self.onset
         if self.proposal_rate >= 1.0:
             for req in sampled:
-                if not req.is_finished:
+                if not req.is_finished and req.num_output_tokens >= onset:
                     req.num_spec_tokens = k
             return
         n = len(sampled)
         draws, start = self.uniforms.take(n)
+        if self.per_request:
+            match = self.match_probability
+            for req, u in zip(sampled, draws[start : start + n]):
+                if not req.is_finished and u < match(req) and req.num_output_tokens >= onset:
+                    req.num_spec_tokens = k
+            return
         for req, u in zip(sampled, draws[start : start + n]):
-            if not req.is_finished and u < self.proposal_rate:
+            if not req.is_finished and u < self.proposal_rate and req.num_output_tokens >= onset:
                 req.num_spec_tokens = k

@@ -32,7 +32,11 @@ server's ``/metrics`` ``vllm:cache_config_info``; ``max_num_seqs`` and
 given or from ``/v1/models``; ``async_scheduling: false`` (the CPU platform forces it off).
 A drafting server (per-position acceptance counters) adds a ``speculative`` section: ``k``
 from those counters, the method as given or from ``/server_info`` (dev mode), and the
-acceptance length (and, for ngram, the proposal rate) measured during the workload.
+acceptance length measured during the workload; for ngram also the proposals
+(:mod:`simcap.calibrate.ngram`, from the per-step log): the onset (output tokens before a
+request's first match), the proposal rate of the request-steps after it, and the spread of
+match probabilities over requests (``proposal_concentration``), each left out when the log
+does not show it.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ from simcap.calibrate import (
     profile_dict,
     read_step_samples,
     write_profile,
+)
+from simcap.calibrate.ngram import (
+    MIN_ONSET_REQUESTS, fit_proposal_concentration, fit_proposal_onset, onset_from_records, rows_after_onset,
 )
 from simcap.calibrate.pipeline import check_options
 from simcap.live.client import (
@@ -547,8 +554,39 @@ def calibrate_live(
             raise LiveError(f"{base_url}: the server drafted nothing during the calibration workload")
         speculative = {"method": method, "num_speculative_tokens": k, "acceptance_length": round(min(acc, k + 1), 4)}
         if method == "ngram" and host is not None and host["log_decode_request_steps"]:
-            rate = (delta.get("spec_decode_num_drafts") or 0.0) / host["log_decode_request_steps"]
+            drafts = delta.get("spec_decode_num_drafts") or 0.0
+            steps = host["log_decode_request_steps"]
+            # Output tokens before the lookup first matches (requests that ran alone); the
+            # rate then counts the request-steps from there on.
+            onset = fit_proposal_onset(rows)
+            if onset["requests"] < MIN_ONSET_REQUESTS:  # few requests ran alone: the stream chunks
+                onset = onset_from_records(records)
+            proposal_rows = rows
+            if drafts and onset["onset_tokens"] > 1:
+                m = onset["onset_tokens"]
+                speculative["proposal_onset_tokens"] = m
+                steps -= sum(min(m - 1, r.num_output_tokens - 1) for r in records if r.succeeded)
+                proposal_rows = rows_after_onset(rows, m)
+            rate = drafts / steps if steps > 0 else 1.0
             speculative["proposal_rate"] = round(min(max(rate, 1e-3), 1.0), 4)
+            proposals: dict[str, Any] = {"concentration": None, "note": "rate 1: every request-step drafts"}
+            if drafts and speculative["proposal_rate"] < 1.0:
+                # How much requests differ in matching: the per-step log's drafting counts.
+                draft_len = (delta.get("spec_decode_num_draft_tokens") or drafts * k) / drafts
+                proposals = fit_proposal_concentration(
+                    proposal_rows, speculative["proposal_rate"], draft_len, speculative["acceptance_length"] - 1.0)
+                proposals["mean_draft_length"] = round(draft_len, 4)
+                if proposals["concentration"] is not None:
+                    speculative["proposal_concentration"] = proposals["concentration"]
+            notes.append(
+                "ngram proposals: {}rate {:.3g} of decode request-steps{}; {}".format(
+                    f"onset {onset['onset_tokens']} output tokens (median of {onset['requests']} requests, "
+                    f"{onset.get('source', 'alone in the step log')}), " if "proposal_onset_tokens" in speculative else "",
+                    speculative["proposal_rate"],
+                    " from the onset on" if "proposal_onset_tokens" in speculative else "",
+                    f"concentration {proposals['concentration']:.3g} over requests "
+                    f"(step variance {proposals['step_variance']:.3g}, {proposals['pairs']} step pairs)"
+                    if proposals["concentration"] is not None else proposals.get("note", "")))
         SpeculativeConfig(**speculative)
     description = (
         f"Fitted live by simcap live calibrate from {source} of vLLM {facts.version or '?'} serving "

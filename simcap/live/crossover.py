@@ -22,7 +22,8 @@ analysis and rendering as ``simcap crossover``. The prediction is ``simcap cross
 (:func:`~simcap.crossover.find_crossover`) on the scenario with the calibrated step time, the
 server's KV pool and the acceptance (per-position rates and, for ngram, the proposal rate)
 the server's counters measured at the lowest concurrency: the acceptance of this workload's
-content, measured where the profile was calibrated.
+content, measured where the profile was calibrated. For ngram the calibration's proposal
+onset and spread over requests (from its step log) go with it.
 """
 
 from __future__ import annotations
@@ -293,10 +294,22 @@ def _predicted_scenario(
     for key in ("num_gpu_blocks", "memory", "vllm_version", "async_scheduling"):
         data["engine"].pop(key, None)
     sc = parse_scenario(data, base_dir=profile.parent)
+    # ngram: the onset and the spread of match probabilities over requests, from the
+    # calibration's step log (the rate measured below then counts the steps after the onset).
+    fitted = {key: value for key, value in (calibration.get("speculative") or {}).items()
+              if key in ("proposal_onset_tokens", "proposal_concentration")}
+    ngram = sc.speculative is not None and sc.speculative.method == "ngram"
+    if fitted and ngram:
+        spec = type(sc.speculative).model_validate({**sc.speculative.model_dump(), **fitted})
+        sc = sc.model_copy(update={"speculative": spec})
     notes: list[str] = []
     sc = adopt_run_acceptance(sc, lowest.run, 0, notes)
     how = (f"server counters of the speculative arm at {concurrency} clients: "
            + (notes[0].split("speculative ", 1)[1] if notes else "no drafts counted; the scenario's acceptance kept"))
+    if ngram and "proposal_onset_tokens" in fitted:
+        how += f" from the onset, {fitted['proposal_onset_tokens']} output tokens (calibration's step log)"
+    if ngram and "proposal_concentration" in fitted:
+        how += f", proposal concentration {fitted['proposal_concentration']:.3g} over requests (calibration's step log)"
     return sc, how
 
 

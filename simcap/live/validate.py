@@ -402,7 +402,13 @@ def adopt_run_acceptance(scenario: Scenario, run: LiveRun, index: int, notes: li
         update.update(acceptance_length=round(min(float(acc), k + 1.0), 6), acceptance_rates=None)
     steps = delta.get("count_inter_token_latency_seconds")
     if spec.method == "ngram" and steps:
-        update["proposal_rate"] = round(min(max(drafts / steps, 1e-3), 1.0), 6)
+        # With an onset the rate counts the request-steps from there on: each request's first
+        # onset - 1 decode steps (one token each) are taken off.
+        m = spec.proposal_onset_tokens
+        if m > 1:
+            steps -= sum(min(m - 1, r.num_output_tokens - 1) for r in run.records if r.succeeded)
+        if steps > 0:
+            update["proposal_rate"] = round(min(max(drafts / steps, 1e-3), 1.0), 6)
     new = type(spec).model_validate({**spec.model_dump(), **update})
     mine = f"acceptance length {1 + sum(new.per_position_rates):.3f}"
     theirs = f"scenario {1 + sum(spec.per_position_rates):.3f}"

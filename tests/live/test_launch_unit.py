@@ -215,6 +215,7 @@ def test_measured_arm_points_take_the_simulated_path():
 def test_prediction_takes_the_calibrated_profile_and_the_measured_acceptance(tmp_path):
     from simcap.live.client import LiveRun
     from simcap.live.crossover import MeasuredPoint, _predicted_scenario
+    from simcap.records import RequestRecord
     from simcap.live.prom import ServerMetrics
 
     profile = _write(tmp_path / "profile.yaml", {
@@ -244,6 +245,22 @@ def test_prediction_takes_the_calibrated_profile_and_the_measured_acceptance(tmp
     assert how == ("server counters of the speculative arm at 1 clients: acceptance length 3.400, proposal rate "
                    "0.800 (scenario 2.500, 1.000)")
     assert sc.workload == load_scenario(SCENARIO_YAML).workload
+    assert spec.proposal_concentration is None and spec.proposal_onset_tokens == 0
+    # A calibration that found an onset and requests differing in how often they match passes
+    # both on; the rate then counts the steps after the onset: 5 requests of 20 tokens, the
+    # first 3 decode steps of each taken off (100 drafts / (125 - 15) steps).
+    run.records = [RequestRecord(i, 0.0, 16, 20, chunk_times=[1.0] * 20, chunk_tokens=[1] * 20, finish_time=2.0)
+                   for i in range(5)]
+    cal = {"profile": str(profile),
+           "speculative": {"method": "ngram", "proposal_concentration": 0.7, "proposal_onset_tokens": 4}}
+    sc2, how2 = _predicted_scenario(load_scenario(SCENARIO_YAML), cal,
+                                    MeasuredPoint("spec", run=run, concurrency=1, cpu={}, prefix_cache_reset="ok"), 1)
+    spec2 = sc2.speculative
+    assert spec2.proposal_concentration == 0.7 and spec2.proposal_onset_tokens == 4
+    assert spec2.proposal_rate == round(100 / 110, 6)
+    assert how2 == ("server counters of the speculative arm at 1 clients: acceptance length 3.400, proposal rate "
+                    "0.909 (scenario 2.500, 1.000) from the onset, 4 output tokens (calibration's step log), "
+                    "proposal concentration 0.7 over requests (calibration's step log)")
 
 
 def test_repeating_prompts_keep_shared_prefixes_shared():
