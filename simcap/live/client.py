@@ -28,6 +28,12 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
 - ``request_timeout_s``: a request that has not completed within that many seconds of its
   send is cut and recorded as failed, ``error`` saying ``timeout: ...`` and how many chunks
   had arrived; the run goes on.
+- Several base URLs (a scenario whose ``deployment.replicas`` is their number): the
+  deployment's router (:mod:`simcap.live.routing`, the simulated fleet's routers) picks a
+  server for each request as it is sent, from its own outstanding counts and the servers'
+  ``/metrics`` scraped every ``deployment.scrape_interval_s``; each record names its
+  ``replica`` (the URL's index), and the result has the per-replica table and the load
+  imbalance (:func:`simcap.fleet.replica_rows`), and per server its counters' cross-check.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import numpy as np
 from simcap.errors import SimcapError
 from simcap.live.prom import ServerMetrics, cross_check, metrics_delta, scrape
 from simcap.live.prompts import PROBE_TEXT, PromptBuilder
+from simcap.live.routing import LiveRouter, check_fleet_urls
 from simcap.metrics import Summary, summarize
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
@@ -101,6 +108,37 @@ class LiveRun:
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
     out_path: str | None = None
+    # Several servers: every base URL, and each server's scrapes before and after the run
+    # (``metrics_before``/``metrics_after`` are then None: no one server saw the whole run).
+    base_urls: list[str] = field(default_factory=list)
+    router: str | None = None
+    server_metrics: list[tuple[ServerMetrics | None, ServerMetrics | None]] = field(default_factory=list)
+
+    @property
+    def is_fleet(self) -> bool:
+        return len(self.base_urls) > 1
+
+    @property
+    def last_metrics(self) -> ServerMetrics | None:
+        """The first server's scrape after the run (its cache config stands for all)."""
+        if self.server_metrics:
+            return self.server_metrics[0][1]
+        return self.metrics_after
+
+    def fleet(self, slo: dict[str, float] | None = None) -> dict[str, Any] | None:
+        """Several servers: the per-replica table, the load imbalance and each server's
+        cross-check; None for one server."""
+        if not self.is_fleet:
+            return None
+        from simcap.fleet import load_imbalance, replica_rows
+
+        rows = replica_rows(self.records, len(self.base_urls), slo)
+        for row, url, (before, after) in zip(rows, self.base_urls, self.server_metrics):
+            mine = [r for r in self.records if r.replica == row["replica"]]
+            row["base_url"] = url
+            row["cross_check"] = cross_check(mine, metrics_delta(before, after))
+        return {"replicas": len(rows), "router": self.router, "per_replica": rows,
+                "load_imbalance": load_imbalance(rows)}
 
     @property
     def num_failed(self) -> int:
@@ -140,6 +178,7 @@ class LiveRun:
             },
             "server": self.server_delta(),
             "cross_check": self.cross_check(),
+            **({"fleet": self.fleet(slo)} if self.is_fleet else {}),
         }
 
 
@@ -414,7 +453,7 @@ def _progress(total: int | None, enabled: bool):
     return prog
 
 
-async def run_live_async(scenario: Scenario, base_url: str, model: str | None = None, **kwargs: Any) -> LiveRun:
+async def run_live_async(scenario: Scenario, base_url: str | Sequence[str], model: str | None = None, **kwargs: Any) -> LiveRun:
     """Async form of :func:`run_live` (same arguments; see :func:`_run_live_async`)."""
     try:
         return await _run_live_async(scenario, base_url, model, **kwargs)
@@ -424,7 +463,7 @@ async def run_live_async(scenario: Scenario, base_url: str, model: str | None = 
 
 async def _run_live_async(
     scenario: Scenario,
-    base_url: str,
+    base_url: str | Sequence[str],
     model: str | None = None,
     *,
     endpoint: Endpoint = "completions",
@@ -440,12 +479,16 @@ async def _run_live_async(
     if endpoint not in ENDPOINTS:
         raise LiveError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
     check_no_sessions(scenario)
-    base_url = base_url.rstrip("/")
+    base_urls = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else base_url)]
+    check_fleet_urls(scenario, len(base_urls))
+    base_url = base_urls[0]
     workload = Workload(scenario.workload, scenario.seed)
     arrival = scenario.workload.arrival
     closed = isinstance(arrival, ClosedArrival)
     chat = endpoint == "chat"
-    url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
+    urls = [u + ("/v1/chat/completions" if chat else "/v1/completions") for u in base_urls]
+    fleet = len(base_urls) > 1
+    router: LiveRouter | None = None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     check_request_timeout(request_timeout_s)
     timeout = httpx.Timeout(request_timeout_s, connect=min(30.0, request_timeout_s or 30.0), pool=None)
@@ -459,13 +502,14 @@ async def _run_live_async(
         async with httpx.AsyncClient(
             transport=transport, limits=limits, timeout=timeout, headers=auth_headers(api_key)
         ) as client:
-            model, max_len = await resolve_model(client, base_url, model)
             longest = scenario.workload.input_len.max_value + scenario.workload.output_len.max_value
-            if max_len is not None and longest > max_len:
-                raise LiveError(
-                    f"workload.input_len: prompt + output up to {longest} tokens exceed the "
-                    f"server's max_model_len ({max_len}) for model {model!r}"
-                )
+            for u in base_urls:
+                model, max_len = await resolve_model(client, u, model)
+                if max_len is not None and longest > max_len:
+                    raise LiveError(
+                        f"workload.input_len: prompt + output up to {longest} tokens exceed the "
+                        f"server's max_model_len ({max_len}) for model {model!r} at {u}"
+                    )
             pool = list(token_pool) if token_pool is not None else await discover_token_pool(client, base_url, model)
             builder = PromptBuilder(pool, seed=scenario.seed)
             chat_text = _ChatText(client, base_url, model, builder) if chat else None
@@ -480,9 +524,17 @@ async def _run_live_async(
                 return json.dumps(request_body(endpoint, model, spec, prompt, return_token_ids)).encode()
 
             sink = _Sink(out_path)
-            before = await scrape(client, base_url)
-            if before is None:
-                notes.append("server has no readable /metrics: no server-side cross-check")
+            befores = [await scrape(client, u) for u in base_urls]
+            before = befores[0]
+            for u, b in zip(base_urls, befores):
+                if b is None:
+                    where = f" ({u})" if fleet else ""
+                    notes.append(f"server{where} has no readable /metrics: no server-side cross-check")
+            if fleet:
+                router = LiveRouter(
+                    scenario, len(base_urls), block_size=before.block_size if before else None,
+                    capacities=[b.num_gpu_blocks - 1 if b and b.num_gpu_blocks else None for b in befores],
+                )
             if closed:
                 n_total = workload.num_requests
                 times = None
@@ -498,7 +550,14 @@ async def _run_live_async(
                 rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens,
                                     client_id=client_id)
                 records[spec.request_id] = rec
-                await stream_request(client, url, body, rec, t0, chat, fixups, request_timeout_s)
+                replica = 0
+                if router is not None:
+                    replica = rec.replica = router.send(spec, client_id)
+                try:
+                    await stream_request(client, urls[replica], body, rec, t0, chat, fixups, request_timeout_s)
+                finally:
+                    if router is not None:
+                        router.ended(replica)
                 if rec.error and api_key:
                     rec.error = redact(rec.error, api_key)
                 if stopping:
@@ -510,6 +569,9 @@ async def _run_live_async(
                     prog.advance(prog.task_ids[0])
 
             sched_lag: list[float] = []
+            scraper = None
+            if router is not None and router.reads_gauges:
+                scraper = asyncio.create_task(_scrape_every(client, base_urls, router))
             try:
                 if closed:
                     assert isinstance(arrival, ClosedArrival)
@@ -552,8 +614,16 @@ async def _run_live_async(
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
+            finally:
+                if scraper is not None:
+                    scraper.cancel()
+                    await asyncio.gather(scraper, return_exceptions=True)
             wall = time.perf_counter() - t0
-            after = await _scrape_settled(client, base_url, before, records.values())
+            afters = []
+            for i, (u, b) in enumerate(zip(base_urls, befores)):
+                mine = [r for r in records.values() if not fleet or r.replica == i]
+                afters.append(await _scrape_settled(client, u, b, mine))
+            after = afters[0]
     finally:
         if prog is not None:
             prog.stop()
@@ -582,12 +652,29 @@ async def _run_live_async(
         achieved_rate=achieved,
         wall_duration_s=wall,
         max_send_lag_s=lag,
-        metrics_before=before,
-        metrics_after=after,
+        metrics_before=None if fleet else before,
+        metrics_after=None if fleet else after,
         token_fixups=fixups,
         notes=notes,
         out_path=str(out_path) if out_path else None,
+        base_urls=base_urls if fleet else [],
+        router=scenario.deployment.router if fleet and scenario.deployment else None,
+        server_metrics=list(zip(befores, afters)) if fleet else [],
     )
+
+
+async def _scrape_every(client: httpx.AsyncClient, base_urls: Sequence[str], router: LiveRouter) -> None:
+    """Every ``scrape_interval_s`` from the run's start: each server's gauges, to the router."""
+    interval = router.scrape_interval_s
+    start = time.perf_counter()
+    k = 1
+    while True:
+        delay = start + k * interval - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        k += 1
+        for i, u in enumerate(base_urls):
+            router.observe(i, await scrape(client, u))
 
 
 async def _scrape_settled(client, base_url, before, records) -> ServerMetrics | None:
@@ -618,7 +705,7 @@ def check_request_timeout(request_timeout_s: float | None) -> None:
 
 def run_live(
     scenario: Scenario,
-    base_url: str,
+    base_url: str | Sequence[str],
     model: str | None = None,
     *,
     endpoint: Endpoint = "completions",
@@ -626,7 +713,8 @@ def run_live(
     progress: bool = True,
     **kwargs: Any,
 ) -> LiveRun:
-    """Run ``scenario``'s workload against the vLLM server at ``base_url`` (see module doc).
+    """Run ``scenario``'s workload against the vLLM server at ``base_url``, or routed over
+    the servers of a list of base URLs, one per ``deployment`` replica (see module doc).
 
     ``model``: the served model name (None: the server's first). ``out_path``: JSONL file the
     records are appended to as requests complete (truncated first). ``progress``: a rich

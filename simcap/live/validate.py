@@ -25,6 +25,14 @@ run is simulated with that run's own acceptance (vLLM's per-position acceptance 
 for ngram, its proposal rate (drafts per decode request-step, the server's ITL sample count),
 so the comparison judges the step-time model, not a guess of acceptance; the scenario's and
 the run's values are both in the notes. ``adopt_spec_acceptance=False`` keeps the scenario's.
+
+A fleet (a scenario with ``deployment``, one base URL per replica): each live run, routed by
+the deployment's router over the servers, is replayed at its send times through the
+simulated fleet with the same router (:func:`simcap.fleet.simulate_fleet`), which routes the
+requests anew from its own simulated state. Besides the fleet-wide metrics above, ``fleet``
+compares per replica the requests and tokens routed and TTFT/E2E, and the load imbalance
+(max / mean over the replicas of requests and of tokens), live against predicted, and how
+many requests the simulated router sent where the live one did.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from rich.table import Table
 from simcap.live.client import LiveError, LiveRun, auth_headers, check_no_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics
+from simcap.live.routing import check_fleet_urls
 from simcap.metrics import Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
@@ -100,6 +109,64 @@ def closed_trace_of(run: LiveRun) -> ClosedLoopTrace:
     return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j))
 
 
+FLEET_KEYS = ("requests", "tokens", "ttft_p50_s", "e2e_p95_s")
+
+
+def fleet_pair(run: LiveRun, sim_records: list[RequestRecord]) -> dict[str, Any]:
+    """One fleet run, live and its replay: per-replica rows, imbalance, and the fraction of
+    requests the simulated router sent to the replica the live one chose (the replay's
+    request j is the live run's j-th completed request in send order)."""
+    from simcap.fleet import load_imbalance, replica_rows
+
+    n = len(run.base_urls)
+    live_rows = replica_rows(run.records, n)
+    sim_rows = replica_rows(sim_records, n)
+    done = sorted((r for r in run.records if r.succeeded), key=lambda r: (r.arrival_time, r.request_id))
+    sim = sorted(sim_records, key=lambda r: r.request_id)
+    same = sum(1 for a, b in zip(done, sim) if a.replica == b.replica)
+    return {
+        "live": {"per_replica": live_rows, "load_imbalance": load_imbalance(live_rows)},
+        "predicted": {"per_replica": sim_rows, "load_imbalance": load_imbalance(sim_rows)},
+        "same_replica_fraction": same / len(sim) if sim else None,
+    }
+
+
+def compare_fleet(repeats: Sequence["Repeat"]) -> dict[str, Any]:
+    """Per imbalance measure and per replica metric: every repeat's live and predicted value,
+    the live range and median, the predicted median and whether it lies in the live range."""
+    clean = [r for r in repeats if not r.disturbed] or list(repeats)
+
+    def entry(live_all: list, pred_all: list, live: list, pred: list) -> dict[str, Any]:
+        live = [v for v in live if v is not None]
+        pred = [v for v in pred if v is not None]
+        lo, hi = (min(live), max(live)) if live else (None, None)
+        p = float(np.median(pred)) if pred else None
+        med = float(np.median(live)) if live else None
+        return {"live": live_all, "predicted_per_repeat": pred_all, "live_min": lo, "live_max": hi,
+                "live_median": med, "predicted": p, "rel_error": _rel(p, med),
+                "in_range": None if p is None or lo is None else bool(lo <= p <= hi)}
+
+    out: dict[str, Any] = {"load_imbalance": {}, "per_replica": []}
+    for key in ("requests", "tokens"):
+        get = lambda r, side: r.fleet[side]["load_imbalance"][key]  # noqa: E731
+        out["load_imbalance"][key] = entry(
+            [get(r, "live") for r in repeats], [get(r, "predicted") for r in repeats],
+            [get(r, "live") for r in clean], [get(r, "predicted") for r in clean],
+        )
+    n = len(repeats[0].fleet["live"]["per_replica"])
+    for i in range(n):
+        row: dict[str, Any] = {"replica": i}
+        for key in FLEET_KEYS:
+            get = lambda r, side: r.fleet[side]["per_replica"][i][key]  # noqa: E731
+            row[key] = entry(
+                [get(r, "live") for r in repeats], [get(r, "predicted") for r in repeats],
+                [get(r, "live") for r in clean], [get(r, "predicted") for r in clean],
+            )
+        out["per_replica"].append(row)
+    out["same_replica_fraction"] = [r.fleet["same_replica_fraction"] for r in repeats]
+    return out
+
+
 @dataclass
 class Repeat:
     """One live run and its simulated twin."""
@@ -111,6 +178,7 @@ class Repeat:
     sim_records: list[RequestRecord]
     cpu: dict[str, Any]
     prefix_cache_reset: str  # "ok", "not allowed (HTTP 404)", "skipped"
+    fleet: dict[str, Any] | None = None  # several servers: fleet_pair()
 
     @property
     def disturbed(self) -> bool:
@@ -134,6 +202,7 @@ class Repeat:
                 k: v for k, v in self.live.server_delta().items() if k != "cache_config"
             },
             "notes": list(self.live.notes),
+            **({"fleet": self.fleet} if self.fleet is not None else {}),
         }
 
 
@@ -146,6 +215,7 @@ class Validation:
     ks: dict[str, dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     replay: dict[str, Any] = field(default_factory=dict)  # how live runs were simulated
+    fleet: dict[str, Any] | None = None  # several servers: compare_fleet()
 
     @property
     def used(self) -> list[Repeat]:
@@ -164,6 +234,7 @@ class Validation:
             "metrics": self.metrics,
             "ks": self.ks,
             "notes": list(self.notes),
+            **({"fleet": self.fleet} if self.fleet is not None else {}),
         }
 
 
@@ -253,7 +324,7 @@ def server_cache_update(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
 
 def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> Scenario:
     """The scenario with the server's KV cache shape (block size, pool) where it reports it."""
-    after = run.metrics_after
+    after = run.last_metrics
     if after is None:
         notes.append("server exposes no cache_config_info: simulating the scenario's KV cache as given")
         return scenario
@@ -320,7 +391,7 @@ def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str,
 
 def validate(
     scenario: Scenario,
-    base_url: str,
+    base_url: str | Sequence[str],
     model: str | None = None,
     repeats: int = 3,
     *,
@@ -347,31 +418,40 @@ def validate(
     to ``{out_prefix}{i}.jsonl``. ``api_key``: Bearer token for every request (never stored).
     ``replay``: how each live run is simulated, ``"closed"`` (a closed-loop workload only: its
     clients and their measured gaps, the default for one) or ``"times"`` (its send times, the
-    default and the only choice for an open-loop workload).
+    default and the only choice for an open-loop workload or a fleet). ``base_url``: a list
+    of one URL per ``deployment`` replica validates a fleet (see the module doc).
     Other keyword options go to :func:`~simcap.live.client.run_live`.
     """
     if repeats < 1:
         raise LiveError(f"repeats: must be >= 1 (got {repeats})")
     check_no_sessions(scenario)
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    check_fleet_urls(scenario, len(urls))
+    fleet = len(urls) > 1
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
     if replay is None:
-        replay = "closed" if closed else "times"
+        replay = "closed" if closed and not fleet else "times"
+    if replay == "closed" and fleet:
+        raise LiveError("replay: a fleet is replayed at its send times (replay: times)")
     if replay not in REPLAYS:
         raise LiveError(f"replay: must be one of {', '.join(REPLAYS)} (got {replay!r})")
     if replay == "closed" and not closed:
         raise LiveError("replay: closed needs a closed-loop workload (workload.arrival.process: closed)")
     notes: list[str] = []
     if warmup:
-        _warmup(scenario, base_url, model, endpoint, api_key=api_key, **live_kwargs)
+        lone = scenario.model_copy(update={"deployment": None})
+        for url in urls:
+            _warmup(lone, url, model, endpoint, api_key=api_key, **live_kwargs)
     results: list[Repeat] = []
     simulated = scenario
     for i in range(repeats):
-        reset = reset_prefix_cache(base_url, api_key=api_key) if reset_cache else "skipped"
+        resets = [reset_prefix_cache(u, api_key=api_key) if reset_cache else "skipped" for u in urls]
+        reset = next((r for r in resets if r != "ok"), resets[0])
         if reset != "ok" and reset_cache and i == 0:
             notes.append(f"prefix cache not reset between runs: {reset}; reruns may hit the cache")
-        watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(base_url)).start()
+        watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(urls[0])).start()
         out = f"{out_prefix}{i}.jsonl" if out_prefix else None
-        run = run_live(scenario, base_url, model, endpoint=endpoint, out_path=out, progress=progress,
+        run = run_live(scenario, base_url if isinstance(base_url, str) else urls, model, endpoint=endpoint, out_path=out, progress=progress,
                        api_key=api_key, **live_kwargs)  # type: ignore[arg-type]
         cpu = watch.stop()
         if i == 0 and adopt_server_cache_config:
@@ -391,7 +471,8 @@ def validate(
             )
         elif not cpu.get("available", True):
             notes.append(f"run {i}: {cpu.get('note')}")
-        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset))
+        pair = fleet_pair(run, sim.records) if fleet else None
+        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset, pair))
     if all(r.disturbed for r in results):
         notes.append("every run was disturbed: the comparison uses them all; rerun on a quiet machine")
     if scenario.engine.async_scheduling is None:
@@ -407,7 +488,12 @@ def validate(
                              "requests in its order, sent the measured gap after its previous response)"}
     else:
         described = {"mode": "times", "clients": None, "text": "send times (each request at its live send time)"}
-    return Validation(scenario, simulated, results, metrics, ks, notes, described)
+    if fleet:
+        assert scenario.deployment is not None
+        described["text"] += (f"; through a simulated fleet of {len(urls)} replicas, router "
+                              f"{scenario.deployment.router} (it routes the replay itself)")
+    return Validation(scenario, simulated, results, metrics, ks, notes, described,
+                      compare_fleet(results) if fleet else None)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -447,6 +533,40 @@ def validation_table(data: dict[str, Any]) -> Table:
 def replay_line(data: dict[str, Any]) -> str:
     """How the live runs were simulated, from ``to_dict()``."""
     return f"replay: {data['replay']['text']}"
+
+
+def fleet_table(data: dict[str, Any]) -> Table | None:
+    """Fleet validation: per replica and for the imbalance, live range vs predicted, from
+    ``to_dict()``; None without a fleet."""
+    fleet = data.get("fleet")
+    if not fleet:
+        return None
+    table = Table(title="fleet: simulated vs live (TTFT/E2E in ms)", title_justify="left")
+    for col in ("replica", "metric", "live", "live range", "predicted", "error vs median", "in range"):
+        table.add_column(col, justify="left" if col in ("replica", "metric") else "right", no_wrap=True)
+
+    def fmt(key: str, v: float | None) -> str:
+        if v is None:
+            return "-"
+        if key.endswith("_s"):
+            return f"{v * 1e3:,.1f}"
+        return f"{v:,.3f}" if key.startswith("imbalance") else f"{v:,.0f}"
+
+    def add(who: str, key: str, m: dict[str, Any]) -> None:
+        err = m["rel_error"]
+        table.add_row(
+            who, key, " ".join(fmt(key, v) for v in m["live"]),
+            f"{fmt(key, m['live_min'])} - {fmt(key, m['live_max'])}", fmt(key, m["predicted"]),
+            "-" if err is None else f"{err * 100:+.1f}%",
+            {True: "yes", False: "NO", None: "-"}[m["in_range"]],
+        )
+
+    for key, m in fleet["load_imbalance"].items():
+        add("fleet", f"imbalance {key}", m)
+    for row in fleet["per_replica"]:
+        for key in FLEET_KEYS:
+            add(str(row["replica"]), key, row[key])
+    return table
 
 
 def ks_line(data: dict[str, Any]) -> str:
