@@ -2,6 +2,8 @@
 
 - :mod:`simcap.live.client` -- :func:`run_live`: the load generator (asyncio + httpx
   streaming), one :class:`~simcap.records.RequestRecord` per request, as the simulator makes.
+- :mod:`simcap.live.routing` -- :class:`LiveRouter`: the fleet's routers over several servers
+  (their own outstanding counts, the servers' scraped gauges).
 - :mod:`simcap.live.prompts` -- exact-length token-id prompts from a request's content segments.
 - :mod:`simcap.live.prom` -- the server's ``/metrics``: snapshots, counter deltas, cross-checks.
 - :mod:`simcap.live.validate` -- ``validate.validate``: live repeats vs simulations of the same
@@ -24,6 +26,7 @@ _LAZY = {
     "LiveCalibration": "simcap.live.calibration",
     "LiveCapacity": "simcap.live.capacity",
     "LiveError": "simcap.live.client",
+    "LiveRouter": "simcap.live.routing",
     "LiveRun": "simcap.live.client",
     "PromptBuilder": "simcap.live.prompts",
     "Validation": "simcap.live.validate",

@@ -60,7 +60,7 @@ def test_two_servers_routed_and_compared_with_the_simulated_fleet(two_servers, r
     from simcap.live.validate import validate
 
     urls = [s.base_url for s in two_servers]
-    pids = set().union(*(s.pids for s in two_servers))
+    pids = set().union(*(s.pids() for s in two_servers))
     result = validate(_scenario(router), urls, "tiny", repeats=int(os.environ.get("SIMCAP_FLEET_REPEATS", 3)),
                       server_pids=pids)
     data = result.to_dict()
@@ -74,6 +74,15 @@ def test_two_servers_routed_and_compared_with_the_simulated_fleet(two_servers, r
         print(f"  replica {row['replica']}: " + "; ".join(
             f"{k} live {row[k]['live_median']} pred {row[k]['predicted']}" for k in ("requests", "tokens")))
     print(f"  same replica as live: {fleet['same_replica_fraction']}")
+    for key in ("ttft_p50", "tpot_p50", "e2e_p50"):
+        m = data["metrics"][key]
+        print(f"  fleet {key}: live {[round(v * 1e3, 1) for v in m['live']]} ms, predicted "
+              f"{[round(v * 1e3, 1) for v in m['predicted_per_repeat']]} ms")
+    if os.environ.get("SIMCAP_FLEET_JSON"):  # keep the whole comparison
+        from simcap.report import to_json
+
+        with open(f"{os.environ['SIMCAP_FLEET_JSON']}-{router}.json", "w") as fh:
+            fh.write(to_json(data))
     for note in data["notes"]:
         print(f"  note: {note}")
 
