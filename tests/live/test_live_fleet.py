@@ -1,6 +1,6 @@
 """Two real vLLM CPU servers side by side, one thread each, behind the live router.
 
-A skewed open-loop workload (about one answer in four long) is routed over the two servers
+A skewed open-loop workload (about one answer in four 20 times longer) is routed over the two servers
 by ``roundrobin`` and by ``least_request``, three runs each, and every run is replayed
 through the simulated fleet with the same router (``simcap live validate`` with two
 ``--base-url``). What must hold whatever the noise: every record names its server, the
@@ -23,12 +23,12 @@ from .conftest import ENGINE, SERVER_ARGS, live_scenario
 
 pytestmark = pytest.mark.live
 
-# Rough step time of the tiny model with one thread (about twice the two-thread fit); the
-# imbalance under round robin does not depend on it, under least_request it does a little.
-STEP_TIME_1T = dict(base=0.008, per_prefill_token=5.5e-3, per_decode_token=5.0e-3, host_overhead=0.002)
+# Step time of the tiny model on one core and one thread, read off these servers' own runs
+# (decode step at small batches ~7.7 ms, TTFT of a 48-token prompt ~45-60 ms).
+STEP_TIME_1T = dict(base=0.004, per_prefill_token=8e-4, per_decode_token=1.7e-3, host_overhead=0.002)
 WORKLOAD = dict(
-    arrival={"process": "poisson", "rate": 1.2}, num_requests=16, input_len=48,
-    output_len={"dist": "empirical", "values": [6, 6, 6, 72]},
+    arrival={"process": "poisson", "rate": 3.0}, num_requests=24, input_len=48,
+    output_len={"dist": "empirical", "values": [8, 8, 8, 160]},
 )
 ROUTERS = ("roundrobin", "least_request")
 
@@ -85,6 +85,13 @@ def test_two_servers_routed_and_compared_with_the_simulated_fleet(two_servers, r
             fh.write(to_json(data))
     for note in data["notes"]:
         print(f"  note: {note}")
+    from rich.console import Console
+
+    from simcap.live.validate import fleet_table
+
+    console = Console(record=True, width=160)
+    console.print(fleet_table(data))
+    print(console.export_text())
 
     for rep in result.repeats:
         run = rep.live

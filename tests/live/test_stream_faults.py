@@ -282,6 +282,15 @@ def test_several_base_urls_route_each_request_and_record_its_replica():
         ("http://a:8000", 4, 4), ("http://b:8000", 3, 3)]
     assert fleet["load_imbalance"]["requests"] == pytest.approx(4 / 3.5)
     assert run.metrics_before is None and run.server_delta() == {"available": False}
+    from rich.console import Console
+
+    from simcap.report import render_live_fleet
+
+    console = Console(record=True, width=160)
+    render_live_fleet(fleet, console)
+    text = console.export_text()
+    assert "router roundrobin" in text and "http://b:8000" in text
+    assert "load imbalance (max / mean): requests 1.143, tokens 1.143" in text
     with pytest.raises(LiveRouterError, match="deployment.replicas is 2 but 3"):
         run_live(sc, ["http://a:1", "http://b:1", "http://c:1"], progress=False)
     with pytest.raises(LiveRouterError, match="deployment.replicas is 2 but 1"):
