@@ -80,7 +80,7 @@ def _command_line(ctx: typer.Context, prefix: str, secret: frozenset[str] = froz
 @live_app.command("run")
 def run_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file (its workload is sent)."),
-    base_url: List[str] = typer.Option(..., "--base-url", help=_URLS_HELP),
+    base_url: List[str] = typer.Option(..., "--base-url", metavar="URL", help=_URLS_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
     endpoint: str = typer.Option("completions", "--endpoint", help="completions (exact token prompts) or chat."),
     out: Optional[Path] = typer.Option(None, "--out", help="JSONL file: one record per request, written as each completes."),
@@ -178,7 +178,7 @@ def _num(v) -> str:
 @live_app.command("validate")
 def validate_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file (workload, engine and step-time model)."),
-    base_url: List[str] = typer.Option(..., "--base-url", help=_URLS_HELP),
+    base_url: List[str] = typer.Option(..., "--base-url", metavar="URL", help=_URLS_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Live runs (each simulated on its own trace)."),
     endpoint: str = typer.Option("completions", "--endpoint", help="completions or chat."),

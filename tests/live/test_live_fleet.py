@@ -89,9 +89,7 @@ def test_two_servers_routed_and_compared_with_the_simulated_fleet(two_servers, r
 
     from simcap.live.validate import fleet_table
 
-    console = Console(record=True, width=160)
-    console.print(fleet_table(data))
-    print(console.export_text())
+    Console(width=160).print(fleet_table(data))
 
     for rep in result.repeats:
         run = rep.live
