@@ -6,7 +6,8 @@ Reading guide, in the order data flows:
    workload, SLO, seed; loaded from YAML with ``--set`` overrides.
 2. :mod:`simcap.workload` -- the requests: arrival times, prompt/output lengths, shared prefixes;
    a recorded closed-loop run to replay client by client; :mod:`simcap.sessions` multi-turn
-   sessions, each turn's prompt the conversation so far.
+   sessions, each turn's prompt the conversation so far; :mod:`simcap.traces` public trace
+   files (Azure, Mooncake, BurstGPT, ShareGPT) as the requests.
 3. :mod:`simcap.engine` -- the pure engine model: scheduler, KV cache, step time.
 4. :mod:`simcap.simulator` -- the SimPy world around it: one event per engine step on the
    reference path, bulk stretches of steps on the fast path (:mod:`simcap.fast_forward`);

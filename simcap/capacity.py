@@ -696,6 +696,11 @@ def check_targets(
             "workload.sessions: capacity searches a request rate and does not run session "
             "workloads yet; sweep workload.arrival.rate (sessions per second) instead"
         )
+    if scenario.workload.trace is not None:
+        raise ScenarioError(
+            "workload.trace: capacity searches a rate of synthetic arrivals for a time; a trace "
+            "sends its own requests (scale its load with workload.trace.speedup in simulate or sweep)"
+        )
     targets = parse_slo(slo) if slo else dict(scenario.slo)
     if not targets:
         raise ScenarioError(

@@ -90,11 +90,25 @@ def simulate_cmd(
         None, "--compare-router",
         help="A fleet with --plot: also run it under these routers (comma-separated), side by side.",
     ),
+    speedup: Optional[float] = typer.Option(
+        None, "--speedup", help="Trace replay: divide the trace's gaps by this (workload.trace.speedup)."
+    ),
+    trace_start: Optional[float] = typer.Option(
+        None, "--trace-start", help="Trace replay: window start, s after its first row (workload.trace.start_s)."
+    ),
+    trace_duration: Optional[float] = typer.Option(
+        None, "--trace-duration", help="Trace replay: window length in s of trace time (workload.trace.duration_s)."
+    ),
+    trace_requests: Optional[int] = typer.Option(
+        None, "--trace-requests", help="Trace replay: send only the first N requests (workload.trace.num_requests)."
+    ),
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
     from simcap.scenario import load_scenario
     from simcap.simulator import simulate
+    from simcap.traces import trace_overrides
 
+    set_ = [*(set_ or []), *trace_overrides(speedup, trace_start, trace_duration, trace_requests)]
     intervals = None
     keep = plot is not None  # the figures need every chunk and every step
     compare = []

@@ -55,6 +55,7 @@ from simcap.capacity import Runner, check_workers
 from simcap.errors import ScenarioError
 from simcap.plots import plot_crossover  # noqa: F401  (the figure lives with the other plots)
 from simcap.scenario import Scenario, parse_scenario
+from simcap.metrics import Summary
 from simcap.simulator import Result, provenance, simulate
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -121,16 +122,28 @@ class ArmPoint:
     completed: int
     duration_s: float
     preemptions: int
-    mean_acceptance_length: float | None  # simulated; None without speculation
+    mean_acceptance_length: float | None  # simulated, or the server's counters; None without speculation
     scenario_sha256: str
 
     @classmethod
     def of(cls, result: Result) -> "ArmPoint":
-        s = result.summary
         m = result.metrics
-        e2e = m.finish_times - m.arrival_times
+        return cls.from_summary(
+            result.summary, m.finish_times - m.arrival_times, m.num_output_tokens,
+            (result.summary.spec_decode or {}).get("mean_acceptance_length"),
+            result.provenance["scenario_sha256"],
+        )
+
+    @classmethod
+    def from_summary(
+        cls, s: Summary, e2e: np.ndarray, num_output_tokens: np.ndarray,
+        mean_acceptance_length: float | None, scenario_sha256: str,
+    ) -> "ArmPoint":
+        """One arm from its summary and per-request E2E and output tokens (simulated or
+        measured: one path)."""
+        e2e = np.asarray(e2e, dtype=float)
         ok = np.isfinite(e2e) & (e2e > 0)
-        rates = m.num_output_tokens[ok] / e2e[ok]
+        rates = np.asarray(num_output_tokens, dtype=float)[ok] / e2e[ok]
         return cls(
             output_tokens_per_s=s.throughput["output_tokens_per_s"],
             requests_per_s=s.throughput["requests_per_s"],
@@ -143,8 +156,8 @@ class ArmPoint:
             completed=s.completed,
             duration_s=s.duration_s,
             preemptions=s.preemptions,
-            mean_acceptance_length=(s.spec_decode or {}).get("mean_acceptance_length"),
-            scenario_sha256=result.provenance["scenario_sha256"],
+            mean_acceptance_length=mean_acceptance_length,
+            scenario_sha256=scenario_sha256,
         )
 
 
@@ -324,7 +337,7 @@ def arm_scenarios(
         raise ValueError("give exactly one of concurrency or rate")
     data = scenario.model_dump(mode="json")
     wl = data["workload"]
-    old = wl["arrival"]
+    old = wl["arrival"] or {}  # (none: a trace at its own times; the load point replaces them)
     if concurrency is not None:
         arrival: dict[str, Any] = {"process": "closed", "concurrency": int(concurrency)}
         if old.get("process") == "closed" and old.get("think_time_s"):
@@ -444,7 +457,7 @@ def find_crossovers(
                            baseline=done[first + 2 * i + 1])
             for i, (load, (_, _, n)) in enumerate(zip(loads, mine))
         ]
-        results.append(_analyse(scenario, axis, loads, points, per_stream_tps,
+        results.append(analyse(scenario, axis, loads, points, per_stream_tps,
                                 requests_per_client, wall))
     return results
 
@@ -453,7 +466,7 @@ def _cost(scenario: Scenario) -> float:
     """A rough relative cost of simulating one arm: its requests, more when it speculates
     (a verify step costs several decode steps to simulate)."""
     wl = scenario.workload
-    n = wl.num_requests
+    n = wl.num_requests if wl.trace is None else len(wl.trace.requests)
     if n is None:
         rate = getattr(wl.arrival, "rate", None)
         n = rate * wl.duration_s if rate else wl.duration_s
@@ -475,10 +488,12 @@ def _bundles(costs: list[float], count: int) -> list[list[int]]:
     return [members[b] for b in sorted(total, key=lambda b: -total[b]) if members[b]]
 
 
-def _analyse(
+def analyse(
     scenario: Scenario, axis: str, loads: list, points: list[CrossoverPoint],
     per_stream_tps: float | None, requests_per_client: int, wall: float,
 ) -> CrossoverResult:
+    """The crossovers and the per-stream answer of both arms at every load point (simulated
+    here, or measured live by :mod:`simcap.live.crossover`)."""
     gains = [p.gain_pct for p in points]
     crossover = locate_crossover(loads, [g["throughput"] for g in gains], axis=axis)
     latency_crossover = locate_crossover(

@@ -135,6 +135,17 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
     if result.get("fleet"):
         render_fleet(result["fleet"], console)
     prov = result.get("provenance") or {}
+    trace = prov.get("trace")
+    if trace:
+        line = (f"trace: {trace['format']} {trace['file']} (sha256 {trace['sha256'][:12]}): "
+                f"{trace['requests']:,} requests of {trace['rows']:,} rows")
+        line += f", sent over {trace['span_s']:.1f} s" if "span_s" in trace else ", sent by workload.arrival"
+        skipped = [f"{trace[k]:,} {what}" for k, what in
+                   (("bad_rows_skipped", "bad rows"), ("too_long_skipped", "too long for max_model_len"))
+                   if trace.get(k)]
+        if skipped:
+            line += f"; skipped {', '.join(skipped)}"
+        console.print(line)
     if prov:
         console.print(
             f"simcap {prov.get('simcap_version')} modelling vLLM {prov.get('vllm_version_modelled')}"

@@ -25,6 +25,7 @@ from pydantic import (
 from simcap.errors import ScenarioError
 from simcap.memory import KVPlan, MemorySpec, ModelShape, load_hf_config, plan_kv
 from simcap.profile import _merge, apply_profile
+from simcap.traces import TraceConfig, TraceRequests, load_trace
 from simcap.yaml_files import load_yaml, read_yaml_mapping
 
 # vLLM releases whose scheduler behaviour simcap models; see ``VERSION_FEATURES``.
@@ -583,19 +584,26 @@ class SessionsConfig(_Model):
 
 
 class WorkloadConfig(_Model):
-    arrival: Arrival
+    """Arrivals and lengths: synthetic (arrival, input_len, output_len, a stop rule), or the
+    requests of a public trace (``trace``, :mod:`simcap.traces`), sent at its own times or,
+    with ``arrival``, by that process."""
+
+    arrival: Arrival | None = None
     num_requests: int | None = Field(None, gt=0, le=MAX_REQUESTS)
     duration_s: float | None = Field(None, gt=0.0, le=MAX_SIMULATED_S)
-    input_len: Length
-    output_len: Length
+    input_len: Length | None = None
+    output_len: Length | None = None
     prefix: PrefixSharing | None = None
+    trace: TraceConfig | None = None
     sessions: SessionsConfig | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_absent_sessions(self, handler):
+    def _drop_absent_sections(self, handler):
         data = handler(self)
-        if self.sessions is None:  # a dump (and digest) of a scenario without sessions is unchanged
-            data.pop("sessions", None)
+        # A dump (and digest) of a scenario without sessions or a trace is unchanged.
+        for key in ("sessions", "trace"):
+            if getattr(self, key) is None:
+                data.pop(key, None)
         return data
 
     @model_validator(mode="before")
@@ -606,10 +614,39 @@ class WorkloadConfig(_Model):
             for key in ("input_len", "output_len"):
                 if key in data:
                     data[key] = _length_shorthand(data[key])
+            trace = data.get("trace")
+            if isinstance(trace, dict) and trace and not {"format", "path"} & set(trace):
+                raise ValueError(
+                    f"workload.trace: {', '.join(sorted(map(str, trace)))} given, but no trace to "
+                    "replay; give workload.trace.format and workload.trace.path"
+                )
         return data
 
     @model_validator(mode="after")
     def _one_stop_rule(self) -> "WorkloadConfig":
+        if self.trace is not None:
+            for name in ("input_len", "output_len", "prefix", "sessions", "num_requests", "duration_s"):
+                if getattr(self, name) is not None:
+                    where = {"num_requests": "; slice it with workload.trace.num_requests",
+                             "duration_s": "; slice it with workload.trace.start_s / duration_s"}
+                    raise ValueError(
+                        f"workload.{name}: not with workload.trace, whose rows give the "
+                        f"requests{where.get(name, '')}"
+                    )
+            if self.arrival is None and not self.trace.timed:
+                raise ValueError(
+                    f"workload.arrival: a {self.trace.format} file has no timestamps; give an "
+                    "arrival process (poisson, gamma or closed) to send its requests"
+                )
+            if self.arrival is not None and self.trace.speedup != 1.0:
+                raise ValueError(
+                    "workload.trace.speedup: workload.arrival sends the requests, not the "
+                    "trace's timestamps; drop one of them"
+                )
+            return self
+        for name in ("arrival", "input_len", "output_len"):
+            if getattr(self, name) is None:
+                raise ValueError(f"workload.{name}: required field is missing (or give workload.trace)")
         if self.sessions is not None:
             if self.num_requests is not None:
                 raise ValueError(
@@ -625,6 +662,51 @@ class WorkloadConfig(_Model):
         if (self.num_requests is None) == (self.duration_s is None):
             raise ValueError("give exactly one of num_requests or duration_s")
         return self
+
+    @property
+    def trace_requests(self) -> TraceRequests | None:
+        """The loaded trace's requests, or None for a synthetic workload."""
+        return self.trace.requests if self.trace is not None else None
+
+    @property
+    def max_input_len(self) -> int:
+        t = self.trace_requests
+        if t is not None:
+            return int(t.input_lens.max())
+        assert self.input_len is not None
+        return self.input_len.max_value
+
+    @property
+    def max_output_len(self) -> int:
+        t = self.trace_requests
+        if t is not None:
+            return int(t.output_lens.max())
+        assert self.output_len is not None
+        return self.output_len.max_value
+
+    @property
+    def max_request_len(self) -> int:
+        """The most tokens (prompt + output) one request can reach."""
+        t = self.trace_requests
+        if t is not None:
+            return int((t.input_lens + t.output_lens).max())
+        return self.max_input_len + self.max_output_len
+
+    @property
+    def min_output_len(self) -> int:
+        t = self.trace_requests
+        if t is not None:
+            return int(t.output_lens.min())
+        assert self.output_len is not None
+        return self.output_len.min_value
+
+    @property
+    def mean_output_len(self) -> float:
+        t = self.trace_requests
+        if t is not None:
+            return float(t.output_lens.mean())
+        assert self.output_len is not None
+        return _mean_length(self.output_len)
 
 
 # --------------------------------------------------------------------------- SLO
@@ -800,8 +882,12 @@ class Scenario(_Model):
         return self._profile_file
 
     def digest(self) -> str:
-        """SHA-256 of the canonical JSON form: names this exact scenario in results."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """SHA-256 of the canonical JSON form: names this exact scenario in results (a trace
+        by its file's content, not by where it was read from)."""
+        data = self.model_dump(mode="json")
+        if self.workload.trace is not None:
+            data["workload"]["trace"]["path"] = "sha256:" + self.workload.trace.requests.summary["sha256"]
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -871,6 +957,9 @@ def _resolve_files(data: dict[str, Any], base_dir: Path) -> None:
     workload = data.get("workload")
     if not isinstance(workload, dict):
         return
+    trace = workload.get("trace")
+    if isinstance(trace, dict) and isinstance(trace.get("path"), str) and trace["path"]:
+        workload["trace"] = {**trace, "path": str(base_dir / trace["path"])}
     for key in ("input_len", "output_len"):
         spec = workload.get(key)
         if isinstance(spec, dict) and "file" in spec:
@@ -890,9 +979,10 @@ def _resolve_files(data: dict[str, Any], base_dir: Path) -> None:
             workload[key] = spec
 
 
-def _field_names(loc: tuple[Any, ...]) -> list[str] | None:
-    """The keys allowed at the section ``loc`` of a scenario, for 'unknown key' messages."""
-    model: Any = Scenario
+def _field_names(loc: tuple[Any, ...], root: Any = None) -> list[str] | None:
+    """The keys allowed at the section ``loc`` of a scenario (or of the model ``root``), for
+    'unknown key' messages."""
+    model: Any = root or Scenario
     for part in loc:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return None
@@ -913,14 +1003,15 @@ _SIZE_LIMITS = {MAX_REQUESTS, MAX_SIMULATED_S, MAX_KV_BLOCKS, MAX_TOKENS, MAX_NU
 _TAGS = {"poisson", "gamma", "closed", "fixed", "uniform", "empirical", "lognormal", "exponential"}
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line: the first error's dotted field path, what is wrong and what is allowed."""
+def format_validation_error(exc: ValidationError, root: Any = None) -> str:
+    """One line: the first error's dotted field path, what is wrong and what is allowed.
+    ``root``: the model validated (default :class:`Scenario`), for the allowed keys."""
     err = exc.errors()[0]
     loc = tuple(p for p in err["loc"] if p not in _TAGS)
     path = ".".join(str(p) for p in loc) or "scenario"
     kind = err["type"]
     if kind == "extra_forbidden":
-        allowed = _field_names(loc[:-1])
+        allowed = _field_names(loc[:-1], root)
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
         msg = f"{path}: unknown key{hint}"
     elif kind == "missing":
@@ -964,6 +1055,9 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, check: bool = Tru
         raise ScenarioError(format_validation_error(exc)) from None
     if isinstance(profile_ref, str):
         scenario._profile_file = (base_dir / profile_ref).resolve()
+    if scenario.workload.trace is not None:
+        load_trace(scenario.workload.trace, max_model_len=scenario.engine.max_model_len,
+                   own_times=scenario.workload.arrival is None)
     if check:
         check_feasible(scenario)
         replica_scenarios(scenario)  # each replica group's configuration must be one too
@@ -1076,30 +1170,33 @@ def check_feasible(scenario: Scenario) -> None:
     (:func:`check_limits`), naming the field at fault."""
     check_limits(scenario)
     eng, wl = scenario.engine, scenario.workload
-    max_in, max_out = wl.input_len.max_value, wl.output_len.max_value
+    max_in, max_out = wl.max_input_len, wl.max_output_len
     if wl.sessions is not None:
         _check_sessions_fit(scenario)
         max_in = max_session_context(wl) - max_out
-    first_len = wl.input_len if wl.sessions is None else (wl.sessions.first_input_len or wl.input_len)
-    if wl.sessions is not None and wl.prefix is not None and wl.prefix.shared_tokens >= first_len.min_value:
-        key = "sessions.first_input_len" if wl.sessions.first_input_len is not None else "input_len"
-        raise ScenarioError(
-            f"workload.prefix.shared_tokens: must be < the shortest first turn "
-            f"(workload.{key}: {first_len.min_value}), got {wl.prefix.shared_tokens}"
-        )
-    if wl.sessions is None and wl.prefix is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
+    if wl.sessions is not None and wl.prefix is not None:
+        first_len = wl.sessions.first_input_len or wl.input_len
+        assert first_len is not None
+        if wl.prefix.shared_tokens >= first_len.min_value:
+            key = "sessions.first_input_len" if wl.sessions.first_input_len is not None else "input_len"
+            raise ScenarioError(
+                f"workload.prefix.shared_tokens: must be < the shortest first turn "
+                f"(workload.{key}: {first_len.min_value}), got {wl.prefix.shared_tokens}"
+            )
+    if wl.sessions is None and wl.prefix is not None and wl.input_len is not None and wl.prefix.shared_tokens >= wl.input_len.min_value:
         raise ScenarioError(
             f"workload.prefix.shared_tokens: must be < the shortest input_len "
             f"({wl.input_len.min_value}), got {wl.prefix.shared_tokens}"
         )
-    if wl.sessions is None and max_in + max_out > eng.max_model_len:
+    longest = wl.max_request_len if wl.sessions is None else max_in + max_out
+    if wl.sessions is None and longest > eng.max_model_len:
         raise ScenarioError(
             f"workload.input_len: prompt ({max_in}) + output ({max_out}) tokens exceed "
             f"engine.max_model_len ({eng.max_model_len}); vLLM rejects such a request"
         )
     # EAGLE also reserves k lookahead slots per request (capped at max_model_len).
     lookahead = scenario.speculative.num_lookahead_tokens if scenario.speculative else 0
-    need = min(max_in + max_out + lookahead, eng.max_model_len)
+    need = min(longest + lookahead, eng.max_model_len)
     if eng.kv_capacity_tokens < need:
         raise ScenarioError(
             f"{'engine.num_gpu_blocks' if eng.memory is None else 'engine.memory'}: a KV pool of "
@@ -1159,7 +1256,7 @@ def _shortest_request_s(scenario: Scenario) -> float:
         step += st.efficiency.weights * st.physics.weights
     step = max(step, st.host_overhead)
     per_step = 1 + (scenario.speculative.num_speculative_tokens if scenario.speculative else 0)
-    steps = math.ceil(wl.output_len.min_value / per_step)
+    steps = math.ceil(wl.min_output_len / per_step)
     assert isinstance(wl.arrival, ClosedArrival)
     think = wl.arrival.think_time_s if wl.sessions is None else 0.0  # (between sessions only)
     return think + steps * step
@@ -1170,6 +1267,8 @@ def expected_requests(scenario: Scenario) -> float:
     expected); clients x (duration_s / shortest request + 1) (closed loop, at most); inf when
     a closed loop's requests may take no time at all."""
     wl = scenario.workload
+    if wl.trace is not None:
+        return float(len(wl.trace.requests))
     if wl.sessions is not None and wl.sessions.num_sessions is not None:
         return wl.sessions.num_sessions * _mean_length(wl.sessions.turns)
     if wl.num_requests is not None:
@@ -1204,6 +1303,11 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
         )
     arrival = wl.arrival
     requests = expected_requests(scenario)
+    if wl.trace is not None and requests > MAX_REQUESTS:
+        raise ScenarioError(
+            f"workload.trace.num_requests: the trace sends {requests:,.0f} requests; one "
+            f"simulation holds at most {MAX_REQUESTS:,} (slice it: num_requests, start_s, duration_s)"
+        )
     sessions = wl.sessions
     if sessions is not None and sessions.num_sessions is not None:
         if requests > MAX_REQUESTS:
@@ -1234,11 +1338,19 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
                 f"{_shortest_request_s(scenario):.3g} s); one simulation holds at most "
                 f"{MAX_REQUESTS:,} requests: give num_requests or a shorter duration_s"
             )
-    elif wl.num_requests is not None:
-        span = (wl.num_requests - 1) / arrival.rate
+    elif arrival is None:  # a trace at its own times
+        times = wl.trace.requests.times
+        if times is not None and float(times[-1]) > MAX_SIMULATED_S:
+            raise ScenarioError(
+                f"workload.trace.speedup: the trace's requests arrive over ~{float(times[-1]):.3g} s; "
+                f"one simulation covers at most {MAX_SIMULATED_S:.0e} s of arrivals"
+            )
+    elif wl.num_requests is not None or wl.trace is not None:
+        count = wl.num_requests if wl.num_requests is not None else len(wl.trace.requests)
+        span = (count - 1) / arrival.rate
         if span > MAX_SIMULATED_S:
             raise ScenarioError(
-                f"workload.arrival.rate: {wl.num_requests:,} requests at {arrival.rate:g} req/s "
+                f"workload.arrival.rate: {count:,} requests at {arrival.rate:g} req/s "
                 f"arrive over ~{span:.3g} s; one simulation covers at most "
                 f"{MAX_SIMULATED_S:.0e} s of arrivals"
             )
@@ -1248,15 +1360,16 @@ def check_limits(scenario: Scenario, *, records: bool = False) -> None:
             f"~{requests:.3g} requests (rate x duration_s); one simulation holds at most "
             f"{MAX_REQUESTS:,} requests"
         )
-    tokens = requests * _mean_length(wl.output_len)
+    tokens = requests * wl.mean_output_len
     if records and tokens > MAX_RECORDED_TOKENS:
         field = (
-            "num_requests" if wl.num_requests is not None
+            "trace.num_requests" if wl.trace is not None
+            else "num_requests" if wl.num_requests is not None
             else "sessions.num_sessions" if sessions is not None and sessions.num_sessions is not None
             else "duration_s"
         )
         raise ScenarioError(
-            f"workload.{field}: ~{requests:.3g} requests x {_mean_length(wl.output_len):g} "
+            f"workload.{field}: ~{requests:.3g} requests x {wl.mean_output_len:g} "
             f"output tokens is ~{tokens:.3g} tokens to keep chunk by chunk (plots); a run that "
             f"keeps them holds at most {MAX_RECORDED_TOKENS:,}: give fewer requests"
         )

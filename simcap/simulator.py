@@ -64,6 +64,8 @@ class Result:
     records: list[RequestRecord] | None
     provenance: dict[str, Any]
     stopped: StopRecord | None = None
+    # The engine's prefix-cache counters in tokens, as vllm:prefix_cache_queries / _hits.
+    prefix_cache: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Summary fields at the top level, plus where the numbers came from."""
@@ -95,6 +97,7 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
             if scenario.engine.kv_plan is None
             else f"engine.memory ({scenario.engine.kv_plan.source})"
         ),
+        **({"trace": scenario.workload.trace.requests.summary} if scenario.workload.trace else {}),
     }
 
 
@@ -610,6 +613,7 @@ class _World:
         return Result(
             self.scenario, summary, self.metrics, self.steps, records,
             provenance(self.scenario), stopped,
+            {"queries": self.scheduler.kv.prefix_cache_queries, "hits": self.scheduler.kv.prefix_cache_hits},
         )
 
 

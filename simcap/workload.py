@@ -84,23 +84,26 @@ class ClosedLoopTrace:
 
     @classmethod
     def from_records(
-        cls, records: Iterable[RequestRecord], spec_of: Callable[[RequestRecord, int], RequestSpec]
+        cls, records: Iterable[RequestRecord], spec_of: Callable[[RequestRecord, int], RequestSpec],
+        by: str = "client_id",
     ) -> "ClosedLoopTrace":
         """The trace of a closed-loop run's completed records (each with its ``client_id``).
 
         ``spec_of(record, j)``: the request to replay for ``record``, with id ``j`` (0..N-1 in
         send order). A failed request is left out; its time folds into the gap before its
-        client's next send.
+        client's next send. ``by``: the record field that names the client, ``client_id``, or
+        ``session_id`` (an open-loop session run: each session is one client, its first turn
+        at its send time).
         """
         done = sorted((r for r in records if r.succeeded), key=lambda r: (r.arrival_time, r.request_id))
-        if any(r.client_id is None for r in done):
+        if any(getattr(r, by) is None for r in done):
             raise ValueError(
-                "records: a closed-loop replay needs each record's client_id (an open-loop run has none)"
+                f"records: a closed-loop replay needs each record's {by} (an open-loop run has no client_id)"
             )
         per_client: dict[int, list[ClientRequest]] = {}
         last_end: dict[int, float] = {}
         for j, rec in enumerate(done):
-            c = rec.client_id
+            c = getattr(rec, by)
             assert c is not None and rec.finish_time is not None
             gap = rec.arrival_time - last_end[c] if c in last_end else rec.arrival_time
             per_client.setdefault(c, []).append(ClientRequest(max(gap, 0.0), spec_of(rec, j)))
@@ -160,14 +163,21 @@ class _LengthSampler:
 
 
 class Workload:
-    """Request specs and (open loop) arrival times for one scenario and seed."""
+    """Request specs and (open loop) arrival times for one scenario and seed.
+
+    With ``workload.trace`` the requests are the trace's (:mod:`simcap.traces`), in its order,
+    sent at its times, or by ``workload.arrival`` when one is given.
+    """
 
     def __init__(self, config: WorkloadConfig, seed: int) -> None:
         self.config = config
+        self._trace = config.trace_requests
         arrival_ss, input_ss, output_ss, prefix_ss = np.random.SeedSequence(seed).spawn(4)
         self._arrival_rng = np.random.default_rng(arrival_ss)
-        self._input = _LengthSampler(config.input_len, np.random.default_rng(input_ss))
-        self._output = _LengthSampler(config.output_len, np.random.default_rng(output_ss))
+        if self._trace is None:
+            assert config.input_len is not None and config.output_len is not None
+            self._input = _LengthSampler(config.input_len, np.random.default_rng(input_ss))
+            self._output = _LengthSampler(config.output_len, np.random.default_rng(output_ss))
         self._prefix_rng = np.random.default_rng(prefix_ss)
         self._prefix_groups = np.empty(0, dtype=np.int64)
 
@@ -177,6 +187,8 @@ class Workload:
 
     @property
     def num_requests(self) -> int | None:
+        if self._trace is not None:
+            return len(self._trace)
         return self.config.num_requests
 
     @property
@@ -185,9 +197,13 @@ class Workload:
 
     def spec(self, i: int) -> RequestSpec:
         """The i-th request (0-based); the same for every run of this workload and seed."""
+        unique_key = -2 * i - 1
+        trace = self._trace
+        if trace is not None:
+            num_prompt = int(trace.input_lens[i])
+            return RequestSpec(i, num_prompt, int(trace.output_lens[i]), trace.segments(i, unique_key))
         num_prompt = self._input[i]
         max_tokens = self._output[i]
-        unique_key = -2 * i - 1
         prefix = self.config.prefix
         if prefix is None:
             segments = ((unique_key, num_prompt),)
@@ -204,4 +220,7 @@ class Workload:
         arrival = self.config.arrival
         if isinstance(arrival, ClosedArrival):
             raise ValueError("a closed-loop workload has no arrival times; clients pace it")
+        if arrival is None:  # a trace at its own times
+            assert self._trace is not None and self._trace.times is not None
+            return self._trace.times.copy()
         return arrival_times(arrival, self._arrival_rng, self.num_requests, self.duration_s)

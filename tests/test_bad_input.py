@@ -116,10 +116,14 @@ CASES = [
     (["crossover", "{s}", "--concurrency", "1", "--set",
       "speculative={method: eagle3, num_speculative_tokens: 3, acceptance_length: 2.5}", *SESSIONS,
       "workload.sessions={num_sessions: 2, turns: 3}"], "workload.sessions"),
-    (["live", "run", "{s}", "--base-url", URL, *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"],
-     "workload.sessions"),
-    (["live", "validate", "{s}", "--base-url", URL, *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"],
-     "workload.sessions"),
+    # live sessions: the completions endpoint only (exact token ids); replayed as sessions
+    (["live", "run", "{s}", "--base-url", URL, "--endpoint", "chat", *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3}"], "workload.sessions"),
+    (["live", "validate", "{s}", "--base-url", URL, "--endpoint", "chat", *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3}"], "workload.sessions"),
+    (["live", "validate", "{s}", "--base-url", URL, "--replay", "closed", *CLOSED, *SESSIONS,
+      "workload.sessions={num_sessions: 2, turns: 3}"], "replay"),
+    (["live", "validate", "{s}", "--base-url", URL, "--replay", "sessions"], "replay"),
     # kv
     (["kv", "{s}", "--set", "engine.num_gpu_blocks=true"], "engine.num_gpu_blocks"),
     (["kv", KV, "--set", "engine.memory.gpu_memory_utilization=.nan"], "engine.memory.gpu_memory_utilization"),
@@ -182,6 +186,13 @@ CASES = [
       "deployment={groups: [{replicas: 2}]}"], "deployment"),
     (["live", "validate", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=2",
       *CLOSED, "--replay", "closed"], "replay"),
+    (["live", "run", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=2",
+      *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"], "deployment: a session workload"),
+    (["live", "validate", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=2",
+      *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"], "deployment: a session workload"),
+    (["live", "validate", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=2",
+      "--launch", str(ROOT / "examples" / "servers" / "cpu-tiny.yaml")], "--launch"),
+    (["live", "validate", "{s}"], "--base-url"),
     (["live", "validate", "{s}", "--base-url", URL, "--plot", "{tmp}/e.foo"], "--plot"),
     (["live", "validate", "{s}", "--base-url", URL, "--plot", "{file}/e.png"], "--plot"),
     (["live", "validate", "{s}", "--base-url", URL, "--repeats", "0"], "--repeats"),
@@ -262,6 +273,25 @@ CASES = [
     (["fleet", "{s}", "--target-rate", "5", "--slo", "ttft_p95=-1"], "ttft_p95"),
     (["fleet", "{s}", "--target-rate", "5", "--set", "deployment={groups: [{replicas: 1}]}"],
      "deployment.groups"),
+    # traces (workload.trace): not the format, bad rows, too long, options
+    (["simulate", "{t}", "--set", "workload.trace.format=mooncake"], "is not a mooncake trace: expected"),
+    (["simulate", "{t}", "--set", "workload.trace.path={s}"], "expected CSV columns TIMESTAMP,ContextTokens"),
+    (["simulate", "{t}", "--set", "workload.trace.path=neg.csv"], "line 3: ContextTokens is -4, negative"),
+    (["simulate", "{t}", "--set", "workload.trace.path=neg.csv", "--set", "workload.trace.on_bad_row=halt"],
+     "workload.trace.on_bad_row"),
+    (["simulate", "{t}", "--set", "engine.max_model_len=300"], "exceed engine.max_model_len (300)"),
+    (["simulate", "{t}", "--set", "workload.trace.path=nothing.csv"], "workload.trace.path"),
+    (["simulate", "{t}", "--set", "workload.trace.format=csv"], "workload.trace.format"),
+    (["simulate", "{t}", "--speedup", "0"], "workload.trace.speedup"),
+    (["simulate", "{t}", "--trace-start", "1e6"], "workload.trace.start_s"),
+    (["simulate", "{t}", "--trace-requests", "-1"], "workload.trace.num_requests"),
+    (["simulate", "{t}", "--set", "workload.input_len=5"], "workload.input_len"),
+    (["simulate", "{t}", "--set", "workload.trace.format=sharegpt"], "workload.arrival"),
+    (["simulate", "{s}", "--speedup", "2"], "workload.trace"),
+    (["capacity", "{t}", "--rates", "1"], "workload.trace"),
+    (["live", "capacity", "{t}", "--base-url", URL, "--rates", "1"], "workload.trace: capacity searches"),
+    (["live", "run", "{t}", "--base-url", URL, "--set", "workload.trace.format=burstgpt"],
+     "is not a burstgpt trace"),
 ]
 
 
@@ -278,7 +308,14 @@ def paths(tmp_path_factory):
     recipe.write_text("name: r\nbootstrap: -3\ndatasets: []\n")
     regular = root / "regular"
     regular.write_text("a file, not a directory\n")
-    return {"s": str(scenario), "csv": str(samples), "file": str(regular), "recipe": str(recipe)}
+    (root / "t.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+                                "2023-11-16 18:15:47.12,396,109\n")
+    (root / "neg.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+                                  "2023-11-16 18:15:47.12,-4,109\n")
+    trace = root / "trace.yaml"
+    trace.write_text(yaml.safe_dump({**SCENARIO, "workload": {"trace": {"format": "azure", "path": "t.csv"}}}))
+    return {"s": str(scenario), "csv": str(samples), "file": str(regular), "recipe": str(recipe),
+            "t": str(trace)}
 
 
 def test_the_table_covers_every_command():

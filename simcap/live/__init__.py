@@ -5,6 +5,8 @@
 - :mod:`simcap.live.routing` -- :class:`LiveRouter`: the fleet's routers over several servers
   (their own outstanding counts, the servers' scraped gauges).
 - :mod:`simcap.live.prompts` -- exact-length token-id prompts from a request's content segments.
+- :mod:`simcap.live.sessions` -- a live session's prompts: the conversation so far as exact
+  token ids, answers as the server sent them.
 - :mod:`simcap.live.prom` -- the server's ``/metrics``: snapshots, counter deltas, cross-checks.
 - :mod:`simcap.live.validate` -- ``validate.validate``: live repeats vs simulations of the same
   traces (the package's ``validate`` is that module, never the function).
@@ -15,6 +17,10 @@
 - :mod:`simcap.live.plot` -- ECDFs of live vs simulated TTFT and ITL (``validate --plot``).
 - :mod:`simcap.live.hostload` -- CPU use of foreign processes, to flag disturbed runs.
 - :mod:`simcap.live.server` -- :class:`VllmServer`: start/stop a local vLLM CPU server.
+- :mod:`simcap.live.launch` -- launch configs (``--launch SERVER.yaml``): model, engine flags and
+  speculative config, turned into a :class:`VllmServer`.
+- :mod:`simcap.live.crossover` -- :func:`live_crossover`: both speculative arms measured on
+  launched servers, beside the crossover predicted from a low-concurrency calibration.
 - :mod:`simcap.live.cli` -- the ``simcap live`` commands.
 """
 
@@ -25,6 +31,7 @@ from simcap._lazy import lazy_exports
 _LAZY = {
     "LiveCalibration": "simcap.live.calibration",
     "LiveCapacity": "simcap.live.capacity",
+    "LiveCrossover": "simcap.live.crossover",
     "LiveError": "simcap.live.client",
     "LiveRouter": "simcap.live.routing",
     "LiveRun": "simcap.live.client",
@@ -34,6 +41,8 @@ _LAZY = {
     "VllmServerError": "simcap.live.server",
     "calibrate_live": "simcap.live.calibration",
     "live_capacity": "simcap.live.capacity",
+    "launch_server": "simcap.live.launch",
+    "live_crossover": "simcap.live.crossover",
     "run_live": "simcap.live.client",
 }
 

@@ -106,16 +106,22 @@ def prompt_lengths(max_num_batched_tokens: int, longest: int) -> tuple[int, ...]
 
 
 def default_phases(
-    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_requests: int = 40
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_requests: int = 40,
+    max_concurrency: int | None = None,
 ) -> list[Phase]:
     """The calibration mix: 1 client, 2, a few, then ``max_num_seqs`` (capped by the requests).
 
     Prompts of every length of :func:`prompt_lengths` (the longest, past the budget, only from
     the third phase on), outputs of 4-48 tokens so clients desynchronise and prefills land in
-    decode steps.
+    decode steps. ``max_concurrency``: no phase has more clients (a profile calibrated at low
+    load only, to predict higher loads).
     """
     if num_requests < 8:
         raise LiveError(f"calibration requests: need at least 8 (got {num_requests})")
+    if max_concurrency is not None:
+        if max_concurrency < 1:
+            raise LiveError(f"calibration concurrency: must be >= 1 client (got {max_concurrency})")
+        max_num_seqs = min(max_num_seqs, max_concurrency)
     out_max = 48
     lens = prompt_lengths(max_num_batched_tokens, max(8, max_model_len - out_max - 1))
     short = tuple(n for n in lens if n <= max_num_batched_tokens) or lens[:1]
@@ -368,6 +374,8 @@ def calibrate_live(
     server_pids: Sequence[int] = (),
     roofline: dict[str, Any] | None = None,
     noise: str | None = "empirical",
+    max_concurrency: int | None = None,
+    prompt_period: int | None = None,
 ) -> LiveCalibration:
     """Run the calibration workload (or probes) against ``base_url`` and write a profile to ``out``.
 
@@ -376,6 +384,9 @@ def calibrate_live(
     and a disturbed calibration is flagged in the notes and the provenance.
     ``noise``: fit and write ``step_time.noise`` (``"empirical"`` or ``"lognormal"``) from the
     logged steps' ratios measured / fitted; None: neither (probes never fit it).
+    ``max_concurrency``: the log source's phases use at most that many clients (see
+    :func:`default_phases`). ``prompt_period``: prompts that repeat (see
+    :class:`~simcap.live.prompts.PromptBuilder`), for ngram drafts that find matches.
     Raises :class:`LiveError` / :class:`CalibrationError` (one-line user errors) when the server
     cannot be used, the log holds no iteration lines, or the fit is impossible.
     """
@@ -447,7 +458,8 @@ def calibrate_live(
     elif speculative_method:
         notes.append(f"--speculative-method {speculative_method} ignored: the server does not draft")
 
-    live_kw: dict[str, Any] = dict(api_key=api_key, request_timeout_s=request_timeout_s, progress=False)
+    live_kw: dict[str, Any] = dict(api_key=api_key, request_timeout_s=request_timeout_s, progress=False,
+                                   prompt_period=prompt_period)
     if warmup:
         say("warm-up")
         warm = Phase("warm-up", min(2, max_num_seqs), 4,
@@ -464,7 +476,8 @@ def calibrate_live(
     if log is not None:
         source = SOURCE_LOG
         offset = log_size(log)
-        for i, phase in enumerate(default_phases(max_num_seqs, max_num_batched_tokens, max_model_len, num_requests)):
+        phases = default_phases(max_num_seqs, max_num_batched_tokens, max_model_len, num_requests, max_concurrency)
+        for i, phase in enumerate(phases):
             say(f"phase {i + 1}: {phase.name}, {phase.num_requests} requests")
             run = run_live(_phase_scenario(phase, engine, seed + i), base_url, model, **live_kw)
             phases_out.append(_phase_summary(phase, run))

@@ -117,15 +117,23 @@ def run_cmd(
     console = report.wide_console()
     report.render_summary(data, console)
     live, check = data["live"], data["cross_check"]
+    unit = live["rate_unit"]
     if live["requested_rate"] is not None:
         lag = live["max_send_lag_s"]
         console.print(
-            f"arrival rate: requested {live['requested_rate']:.3f} req/s (this draw "
-            f"{live['scheduled_rate'] or 0:.3f}), achieved {live['achieved_rate'] or 0:.3f} req/s; "
+            f"arrival rate: requested {live['requested_rate']:.3f} {unit} (this draw "
+            f"{live['scheduled_rate'] or 0:.3f}), achieved {live['achieved_rate'] or 0:.3f} {unit}; "
             f"worst send lag {(lag or 0) * 1e3:.1f} ms"
         )
     elif live["achieved_rate"] is not None:
-        console.print(f"closed loop: achieved arrival rate {live['achieved_rate']:.3f} req/s")
+        console.print(f"closed loop: achieved arrival rate {live['achieved_rate']:.3f} {unit}")
+    if live["sessions"] is not None:
+        sess, server = live["sessions"], data["server"]
+        rate = server.get("prefix_cache_hit_rate")
+        console.print(
+            f"sessions: {sess['sessions']:,} started, {sess['ended_by_error']:,} ended at an errored turn; "
+            f"server prefix-cache hit rate {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
+        )
     if "fleet" in data:
         report.render_live_fleet(data["fleet"], console)
     else:
@@ -178,9 +186,20 @@ def _num(v) -> str:
 @live_app.command("validate")
 def validate_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file (workload, engine and step-time model)."),
-    base_url: List[str] = typer.Option(..., "--base-url", metavar="URL", help=_URLS_HELP),
+    base_url: Optional[List[str]] = typer.Option(
+        None, "--base-url", metavar="URL", help=_URLS_HELP + " Or --launch instead, for one server."
+    ),
     model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="Live runs (each simulated on its own trace)."),
+    repeats: int = typer.Option(
+        3, "--repeats", min=1, help="Live runs (each simulated on its own trace); per server instance with --launch."
+    ),
+    launch: Optional[Path] = typer.Option(
+        None, "--launch", help="Start the server from this launch config (SERVER.yaml) instead of --base-url."
+    ),
+    restarts: int = typer.Option(
+        0, "--restarts", help="With --launch: restart the server this many times, --repeats runs on each "
+                              "instance, so the band holds instance-to-instance variance.",
+    ),
     endpoint: str = typer.Option("completions", "--endpoint", help="completions or chat."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
@@ -196,14 +215,17 @@ def validate_cmd(
         None, "--replay",
         help="How each live run is simulated: closed (a closed-loop workload: its clients, each "
              "request sent the measured gap after the client's previous response; the default "
-             "there) or times (each request at its live send time; the default for open loop).",
+             "there), times (each request at its live send time; the default for open loop) or "
+             "sessions (a session workload, the default there: its sessions, each turn sent the "
+             "measured gap after the previous answer).",
     ),
 ) -> None:
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
     from simcap.live.plot import plot_validation_ecdfs
     from simcap.live.validate import (
-        REPLAYS, fleet_table, ks_line, replay_line, validate, validation_table,
+        REPLAYS, fleet_table, ks_line, replay_line, sessions_table, spread_line, validate,
+        validation_table,
     )
     from simcap.plots import check_figure_path
     from simcap.scenario import load_scenario
@@ -217,16 +239,39 @@ def validate_cmd(
             check_figure_path(plot, "--plot")
         except SimcapError as exc:
             _fail(str(exc))
+    if launch is not None and base_url and len(base_url) > 1:
+        _fail(f"--launch: starts one server; a fleet's {len(base_url)} servers are given by --base-url alone")
+    if (not base_url) == (launch is None):
+        _fail("--base-url: give either --base-url (a running server) or --launch SERVER.yaml, one of them")
+    if restarts < 0:
+        _fail(f"--restarts: must be >= 0 (got {restarts})")
+    if restarts and launch is None:
+        _fail("--restarts: restarting the server between repeats needs --launch (a server simcap starts)")
+    from simcap.live.launch import launch_server, load_server_config, startup_failure_line
+    from simcap.live.server import VllmServerError
+
     key = _api_key(api_key, api_key_env)
     try:
         sc = load_scenario(scenario, set_ or [])
+        starter = None
+        if launch is not None:
+            config, base_dir = load_server_config(launch)
+            from simcap.live.launch import engine_mismatches
+
+            differ = engine_mismatches(config, sc)
+            if differ:
+                _fail(f"--launch {launch}: launch config contradicts the scenario: " + "; ".join(differ))
+            model = model or config.served_model_name
+            starter = lambda: launch_server(config, base_dir, speculative=sc.speculative is not None)  # noqa: E731
         result = validate(
-            sc, _urls(base_url), model, repeats, endpoint=endpoint, progress=not json_out,
+            sc, _urls(base_url or []), model, repeats, endpoint=endpoint, progress=not json_out,
             warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
-            replay=replay,
+            replay=replay, launch=starter, restarts=restarts,
         )  # fmt: skip
         if plot is not None:
             plot_validation_ecdfs(result, plot)
+    except VllmServerError as exc:
+        _fail(f"--launch {launch}: {startup_failure_line(exc)}")
     except SimcapError as exc:
         _fail(str(exc))
     except SimulationError as exc:
@@ -243,7 +288,11 @@ def validate_cmd(
         return
     console = report.wide_console(150)
     console.print(replay_line(data))
+    console.print(spread_line(data))
     console.print(validation_table(data))
+    table = sessions_table(data)
+    if table is not None:
+        console.print(table)
     console.print(ks_line(data))
     table = fleet_table(data)
     if table is not None:
@@ -448,3 +497,76 @@ def capacity_cmd(
     render_live_capacity(result, report.wide_console(130))
     if plot is not None:
         typer.echo(f"figure: {plot}")
+
+
+@live_app.command("crossover")
+def crossover_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file with a speculative section."),
+    concurrency: str = typer.Option(..., "--concurrency", help="Closed-loop clients, comma-separated, e.g. 1,4,8."),
+    launch: Path = typer.Option(
+        ..., "--launch", help="Launch config SERVER.yaml (model, engine flags, speculative config): "
+                              "each arm's server is started from it and stopped after.",
+    ),
+    calibrate_up_to: Optional[int] = typer.Option(
+        None, "--calibrate-up-to",
+        help="The profile behind the prediction is calibrated with at most this many clients "
+             "(default: the lowest concurrency; 2 when that is 1 and 2 is below the highest).",
+    ),
+    calibration_requests: int = typer.Option(
+        24, "--calibration-requests", min=8, help="Requests in the calibration mix."
+    ),
+    requests_per_client: int = typer.Option(
+        8, "--requests-per-client", min=1, help="Each point runs max(num_requests, this x clients) requests."
+    ),
+    prompt_period: int = typer.Option(
+        16, "--prompt-period", min=0,
+        help="Prompts repeat every this many tokens, so ngram's prompt lookup finds matches (0: random prompts).",
+    ),
+    out_dir: Optional[Path] = typer.Option(
+        None, "--out-dir", help="Keep the profile, the servers' logs and every run's records here."
+    ),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
+) -> None:
+    """Measure speculation on vs off at each concurrency on servers started from --launch, beside
+    the crossover predicted from a profile calibrated at the lowest concurrencies."""
+    from simcap.crossover import parse_load_list, render_crossover
+    from simcap.live.crossover import comparison_lines, live_crossover
+    from simcap.live.launch import load_server_config, startup_failure_line
+    from simcap.live.server import VllmServerError
+    from simcap.scenario import load_scenario
+
+    say = None if json_out else (lambda msg: typer.echo(f"live crossover: {msg}", err=True))
+    try:
+        loads = parse_load_list(concurrency, "--concurrency", integer=True)
+        config, base_dir = load_server_config(launch)
+        sc = load_scenario(scenario, set_ or [])
+        result = live_crossover(
+            sc, config, loads, base_dir=base_dir, calibrate_up_to=calibrate_up_to,
+            calibration_requests=calibration_requests, requests_per_client=requests_per_client,
+            prompt_period=prompt_period or None, out_dir=out_dir, progress=say,
+            request_timeout_s=request_timeout,
+        )  # fmt: skip
+    except VllmServerError as exc:
+        _fail(f"--launch {launch}: {startup_failure_line(exc)}")
+    except SimcapError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        where = f"; finished runs' records are in {out_dir}" if out_dir else ""
+        typer.echo(f"interrupted{where}", err=True)
+        raise typer.Exit(130)
+    data = result.to_dict()
+    if json_out:
+        typer.echo(report.to_json(data))
+        return
+    console = report.wide_console(130)
+    console.print("measured (live servers from the launch config)", style="bold")
+    render_crossover(result.measured, console)
+    console.print("predicted (profile calibrated at the lowest concurrencies)", style="bold")
+    render_crossover(result.predicted, console)
+    for line in comparison_lines(data):
+        console.print(line)
+    for note in data["notes"]:
+        console.print(f"note: {note}", style="dim")
+    console.print(f"live crossover took {data['wall_s']:.0f} s", style="dim")

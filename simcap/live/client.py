@@ -5,9 +5,20 @@ over HTTP with streaming, and fills one :class:`~simcap.records.RequestRecord` p
 so live and simulated runs go through the one metrics path (:func:`simcap.metrics.summarize`).
 
 - Open loop: request ``i`` is sent at ``Workload.arrival_times()[i]`` after the run starts,
-  whether or not earlier ones finished. Closed loop: ``concurrency`` workers, each with one
+  whether or not earlier ones finished (a public trace, ``workload.trace``: its own send
+  times and lengths, and for a Mooncake trace its hash ids as shared prompt content). Closed loop: ``concurrency`` workers, each with one
   request in flight (plus ``think_time_s``), pull request ids in order; each record's
   ``client_id`` says which worker sent it.
+- A session workload (:mod:`simcap.sessions`) is sent as sessions: one task per live session
+  (open loop: sessions start at ``SessionWorkload.start_times()``; closed loop:
+  ``concurrency`` clients, each running one session after another). Turn k+1 is sent once turn
+  k's last token has arrived plus its think time; its prompt is the conversation so far as
+  exact token ids, the answers as the server streamed them back
+  (:mod:`simcap.live.sessions`), so the completions endpoint only. Each turn's record carries
+  ``session_id`` and ``turn``; a turn that fails ends its session (counted in
+  ``LiveRun.sessions["ended_by_error"]``). Request ids are in send order, as the simulator's.
+  The server's per-request prefix hit (``usage.prompt_tokens_details.cached_tokens``, vLLM
+  with ``--enable-prompt-tokens-details``) fills ``num_cached_tokens`` when sent.
 - Prompts (completions endpoint) are lists of token ids built from the spec's content segments
   (:mod:`simcap.live.prompts`): exact lengths, shared prefixes shared token for token. The chat
   endpoint cannot take token ids: there each segment's ids are turned into text with the
@@ -34,6 +45,8 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
   ``/metrics`` scraped every ``deployment.scrape_interval_s``; each record names its
   ``replica`` (the URL's index), and the result has the per-replica table and the load
   imbalance (:func:`simcap.fleet.replica_rows`), and per server its counters' cross-check.
+  Every server must take the longest request (its ``max_model_len``). A session workload
+  runs on one server (a scenario refuses sessions with a deployment).
 """
 
 from __future__ import annotations
@@ -53,9 +66,11 @@ from simcap.errors import SimcapError
 from simcap.live.prom import ServerMetrics, cross_check, metrics_delta, scrape
 from simcap.live.prompts import PROBE_TEXT, PromptBuilder
 from simcap.live.routing import LiveRouter, check_fleet_urls
+from simcap.live.sessions import SessionPrompts
 from simcap.metrics import Summary, summarize
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
+from simcap.sessions import Conversation, SessionWorkload
 from simcap.workload import RequestSpec, Workload
 
 Endpoint = Literal["completions", "chat"]
@@ -77,13 +92,13 @@ class LiveError(SimcapError):
     """The server cannot be used for this run (unreachable, wrong model, too short context)."""
 
 
-def check_no_sessions(scenario: Scenario) -> None:
-    """Live runs send single requests: a session workload is refused before any server is
-    contacted (simulate it instead)."""
-    if scenario.workload.sessions is not None:
+def check_live_sessions(scenario: Scenario, endpoint: str) -> None:
+    """A session workload resends each answer's exact token ids: the completions endpoint
+    only (refused before any server is contacted)."""
+    if scenario.workload.sessions is not None and endpoint != "completions":
         raise LiveError(
-            "workload.sessions: live mode does not send multi-turn sessions yet; simulate them "
-            "(simcap simulate), or remove workload.sessions"
+            f"workload.sessions: live sessions need the completions endpoint (each turn resends "
+            f"the answers' exact token ids; {endpoint} retokenizes text); use --endpoint completions"
         )
 
 
@@ -108,6 +123,12 @@ class LiveRun:
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
     out_path: str | None = None
+    # A session workload: sessions started, ended by an errored turn, and the overflow counts
+    # (truncated_turns, dropped_turns, ended_sessions) of simcap.sessions; None otherwise.
+    sessions: dict[str, int] | None = None
+    # Records whose usage carried prompt_tokens_details.cached_tokens (vLLM with
+    # --enable-prompt-tokens-details): their num_cached_tokens is the server's prefix hit.
+    cached_tokens_reported: int = 0
     # Several servers: every base URL, and each server's scrapes before and after the run
     # (``metrics_before``/``metrics_after`` are then None: no one server saw the whole run).
     base_urls: list[str] = field(default_factory=list)
@@ -145,8 +166,19 @@ class LiveRun:
         return sum(1 for r in self.records if not r.succeeded)
 
     def summary(self, slo: dict[str, float] | None = None) -> Summary:
-        """The records summarised as the simulator's are (duration: first send to last finish)."""
-        return summarize(self.records, slo=slo)
+        """The records summarised as the simulator's are (duration: first send to last finish).
+
+        A session run's per-turn prefix-hit shares need the server's per-request cached
+        tokens: without them (no ``--enable-prompt-tokens-details``) they are None, not 0."""
+        overflow = None
+        if self.sessions is not None:
+            overflow = {k: self.sessions[k] for k in ("truncated_turns", "dropped_turns", "ended_sessions")}
+        summary = summarize(self.records, slo=slo, session_overflow=overflow)
+        if summary.sessions is not None and self.cached_tokens_reported == 0:
+            summary.sessions["prefix_hit_share"] = None
+            for row in summary.sessions["by_turn"]:
+                row["prefix_hit_share"] = None
+        return summary
 
     def server_delta(self) -> dict[str, Any]:
         return metrics_delta(self.metrics_before, self.metrics_after)
@@ -165,6 +197,7 @@ class LiveRun:
                 "closed_loop": self.closed_loop,
                 "num_requests": len(self.records),
                 "failed": self.num_failed,
+                "rate_unit": "sessions/s" if self.sessions is not None else "req/s",
                 "requested_rate": self.requested_rate,
                 "scheduled_rate": self.scheduled_rate,
                 "achieved_rate": self.achieved_rate,
@@ -173,6 +206,8 @@ class LiveRun:
                 "interrupted": self.interrupted,
                 "out_path": self.out_path,
                 "token_fixups": list(self.token_fixups),
+                "sessions": None if self.sessions is None else dict(self.sessions),
+                "cached_tokens_reported": self.cached_tokens_reported,
                 "errors": sorted({r.error for r in self.records if r.error})[:10],
                 "notes": list(self.notes),
             },
@@ -309,13 +344,18 @@ async def stream_request(
     chat: bool,
     fixups: list[dict[str, int]],
     timeout_s: float | None = None,
-) -> None:
+    token_ids: list[int] | None = None,
+) -> dict[str, Any] | None:
     """Send one request and fill ``record`` from its SSE stream; never raises for its faults.
 
     ``timeout_s``: the whole request (send to ``[DONE]``) must complete within that many
     seconds, else it is cut and recorded as a timeout with the chunks that had arrived.
+    ``token_ids``: a list the answer's token ids are appended to (a chunk with text but no
+    ids is then a fault). The final usage's ``prompt_tokens_details.cached_tokens``, when the
+    server sends it, is the record's ``num_cached_tokens``. Returns the final usage (None
+    without one, or on a fault).
     """
-    state: dict[str, Any] = {"usage": None}
+    state: dict[str, Any] = {"usage": None, "ids": token_ids}
     try:
         if timeout_s is not None:
             await asyncio.wait_for(_stream(client, url, body, record, t0, chat, state), timeout_s)
@@ -338,18 +378,22 @@ async def stream_request(
         record.finish_time = record.chunk_times[-1]
     if record.error is not None:
         record.finish_reason = "error"
-        return
+        return None
     usage = state["usage"]
     if usage is not None:
         prompt_tokens = usage.get("prompt_tokens")
         if isinstance(prompt_tokens, int):
             record.num_prompt_tokens = prompt_tokens
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if isinstance(cached, int):
+            record.num_cached_tokens = cached
         completion = usage.get("completion_tokens")
         if isinstance(completion, int):
             counted = record.num_output_tokens
             if counted != completion:
                 fixups.append({"request_id": record.request_id, "chunk_tokens": counted, "usage_tokens": completion})
                 _absorb(record.chunk_tokens, completion - counted)
+    return usage
 
 
 async def _stream(
@@ -397,6 +441,13 @@ async def _stream(
                     text = choice.get("text") or ""
                 ids = choice.get("token_ids")
                 n = len(ids) if isinstance(ids, list) else (1 if text else 0)
+                if state["ids"] is not None and n:
+                    if not isinstance(ids, list):
+                        raise _StreamError(
+                            "stream chunk without token_ids: a session's next turn needs the "
+                            "answer's ids (a vLLM that takes return_token_ids)"
+                        )
+                    state["ids"].extend(int(t) for t in ids)
                 if n or text:
                     record.add_chunk(now, n)
                 if choice.get("finish_reason"):
@@ -475,14 +526,16 @@ async def _run_live_async(
     return_token_ids: bool = True,
     on_record: Callable[[RequestRecord], None] | None = None,
     api_key: str | None = None,
+    prompt_period: int | None = None,
 ) -> LiveRun:
     if endpoint not in ENDPOINTS:
         raise LiveError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
-    check_no_sessions(scenario)
+    check_live_sessions(scenario, endpoint)
     base_urls = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else base_url)]
     check_fleet_urls(scenario, len(base_urls))
     base_url = base_urls[0]
     workload = Workload(scenario.workload, scenario.seed)
+    sessions = None if scenario.workload.sessions is None else SessionWorkload(scenario.workload, scenario.seed)
     arrival = scenario.workload.arrival
     closed = isinstance(arrival, ClosedArrival)
     chat = endpoint == "chat"
@@ -496,22 +549,34 @@ async def _run_live_async(
     fixups: list[dict[str, int]] = []
     records: dict[int, RequestRecord] = {}
     specs: dict[int, RequestSpec] = {}
+    session_counts = dict.fromkeys(
+        ("sessions", "ended_by_error", "truncated_turns", "dropped_turns", "ended_sessions"), 0
+    )
+    cached_reported = 0
     sink = _Sink(None)  # opened (truncating out_path) once the server is known to serve
     prog = None
     try:
         async with httpx.AsyncClient(
             transport=transport, limits=limits, timeout=timeout, headers=auth_headers(api_key)
         ) as client:
-            longest = scenario.workload.input_len.max_value + scenario.workload.output_len.max_value
-            for u in base_urls:
+            what, longest = _longest_request(scenario)
+            for u in base_urls:  # every server must take the longest request
                 model, max_len = await resolve_model(client, u, model)
                 if max_len is not None and longest > max_len:
+                    where = f" at {u}" if fleet else ""
                     raise LiveError(
-                        f"workload.input_len: prompt + output up to {longest} tokens exceed the "
-                        f"server's max_model_len ({max_len}) for model {model!r} at {u}"
+                        f"{what}: prompt + output up to {longest} tokens exceed the "
+                        f"server's max_model_len ({max_len}) for model {model!r}{where}"
                     )
+            context_len = scenario.engine.max_model_len
+            if sessions is not None and max_len is not None and max_len < context_len:
+                notes.append(
+                    f"sessions: contexts are kept within the server's max_model_len {max_len} "
+                    f"(scenario: {context_len})"
+                )
+                context_len = max_len
             pool = list(token_pool) if token_pool is not None else await discover_token_pool(client, base_url, model)
-            builder = PromptBuilder(pool, seed=scenario.seed)
+            builder = PromptBuilder(pool, seed=scenario.seed, period=prompt_period)
             chat_text = _ChatText(client, base_url, model, builder) if chat else None
             if chat:
                 notes.append(
@@ -535,7 +600,10 @@ async def _run_live_async(
                     scenario, len(base_urls), block_size=before.block_size if before else None,
                     capacities=[b.num_gpu_blocks - 1 if b and b.num_gpu_blocks else None for b in befores],
                 )
-            if closed:
+            if sessions is not None:  # turns per run are not known in advance
+                n_total = None
+                times = None if closed else sessions.start_times()
+            elif closed:
                 n_total = workload.num_requests
                 times = None
             else:
@@ -546,34 +614,105 @@ async def _run_live_async(
             tasks: list[asyncio.Task] = []
             stopping = False
 
-            async def one(spec: RequestSpec, body: bytes, t0: float, client_id: int | None = None) -> None:
+            async def one(
+                spec: RequestSpec, body: bytes, t0: float, client_id: int | None = None,
+                token_ids: list[int] | None = None,
+            ) -> RequestRecord:
+                nonlocal cached_reported
                 rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens,
-                                    client_id=client_id)
+                                    client_id=client_id, session_id=spec.session_id, turn=spec.turn)
                 records[spec.request_id] = rec
                 replica = 0
                 if router is not None:
                     replica = rec.replica = router.send(spec, client_id)
                 try:
-                    await stream_request(client, urls[replica], body, rec, t0, chat, fixups, request_timeout_s)
+                    usage = await stream_request(client, urls[replica], body, rec, t0, chat, fixups,
+                                                 request_timeout_s, token_ids)
                 finally:
                     if router is not None:
                         router.ended(replica)
+                if usage is not None and isinstance((usage.get("prompt_tokens_details") or {}).get("cached_tokens"), int):
+                    cached_reported += 1
                 if rec.error and api_key:
                     rec.error = redact(rec.error, api_key)
                 if stopping:
-                    return  # cut short by the interruption, not finished: not written
+                    return rec  # cut short by the interruption, not finished: not written
                 sink.write(rec)
                 if on_record is not None:
                     on_record(rec)
                 if prog is not None:
                     prog.advance(prog.task_ids[0])
+                return rec
+
+            next_request_id = 0  # sessions: request ids in send order, as the simulator's
+
+            async def session(i: int, t0: float, client_id: int | None = None) -> None:
+                """Session i: each turn sent when the previous answer's last token is back
+                plus the think time, its prompt the conversation so far (exact ids)."""
+                nonlocal next_request_id
+                assert sessions is not None
+                cfg = sessions.sessions
+                prompts = SessionPrompts(Conversation(sessions.plan(i), context_len, cfg.on_overflow), builder)
+                session_counts["sessions"] += 1
+                try:
+                    while not stopping:
+                        turn = prompts.request(next_request_id)
+                        if turn is None:
+                            break
+                        spec, ids = turn
+                        next_request_id += 1
+                        specs[spec.request_id] = spec
+                        body = json.dumps(request_body(endpoint, model, spec, ids, True)).encode()
+                        answer: list[int] = []
+                        rec = await one(spec, body, t0, client_id, answer)
+                        if not rec.succeeded:
+                            session_counts["ended_by_error"] += 1  # its context is unknown: end it
+                            break
+                        think = prompts.answered(answer)
+                        if prompts.done:
+                            break
+                        assert rec.finish_time is not None
+                        delay = t0 + rec.finish_time + think - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                finally:
+                    conv = prompts.conversation
+                    session_counts["truncated_turns"] += conv.truncated_turns
+                    session_counts["dropped_turns"] += conv.dropped_turns
+                    session_counts["ended_sessions"] += conv.ended
 
             sched_lag: list[float] = []
             scraper = None
             if router is not None and router.reads_gauges:
                 scraper = asyncio.create_task(_scrape_every(client, base_urls, router))
             try:
-                if closed:
+                if sessions is not None and closed:
+                    assert isinstance(arrival, ClosedArrival)
+                    limit, duration = sessions.num_sessions, sessions.duration_s
+                    counter = iter(range(limit) if limit is not None else itertools.count())
+                    t0 = time.perf_counter()
+
+                    async def session_client(c: int) -> None:
+                        for i in counter:
+                            if duration is not None and time.perf_counter() - t0 >= duration:
+                                return
+                            await session(i, t0, c)
+                            if arrival.think_time_s:
+                                await asyncio.sleep(arrival.think_time_s)
+
+                    tasks.extend(asyncio.create_task(session_client(c)) for c in range(arrival.concurrency))
+                    await asyncio.gather(*tasks)
+                elif sessions is not None:
+                    assert times is not None
+                    t0 = time.perf_counter()
+                    for i, t in enumerate(times.tolist()):
+                        delay = t0 + t - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        sched_lag.append(time.perf_counter() - t0 - t)
+                        tasks.append(asyncio.create_task(session(i, t0)))
+                    await asyncio.gather(*tasks)
+                elif closed:
                     assert isinstance(arrival, ClosedArrival)
                     counter = iter(range(n_total) if n_total is not None else itertools.count())
                     duration = workload.duration_s
@@ -630,16 +769,28 @@ async def _run_live_async(
         sink.close()
 
     recs = [records[i] for i in sorted(records)]
-    sends = np.sort(np.fromiter((r.arrival_time for r in recs), float, len(recs)))
+    # The rate sent: of requests, or of sessions (their first turns).
+    sent = [r.arrival_time for r in recs if sessions is None or r.turn == 0]
+    sends = np.sort(np.asarray(sent, dtype=float))
     achieved = (len(sends) - 1) / float(sends[-1] - sends[0]) if len(sends) > 1 and sends[-1] > sends[0] else None
     requested = scheduled = lag = None
     if not closed:
-        requested = float(arrival.rate)  # type: ignore[union-attr]
         if times is not None and len(times) > 1 and times[-1] > 0:
             scheduled = (len(times) - 1) / float(times[-1])
+        # (a trace at its own times asks for its own mean rate)
+        requested = float(arrival.rate) if arrival is not None else scheduled  # type: ignore[union-attr]
         lag = max(sched_lag) if sched_lag else None
     if fixups:
         notes.append(f"{len(fixups)} request(s): chunk token counts differed from usage; usage used")
+    if sessions is not None:
+        if session_counts["ended_by_error"]:
+            notes.append(f"{session_counts['ended_by_error']} session(s) ended at an errored turn")
+        if not cached_reported:
+            notes.append(
+                "the server reported no per-request cached tokens (start vLLM with "
+                "--enable-prompt-tokens-details): per-turn prefix hits are unknown; the run's "
+                "hit rate is the server's /metrics"
+            )
     return LiveRun(
         records=recs,
         specs=specs,
@@ -657,6 +808,8 @@ async def _run_live_async(
         token_fixups=fixups,
         notes=notes,
         out_path=str(out_path) if out_path else None,
+        sessions=session_counts if sessions is not None else None,
+        cached_tokens_reported=cached_reported,
         base_urls=base_urls if fleet else [],
         router=scenario.deployment.router if fleet and scenario.deployment else None,
         server_metrics=list(zip(befores, afters)) if fleet else [],
@@ -697,6 +850,17 @@ async def _scrape_settled(client, base_url, before, records) -> ServerMetrics | 
         await asyncio.sleep(0.1)
 
 
+def _longest_request(scenario: Scenario) -> tuple[str, int]:
+    """The field that bounds a request's prompt + output, and that bound (a session turn's:
+    its new tokens and answer, since truncation can drop every earlier turn)."""
+    wl = scenario.workload
+    if wl.sessions is not None and wl.sessions.first_input_len is not None:
+        first = wl.sessions.first_input_len.max_value
+        if first > wl.input_len.max_value:
+            return "workload.sessions.first_input_len", first + wl.output_len.max_value
+    return ("workload.trace" if wl.trace is not None else "workload.input_len"), wl.max_request_len
+
+
 def check_request_timeout(request_timeout_s: float | None) -> None:
     """A request timeout is seconds > 0 (None: none); else a one-line LiveError."""
     if request_timeout_s is not None and not request_timeout_s > 0:
@@ -719,7 +883,8 @@ def run_live(
     ``model``: the served model name (None: the server's first). ``out_path``: JSONL file the
     records are appended to as requests complete (truncated first). ``progress``: a rich
     progress bar on stderr. Keyword options: ``api_key`` (Bearer token, never stored),
-    ``request_timeout_s`` (per request, send to done; None: no limit), ``token_pool``,
+    ``request_timeout_s`` (per request, send to done; None: no limit), ``prompt_period``
+    (prompts that repeat every that many tokens, see :class:`PromptBuilder`), ``token_pool``,
     ``transport`` (tests only), ``return_token_ids``, ``on_record``. Raises
     :class:`LiveError` (a one-line user error) when the server cannot be reached or cannot
     serve the workload.

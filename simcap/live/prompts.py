@@ -11,6 +11,11 @@ The pool is discovered from the server: ``POST /tokenize`` of a fixed probe text
 special tokens returns ids that are valid for that model and never special. Key ``k``'s
 sequence is the first ``n`` ids of an infinite stream seeded by ``(seed, k)``, drawn in fixed
 chunks, so a key's tokens do not depend on which requests were built before, or how long.
+
+``period``: every segment is its stream's first ``period`` ids repeated. Such a prompt
+repeats itself, so vLLM's ngram proposer (prompt lookup) finds matches in it and its drafts
+are accepted where the model continues the pattern, as in code edits and quoted text; random
+ids (no period) give a random-weight model little to match.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ PROBE_TEXT = (
 class PromptBuilder:
     """Token ids for request prompts: same key and seed -> same ids, in any run."""
 
-    def __init__(self, token_pool: Iterable[int], seed: int = 0) -> None:
+    def __init__(self, token_pool: Iterable[int], seed: int = 0, period: int | None = None) -> None:
         pool = sorted({int(t) for t in token_pool})
         if len(pool) < 2:
             raise ValueError(f"token pool needs at least 2 distinct ids, got {len(pool)}")
@@ -48,6 +53,9 @@ class PromptBuilder:
             raise ValueError(f"token ids must be >= 0, got {pool[0]}")
         self.pool = np.asarray(pool, dtype=np.int64)
         self.seed = int(seed)
+        if period is not None and int(period) < 1:
+            raise ValueError(f"prompt period must be >= 1 tokens, got {period}")
+        self.period = None if period is None else int(period)
         self._streams: dict[int, tuple[np.random.Generator, np.ndarray]] = {}
 
     @classmethod
@@ -65,9 +73,13 @@ class PromptBuilder:
         return np.random.default_rng(np.random.SeedSequence(words))
 
     def segment_ids(self, key: int, num_tokens: int) -> list[int]:
-        """The first ``num_tokens`` ids of key ``key``'s stream."""
+        """The first ``num_tokens`` ids of key ``key``'s stream (its first ``period`` ids
+        repeated, with a period)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if self.period is not None and num_tokens > self.period:
+            head = self.segment_ids(key, self.period)
+            return (head * -(-num_tokens // self.period))[:num_tokens]
         stream = self._streams.get(key)
         if stream is None:
             stream = (self._rng(key), np.empty(0, dtype=np.int64))

@@ -8,7 +8,9 @@ response ends, failed or not), and each server's gauges (running and waiting req
 usage) from ``/metrics`` as last scraped; the run scrapes every
 ``deployment.scrape_interval_s`` when the router reads them. ``prefix_cache``'s index holds
 as many blocks as each server reports in its pool (``vllm:cache_config_info``), hashed at
-the server's block size. Groups of replicas and disaggregated pools are simulated only.
+the server's block size. Groups of replicas and disaggregated pools are simulated only; a
+session workload runs on one server, since a scenario refuses sessions with a deployment
+(:func:`simcap.scenario.replica_scenarios`).
 """
 
 from __future__ import annotations

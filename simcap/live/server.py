@@ -33,7 +33,16 @@ DEFAULT_HOME = Path.home() / ".cache" / "simcap" / "vllm-cpu"
 
 
 class VllmServerError(SimcapError):
-    """The server could not be started (its log's last lines are in the message)."""
+    """The server could not be started (its log's last lines are in the message).
+
+    ``returncode``: the server's exit code when it exited during startup (None: it did not
+    exit, e.g. it never became healthy); ``log_tail``: the log's last lines.
+    """
+
+    def __init__(self, message: str, returncode: int | None = None, log_tail: str | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.log_tail = log_tail
 
 
 _AMX_HOOK = """\
@@ -237,7 +246,8 @@ class VllmServer:
                 if self.proc is not None and self.proc.poll() is not None:
                     raise VllmServerError(
                         f"vLLM server exited with code {self.proc.returncode} during startup; "
-                        f"log {self.log_path}:\n{_tail(self.log_path)}"
+                        f"log {self.log_path}:\n{_tail(self.log_path)}", self.proc.returncode,
+                        _tail(self.log_path, 80),
                     )
                 try:
                     if client.get(url).status_code == 200:
@@ -247,7 +257,7 @@ class VllmServer:
                 if time.monotonic() - t0 > self.startup_timeout:
                     raise VllmServerError(
                         f"vLLM server not healthy after {self.startup_timeout:.0f} s; "
-                        f"log {self.log_path}:\n{_tail(self.log_path)}"
+                        f"log {self.log_path}:\n{_tail(self.log_path)}", None, _tail(self.log_path, 80),
                     )
                 time.sleep(0.5)
 

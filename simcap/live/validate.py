@@ -7,7 +7,13 @@ sent as the live run sent them (``simulate(scenario, trace=...)``). An open-loop
 replayed at its send times. A closed-loop run is replayed as a closed loop
 (:class:`~simcap.workload.ClosedLoopTrace`): the same clients, each sending its own requests
 in its order, each send the measured gap after the end of that client's previous response.
-Replaying it at fixed send times instead (``replay="times"``) sends a request into a full
+A session workload's run is replayed as its sessions (``replay="sessions"``, the default
+there): the same sessions and turns, each turn's prompt as sent and its answer as long as it
+came back, each turn sent the measured gap after the previous turn's last token; beside the
+usual metrics it then compares the server's prefix-hit rate (``/metrics`` hits over queries)
+with the simulated engine's same counters, and per turn index the TTFT and prefix-hit share
+(:func:`compare_sessions`, from the per-turn summary of :mod:`simcap.metrics` on both sides).
+Replaying a closed loop at fixed send times instead (``replay="times"``) sends a request into a full
 engine whenever a step is priced a little slow, where a real client would still be waiting
 for its previous response: at concurrency = ``max_num_seqs`` a step model 5 % slow inflates
 the replayed TTFT median several times over. Run-to-run noise of a real server is
@@ -16,6 +22,12 @@ runs' own spread: per metric it reports every repeat's live value, their min-max
 prediction, its relative error against the live median, and whether it lies inside the range.
 For TTFT and ITL it also gives the two-sample Kolmogorov-Smirnov statistic between the pooled
 simulated and live samples.
+
+A server restarted with the same flags and trace moves the medians more than repeats against
+one instance do. With ``launch`` (``live validate --launch SERVER.yaml --restarts N``) the
+server is started ``N + 1`` times, ``repeats`` runs against each, so the measured band holds
+instance-to-instance variance; the result's ``spread`` says which spread the band holds and,
+per headline metric, the range of the instances' medians and the range within an instance.
 
 Runs disturbed by foreign processes (see :mod:`simcap.live.hostload`) are flagged and left
 out of the range and median while at least one undisturbed run remains.
@@ -32,19 +44,20 @@ simulated fleet with the same router (:func:`simcap.fleet.simulate_fleet`), whic
 requests anew from its own simulated state. Besides the fleet-wide metrics above, ``fleet``
 compares per replica the requests and tokens routed and TTFT/E2E, and the load imbalance
 (max / mean over the replicas of requests and of tokens), live against predicted, and how
-many requests the simulated router sent where the live one did.
+many requests the simulated router sent where the live one did. A fleet's servers are given
+by their URLs (``launch`` starts one server), and a session workload runs on one server.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import httpx
 import numpy as np
 from rich.table import Table
 
-from simcap.live.client import LiveError, LiveRun, auth_headers, check_no_sessions, run_live
+from simcap.live.client import LiveError, LiveRun, auth_headers, check_live_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics
 from simcap.live.routing import check_fleet_urls
@@ -57,7 +70,7 @@ from simcap.workload import ClosedLoopTrace, RequestSpec
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p95", "p99")
 METRICS = tuple(f"{m}_{s}" for m in LATENCY_METRICS for s in STATS) + ("output_throughput",)
-REPLAYS = ("closed", "times")
+REPLAYS = ("closed", "times", "sessions")
 
 
 def metric_value(summary: Summary, key: str) -> float | None:
@@ -95,7 +108,14 @@ def _replayed_spec(run: LiveRun, rec: RequestRecord, j: int) -> RequestSpec:
             segments[-1] = (key, n + diff)
         else:
             segments = [(key, rec.num_prompt_tokens)]
-    return RequestSpec(j, rec.num_prompt_tokens, rec.max_tokens, tuple(segments))
+    if spec.session_id is None:
+        return RequestSpec(j, rec.num_prompt_tokens, rec.max_tokens, tuple(segments))
+    # A session turn: its answer as long as it came back (the next turn's prompt quotes it
+    # under its key), and which session and turn it is.
+    return RequestSpec(
+        j, rec.num_prompt_tokens, rec.num_output_tokens, tuple(segments), output_key=spec.output_key,
+        session_id=spec.session_id, turn=spec.turn,
+    )
 
 
 def trace_of(run: LiveRun) -> list[tuple[float, RequestSpec]]:
@@ -107,6 +127,16 @@ def trace_of(run: LiveRun) -> list[tuple[float, RequestSpec]]:
 def closed_trace_of(run: LiveRun) -> ClosedLoopTrace:
     """A closed-loop live run as a closed-loop trace: its clients, requests and measured gaps."""
     return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j))
+
+
+def session_trace_of(run: LiveRun) -> ClosedLoopTrace:
+    """A live session run as sessions: the same sessions and turns (each prompt the
+    conversation as sent, each answer as long as it came back), each turn sent its measured
+    gap (think time and client overhead) after the previous turn's last token. A closed loop
+    replays its clients, each running its sessions in order; an open loop one client per
+    session, starting at the session's send time."""
+    by = "client_id" if run.closed_loop else "session_id"
+    return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j), by=by)
 
 
 FLEET_KEYS = ("requests", "tokens", "ttft_p50_s", "e2e_p95_s")
@@ -178,7 +208,20 @@ class Repeat:
     sim_records: list[RequestRecord]
     cpu: dict[str, Any]
     prefix_cache_reset: str  # "ok", "not allowed (HTTP 404)", "skipped"
+    sim_prefix_cache: dict[str, int] | None = None  # the simulated engine's queries / hits
+    instance: int = 0  # which server instance it ran against (restarts)
     fleet: dict[str, Any] | None = None  # several servers: fleet_pair()
+
+    @property
+    def live_prefix_hit_rate(self) -> float | None:
+        """The server's prefix-cache hits over queries during the run (``/metrics`` deltas)."""
+        return self.live.server_delta().get("prefix_cache_hit_rate")
+
+    @property
+    def sim_prefix_hit_rate(self) -> float | None:
+        """The same ratio of the simulated engine's counters."""
+        pc = self.sim_prefix_cache
+        return pc["hits"] / pc["queries"] if pc and pc["queries"] else None
 
     @property
     def disturbed(self) -> bool:
@@ -187,6 +230,7 @@ class Repeat:
     def to_dict(self) -> dict[str, Any]:
         return {
             "index": self.index,
+            "instance": self.instance,
             "disturbed": self.disturbed,
             "prefix_cache_reset": self.prefix_cache_reset,
             "cpu": self.cpu,
@@ -202,6 +246,12 @@ class Repeat:
                 k: v for k, v in self.live.server_delta().items() if k != "cache_config"
             },
             "notes": list(self.live.notes),
+            **({"sessions": {
+                **self.live.sessions,
+                "live_prefix_hit_rate": self.live_prefix_hit_rate,
+                "predicted_prefix_hit_rate": self.sim_prefix_hit_rate,
+                "predicted_prefix_cache": self.sim_prefix_cache,
+            }} if self.live.sessions is not None else {}),
             **({"fleet": self.fleet} if self.fleet is not None else {}),
         }
 
@@ -215,6 +265,8 @@ class Validation:
     ks: dict[str, dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     replay: dict[str, Any] = field(default_factory=dict)  # how live runs were simulated
+    sessions: dict[str, Any] | None = None  # a session workload: compare_sessions()
+    spread: dict[str, Any] = field(default_factory=dict)  # which spread the band holds
     fleet: dict[str, Any] | None = None  # several servers: compare_fleet()
 
     @property
@@ -229,10 +281,12 @@ class Validation:
             "scenario_sha256": self.scenario.digest(),
             "simulated_engine": self.simulated_scenario.engine.model_dump(mode="json"),
             "replay": dict(self.replay),
+            "spread": dict(self.spread),
             "repeats": [r.to_dict() for r in self.repeats],
             "used_repeats": [r.index for r in self.used],
             "metrics": self.metrics,
             "ks": self.ks,
+            **({"sessions": self.sessions} if self.sessions is not None else {}),
             "notes": list(self.notes),
             **({"fleet": self.fleet} if self.fleet is not None else {}),
         }
@@ -244,31 +298,44 @@ def _rel(pred: float | None, ref: float | None) -> float | None:
     return (pred - ref) / ref
 
 
+def _used_mask(repeats: Sequence[Repeat]) -> list[bool]:
+    """Which repeats a comparison rests on: the undisturbed ones (all, if every one was)."""
+    mask = [not r.disturbed for r in repeats]
+    return mask if any(mask) else [True] * len(mask)
+
+
+def _entry(live_all: Sequence[float | None], pred_all: Sequence[float | None], used: Sequence[bool]) -> dict[str, Any]:
+    """One compared number: every repeat's live value and prediction; over the used repeats
+    the live range and median, the median prediction, its error and whether it is in range."""
+    live = [v for v, ok in zip(live_all, used) if ok and v is not None]
+    pred = [v for v, ok in zip(pred_all, used) if ok and v is not None]
+    lo = min(live) if live else None
+    hi = max(live) if live else None
+    med = float(np.median(live)) if live else None
+    p = float(np.median(pred)) if pred else None
+    return {
+        "live": list(live_all),
+        "predicted_per_repeat": list(pred_all),
+        "live_min": lo,
+        "live_max": hi,
+        "live_median": med,
+        "predicted": p,
+        "rel_error": _rel(p, med),
+        "in_range": None if p is None or lo is None else bool(lo <= p <= hi),
+    }
+
+
 def compare(repeats: Sequence[Repeat]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Per metric: live values, range, median; prediction, error, in range. And KS tests."""
     from scipy.stats import ks_2samp  # imported here: scipy.stats takes a second to load
 
-    clean = [r for r in repeats if not r.disturbed] or list(repeats)
-    metrics: dict[str, dict[str, Any]] = {}
-    for key in METRICS:
-        live_all = [metric_value(r.live_summary, key) for r in repeats]
-        pred_all = [metric_value(r.sim_summary, key) for r in repeats]
-        live = [v for r in clean if (v := metric_value(r.live_summary, key)) is not None]
-        pred = [v for r in clean if (v := metric_value(r.sim_summary, key)) is not None]
-        lo = min(live) if live else None
-        hi = max(live) if live else None
-        med = float(np.median(live)) if live else None
-        p = float(np.median(pred)) if pred else None
-        metrics[key] = {
-            "live": live_all,
-            "predicted_per_repeat": pred_all,
-            "live_min": lo,
-            "live_max": hi,
-            "live_median": med,
-            "predicted": p,
-            "rel_error": _rel(p, med),
-            "in_range": None if p is None or lo is None else bool(lo <= p <= hi),
-        }
+    used = _used_mask(repeats)
+    clean = [r for r, ok in zip(repeats, used) if ok]
+    metrics: dict[str, dict[str, Any]] = {
+        key: _entry([metric_value(r.live_summary, key) for r in repeats],
+                    [metric_value(r.sim_summary, key) for r in repeats], used)
+        for key in METRICS
+    }
     ks: dict[str, dict[str, Any]] = {}
     for name in ("ttft", "itl"):
         live_s = np.concatenate([samples(r.live.records)[name] for r in clean])
@@ -286,6 +353,51 @@ def compare(repeats: Sequence[Repeat]) -> tuple[dict[str, dict[str, Any]], dict[
         entry["per_repeat_statistic"] = per
         ks[name] = entry
     return metrics, ks
+
+
+TURN_STATS = ("mean", "p50", "p90")
+
+
+def compare_sessions(repeats: Sequence[Repeat]) -> dict[str, Any]:
+    """A session workload's own comparison, each number as :func:`compare`'s entries.
+
+    ``prefix_hit_rate``: the server's ``prefix_cache_hits / prefix_cache_queries`` over the
+    run against the simulated engine's same counters. ``prefix_hit_share``: cached over
+    prompt tokens of the completed turns (the summary's ``sessions`` block on both sides; live
+    only with the server's per-request cached tokens). ``by_turn``: per turn index, the
+    completed turns on each side and the TTFT mean, p50 and p90, and the prefix-hit share.
+    """
+    used = _used_mask(repeats)
+    live_blocks = [r.live_summary.sessions or {} for r in repeats]
+    sim_blocks = [r.sim_summary.sessions or {} for r in repeats]
+
+    def rows(blocks):
+        return [{row["turn"]: row for row in b.get("by_turn", ())} for b in blocks]
+
+    live_rows, sim_rows = rows(live_blocks), rows(sim_blocks)
+    turns = sorted({k for table in live_rows for k in table})
+    by_turn = []
+    for k in turns:
+        live_k = [t.get(k) for t in live_rows]
+        sim_k = [t.get(k) for t in sim_rows]
+        entry: dict[str, Any] = {
+            "turn": k,
+            "live_requests": [row["requests"] if row else 0 for row in live_k],
+            "predicted_requests": [row["requests"] if row else 0 for row in sim_k],
+        }
+        for stat in TURN_STATS:
+            entry[f"ttft_{stat}"] = _entry([row["ttft_s"][stat] if row else None for row in live_k],
+                                           [row["ttft_s"][stat] if row else None for row in sim_k], used)
+        entry["prefix_hit_share"] = _entry([row["prefix_hit_share"] if row else None for row in live_k],
+                                           [row["prefix_hit_share"] if row else None for row in sim_k], used)
+        by_turn.append(entry)
+    return {
+        "prefix_hit_rate": _entry([r.live_prefix_hit_rate for r in repeats],
+                                  [r.sim_prefix_hit_rate for r in repeats], used),
+        "prefix_hit_share": _entry([b.get("prefix_hit_share") for b in live_blocks],
+                                   [b.get("prefix_hit_share") for b in sim_blocks], used),
+        "by_turn": by_turn,
+    }
 
 
 def _local_port(base_url: str) -> int | None:
@@ -339,7 +451,7 @@ def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> 
     return scenario
 
 
-def _adopt_spec_acceptance(scenario: Scenario, run: LiveRun, index: int, notes: list[str]) -> Scenario:
+def adopt_run_acceptance(scenario: Scenario, run: LiveRun, index: int, notes: list[str]) -> Scenario:
     """The scenario with the run's own speculative acceptance (and ngram proposal rate)."""
     spec = scenario.speculative
     delta = run.server_delta()
@@ -380,9 +492,10 @@ def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str,
     warm = scenario.model_copy(
         update={
             "seed": scenario.seed + 7919,
+            "deployment": None,  # each server of a fleet is warmed on its own
             "workload": wl.model_copy(
                 update={"arrival": ClosedArrival(process="closed", concurrency=min(4, n)),
-                        "num_requests": n, "duration_s": None}
+                        "num_requests": n, "duration_s": None, "sessions": None}
             ),
         }
     )
@@ -391,7 +504,7 @@ def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str,
 
 def validate(
     scenario: Scenario,
-    base_url: str | Sequence[str],
+    base_url: str | Sequence[str] | None,
     model: str | None = None,
     repeats: int = 3,
     *,
@@ -406,6 +519,8 @@ def validate(
     out_prefix: str | None = None,
     api_key: str | None = None,
     replay: str | None = None,
+    launch: Callable[[], Any] | None = None,
+    restarts: int = 0,
     **live_kwargs: Any,
 ) -> Validation:
     """Run ``scenario`` live ``repeats`` times and compare each run with its simulated twin.
@@ -418,40 +533,69 @@ def validate(
     to ``{out_prefix}{i}.jsonl``. ``api_key``: Bearer token for every request (never stored).
     ``replay``: how each live run is simulated, ``"closed"`` (a closed-loop workload only: its
     clients and their measured gaps, the default for one) or ``"times"`` (its send times, the
-    default and the only choice for an open-loop workload or a fleet). ``base_url``: a list
-    of one URL per ``deployment`` replica validates a fleet (see the module doc).
+    default and the only choice for an open-loop workload or a fleet), or ``"sessions"`` (a
+    session workload, the default there). ``base_url``: a list of one URL per ``deployment``
+    replica validates a fleet (see the module doc).
+    ``launch``: makes a fresh (not yet started) server, e.g. a
+    :class:`~simcap.live.server.VllmServer` from :func:`simcap.live.launch.launch_server`;
+    then ``base_url`` is ignored (it may be empty; several URLs are refused: a launch starts
+    one server) and ``restarts + 1`` servers are started one after another,
+    ``repeats`` runs against each, so the band holds the spread between server instances
+    (``Validation.spread`` says which spread it holds).
     Other keyword options go to :func:`~simcap.live.client.run_live`.
     """
     if repeats < 1:
         raise LiveError(f"repeats: must be >= 1 (got {repeats})")
-    check_no_sessions(scenario)
-    urls = [base_url] if isinstance(base_url, str) else list(base_url)
-    check_fleet_urls(scenario, len(urls))
-    fleet = len(urls) > 1
+    if restarts < 0:
+        raise LiveError(f"--restarts: must be >= 0 (got {restarts})")
+    if restarts and launch is None:
+        raise LiveError("--restarts: restarting the server between repeats needs --launch (a server simcap starts)")
+    check_live_sessions(scenario, endpoint)
+    urls = [] if base_url is None else [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = [u for u in urls if u]
+    if launch is not None and len(urls) > 1:
+        raise LiveError(
+            f"--launch: starts one server; a fleet's {len(urls)} servers are given by --base-url alone"
+        )
+    if launch is None and not urls:
+        raise LiveError("--base-url: give a running server's URL, or --launch SERVER.yaml")
+    check_fleet_urls(scenario, 1 if launch is not None else len(urls))
+    fleet = launch is None and len(urls) > 1
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
+    has_sessions = scenario.workload.sessions is not None
     if replay is None:
-        replay = "closed" if closed and not fleet else "times"
+        replay = "sessions" if has_sessions else "closed" if closed and not fleet else "times"
     if replay == "closed" and fleet:
         raise LiveError("replay: a fleet is replayed at its send times (replay: times)")
     if replay not in REPLAYS:
         raise LiveError(f"replay: must be one of {', '.join(REPLAYS)} (got {replay!r})")
+    if replay == "sessions" and not has_sessions:
+        raise LiveError("replay: sessions needs a session workload (workload.sessions)")
+    if replay == "closed" and has_sessions:
+        raise LiveError("replay: a session workload replays as sessions (or times), not closed")
     if replay == "closed" and not closed:
         raise LiveError("replay: closed needs a closed-loop workload (workload.arrival.process: closed)")
     notes: list[str] = []
-    if warmup:
-        lone = scenario.model_copy(update={"deployment": None})
-        for url in urls:
-            _warmup(lone, url, model, endpoint, api_key=api_key, **live_kwargs)
     results: list[Repeat] = []
     simulated = scenario
-    for i in range(repeats):
-        resets = [reset_prefix_cache(u, api_key=api_key) if reset_cache else "skipped" for u in urls]
+
+    def one_instance(base_urls: list[str], server_pids: Iterable[int], instance: int) -> None:
+        nonlocal simulated
+        if warmup:
+            for url in base_urls:
+                _warmup(scenario, url, model, endpoint, api_key=api_key, **live_kwargs)
+        for _ in range(repeats):
+            simulated = _one_repeat(len(results), instance, base_urls, server_pids, simulated)
+
+    def _one_repeat(i: int, instance: int, base_urls: list[str], server_pids: Iterable[int],
+                    simulated: Scenario) -> Scenario:
+        resets = [reset_prefix_cache(u, api_key=api_key) if reset_cache else "skipped" for u in base_urls]
         reset = next((r for r in resets if r != "ok"), resets[0])
         if reset != "ok" and reset_cache and i == 0:
             notes.append(f"prefix cache not reset between runs: {reset}; reruns may hit the cache")
-        watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(urls[0])).start()
+        watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(base_urls[0])).start()
         out = f"{out_prefix}{i}.jsonl" if out_prefix else None
-        run = run_live(scenario, base_url if isinstance(base_url, str) else urls, model, endpoint=endpoint, out_path=out, progress=progress,
+        run = run_live(scenario, base_urls, model, endpoint=endpoint, out_path=out, progress=progress,
                        api_key=api_key, **live_kwargs)  # type: ignore[arg-type]
         cpu = watch.stop()
         if i == 0 and adopt_server_cache_config:
@@ -459,8 +603,8 @@ def validate(
         if not any(r.succeeded for r in run.records):
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
         trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace
-        trace = closed_trace_of(run) if replay == "closed" else trace_of(run)
-        this = _adopt_spec_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
+        trace = {"closed": closed_trace_of, "sessions": session_trace_of}.get(replay, trace_of)(run)
+        this = adopt_run_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
         sim = simulate(this, trace=trace, records=True)
         if run.num_failed:
             notes.append(f"run {i}: {run.num_failed} failed request(s) left out of the simulated trace")
@@ -471,8 +615,33 @@ def validate(
             )
         elif not cpu.get("available", True):
             notes.append(f"run {i}: {cpu.get('note')}")
-        pair = fleet_pair(run, sim.records) if fleet else None
-        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset, pair))
+        if run.sessions and run.sessions["ended_by_error"]:
+            notes.append(f"run {i}: {run.sessions['ended_by_error']} session(s) ended at an errored turn; "
+                         "their later turns are in neither run")
+        results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset,
+                              sim_prefix_cache=sim.prefix_cache, instance=instance,
+                              fleet=fleet_pair(run, sim.records) if fleet else None))
+        return simulated
+
+    if launch is None:
+        one_instance(urls, server_pids, 0)
+    else:
+        for instance in range(restarts + 1):
+            server = launch()
+            with server:
+                one_instance([server.base_url], sorted(server.pids()), instance)
+            if getattr(server, "failed", False):
+                notes.append(f"server instance {instance} did not stop cleanly (log {server.log_path})")
+    instances = restarts + 1 if launch is not None else 1
+    spread = {
+        "kind": "restarts" if instances > 1 else "repeats",
+        "instances": instances,
+        "repeats_per_instance": repeats,
+        "text": (f"{instances} server instances (restarted between them), {repeats} run(s) each: the "
+                 "band holds instance-to-instance variance" if instances > 1 else
+                 f"{repeats} run(s) against one server instance: the band holds run-to-run variance only"),
+        "metrics": spread_figures(results),
+    }
     if all(r.disturbed for r in results):
         notes.append("every run was disturbed: the comparison uses them all; rerun on a quiet machine")
     if scenario.engine.async_scheduling is None:
@@ -481,7 +650,15 @@ def validate(
             "always runs without async scheduling (set engine.async_scheduling=false)"
         )
     metrics, ks = compare(results)
-    if replay == "closed":
+    sessions = compare_sessions(results) if has_sessions else None
+    if replay == "sessions":
+        arrival = scenario.workload.arrival
+        who = (f"closed loop, {arrival.concurrency} clients each running its sessions in order"
+               if isinstance(arrival, ClosedArrival) else "one client per session, from its send time")
+        described = {"mode": "sessions", "clients": getattr(arrival, "concurrency", None),
+                     "text": f"sessions ({who}; each turn the measured gap after the previous "
+                             "answer's last token, its prompt and answer lengths as measured)"}
+    elif replay == "closed":
         assert isinstance(scenario.workload.arrival, ClosedArrival)
         described = {"mode": "closed", "clients": scenario.workload.arrival.concurrency,
                      "text": f"closed loop, {scenario.workload.arrival.concurrency} clients (each client's "
@@ -492,8 +669,49 @@ def validate(
         assert scenario.deployment is not None
         described["text"] += (f"; through a simulated fleet of {len(urls)} replicas, router "
                               f"{scenario.deployment.router} (it routes the replay itself)")
-    return Validation(scenario, simulated, results, metrics, ks, notes, described,
-                      compare_fleet(results) if fleet else None)
+    return Validation(scenario, simulated, results, metrics, ks, notes, described, spread=spread,
+                      sessions=sessions, fleet=compare_fleet(results) if fleet else None)
+
+
+SPREAD_METRICS = ("ttft_p50", "tpot_p50", "e2e_p50", "output_throughput")
+
+
+def spread_figures(repeats: Sequence[Repeat]) -> dict[str, dict[str, float | None]]:
+    """Per metric, relative to the median of all runs: the range of the server instances'
+    medians (``between_instances``; None with one instance) and the median over instances of
+    their runs' range (``within_instance``; None with one run per instance)."""
+    out: dict[str, dict[str, float | None]] = {}
+    by: dict[int, list[Repeat]] = {}
+    for r in repeats:
+        by.setdefault(r.instance, []).append(r)
+    for key in SPREAD_METRICS:
+        values = {i: [v for r in rs if (v := metric_value(r.live_summary, key)) is not None] for i, rs in by.items()}
+        every = [v for vs in values.values() for v in vs]
+        mid = float(np.median(every)) if every else None
+        if not mid:
+            out[key] = {"between_instances": None, "within_instance": None}
+            continue
+        medians = [float(np.median(vs)) for vs in values.values() if vs]
+        within = [(max(vs) - min(vs)) / mid for vs in values.values() if len(vs) > 1]
+        out[key] = {
+            "between_instances": (max(medians) - min(medians)) / mid if len(medians) > 1 else None,
+            "within_instance": float(np.median(within)) if within else None,
+        }
+    return out
+
+
+def spread_line(data: dict[str, Any]) -> str:
+    """Which spread the measured band shows, from ``to_dict()``."""
+    spread = data["spread"]
+    parts = []
+    for key, fig in spread.get("metrics", {}).items():
+        b, w = fig["between_instances"], fig["within_instance"]
+        if b is None and w is None:
+            continue
+        shown = [f"between instances {b * 100:.1f}%" if b is not None else None,
+                 f"within an instance {w * 100:.1f}%" if w is not None else None]
+        parts.append(f"{key} " + ", ".join(x for x in shown if x))
+    return f"spread: {spread['text']}" + (f" ({'; '.join(parts)} of the median)" if parts else "")
 
 
 # --------------------------------------------------------------------------- rendering
@@ -527,6 +745,38 @@ def validation_table(data: dict[str, Any]) -> Table:
             "-" if err is None else f"{err * 100:+.1f}%",
             {True: "yes", False: "NO", None: "-"}[m["in_range"]],
         )
+    return table
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f}%"
+
+
+def sessions_table(data: dict[str, Any]) -> Table | None:
+    """A session workload's comparison from ``to_dict()``: prefix hits, and TTFT by turn (ms)."""
+    sessions = data.get("sessions")
+    if sessions is None:
+        return None
+    table = Table(title="sessions: simulated vs live (TTFT in ms; live median over repeats)", title_justify="left")
+    for col in ("metric", "turns live/sim", "live median", "live range", "predicted", "error vs median", "in range"):
+        table.add_column(col, justify="right" if col != "metric" else "left", no_wrap=True)
+
+    def add(name: str, m: dict[str, Any], fmt, count: str = "") -> None:
+        err = m["rel_error"]
+        table.add_row(
+            name, count, fmt(m["live_median"]),
+            "-" if m["live_min"] is None else f"{fmt(m['live_min'])} - {fmt(m['live_max'])}",
+            fmt(m["predicted"]), "-" if err is None else f"{err * 100:+.1f}%",
+            {True: "yes", False: "NO", None: "-"}[m["in_range"]],
+        )
+
+    add("prefix hit rate (server counters)", sessions["prefix_hit_rate"], _share)
+    add("prefix hit share (cached / prompt)", sessions["prefix_hit_share"], _share)
+    for row in sessions["by_turn"]:
+        count = f"{sum(row['live_requests'])}/{sum(row['predicted_requests'])}"
+        for stat in TURN_STATS:
+            add(f"turn {row['turn']} TTFT {stat}", row[f"ttft_{stat}"], lambda v: _fmt("ttft", v), count)
+        add(f"turn {row['turn']} prefix hits", row["prefix_hit_share"], _share, count)
     return table
 
 

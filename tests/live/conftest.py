@@ -41,6 +41,7 @@ SERVER_ARGS = [
     "--max-model-len", "2048",
     "--enable-prefix-caching",
     "--enable-logging-iteration-details",
+    "--enable-prompt-tokens-details",  # each response's cached tokens: per-turn prefix hits
 ]  # fmt: skip
 SPEC_K = 3
 SPEC_ARGS = [

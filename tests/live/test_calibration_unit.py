@@ -121,7 +121,7 @@ def test_validate_plot_writes_ecdf_overlay(tmp_path):
 def test_validate_simulates_each_run_with_its_own_spec_acceptance():
     from simcap.live.client import LiveRun
     from simcap.live.prom import ServerMetrics
-    from simcap.live.validate import _adopt_spec_acceptance
+    from simcap.live.validate import adopt_run_acceptance
     from simcap.scenario import parse_scenario
 
     sc = parse_scenario({
@@ -141,7 +141,7 @@ def test_validate_simulates_each_run_with_its_own_spec_acceptance():
                   requested_rate=None, scheduled_rate=None, achieved_rate=None, wall_duration_s=1.0,
                   max_send_lag_s=None, metrics_before=before, metrics_after=after)
     notes: list[str] = []
-    new = _adopt_spec_acceptance(sc, run, 0, notes).speculative
+    new = adopt_run_acceptance(sc, run, 0, notes).speculative
     assert new.acceptance_rates == (0.9, 0.8, 0.68) and new.acceptance_length is None
     assert new.proposal_rate == 0.5  # 100 drafts over 200 decode request-steps
     assert notes == ["run 0: simulated with the run's own speculative acceptance length 3.380, proposal rate "

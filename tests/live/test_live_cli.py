@@ -77,7 +77,7 @@ def test_validate_replay_choice_is_checked_before_anything_is_sent(tmp_path):
                                                                   "arrival": {"process": "poisson", "rate": 1.0}}}))
     url = "http://127.0.0.1:9"  # nothing listens: these fail before any request
     for scenario, replay, expected in (
-        (path, "fixed", "error: --replay: must be one of closed, times (got 'fixed')"),
+        (path, "fixed", "error: --replay: must be one of closed, times, sessions (got 'fixed')"),
         (open_loop, "closed", "error: replay: closed needs a closed-loop workload (workload.arrival.process: closed)"),
     ):
         result = CliRunner().invoke(live_app, ["validate", "--base-url", url, "--replay", replay, str(scenario)])

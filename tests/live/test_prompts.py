@@ -113,3 +113,64 @@ def test_request_body_completions_and_chat():
 def test_usage_difference_goes_to_last_chunks(tokens, diff, expected):
     _absorb(tokens, diff)
     assert tokens == expected
+
+
+# --------------------------------------------------------------------------- session prompts
+
+
+def _session(turns, max_model_len=4096, prefix=None, on_overflow="truncate"):
+    from simcap.live.sessions import SessionPrompts
+    from simcap.sessions import Conversation, SessionPlan, Turn
+
+    plan = SessionPlan(3, tuple(Turn(*t) for t in turns), prefix)
+    builder = PromptBuilder(POOL, seed=11)
+    return SessionPrompts(Conversation(plan, max_model_len, on_overflow), builder), builder
+
+
+def test_session_turn_resends_prompt_and_the_answer_ids_that_came_back():
+    from simcap.sessions import SESSION_KEY_BASE
+
+    prompts, builder = _session([(40, 5, 0.5), (8, 4, 1.0), (6, 3, 0.0)])
+    spec0, ids0 = prompts.request(0)
+    # By hand: turn 0 is its 40 new tokens under request 0's key.
+    assert ids0 == builder.segment_ids(SESSION_KEY_BASE, 40)
+    assert (spec0.session_id, spec0.turn, spec0.max_tokens, spec0.num_prompt_tokens) == (3, 0, 5, 40)
+    # The answer came back one token short, with ids of the server's choosing.
+    assert prompts.answered([901, 902, 903, 904]) == 0.5
+    spec1, ids1 = prompts.request(7)
+    assert ids1 == ids0 + [901, 902, 903, 904] + builder.segment_ids(SESSION_KEY_BASE + 14, 8)
+    assert spec1.num_prompt_tokens == len(ids1) == 52 and spec1.turn == 1
+    assert spec1.segments == ((SESSION_KEY_BASE, 40), (SESSION_KEY_BASE + 1, 4), (SESSION_KEY_BASE + 14, 8))
+    assert spec1.output_key == SESSION_KEY_BASE + 15
+    assert prompts.answered([5, 6, 7, 8]) == 1.0
+    spec2, ids2 = prompts.request(9)
+    assert ids2[:len(ids1) + 4] == ids1 + [5, 6, 7, 8] and len(ids2) == 62
+    assert prompts.answered([1, 2, 3]) == 0.0 and prompts.done and prompts.request(10) is None
+
+
+def test_session_truncation_drops_the_oldest_turns_ids_and_keeps_the_shared_prefix():
+    from simcap.sessions import SESSION_KEY_BASE
+
+    group = 2
+    prompts, builder = _session([(40, 10, 0.0), (20, 10, 0.0), (20, 10, 0.0)], max_model_len=100,
+                                prefix=(group, 16))
+    _, ids0 = prompts.request(0)
+    shared = builder.segment_ids(group, 16)
+    assert ids0[:16] == shared and len(ids0) == 40  # the prefix is part of the first turn's 40
+    prompts.answered(list(range(300, 310)))
+    _, ids1 = prompts.request(1)
+    assert len(ids1) == 70
+    prompts.answered(list(range(400, 410)))
+    # 80 + 20 new + 10 answer > 100: turn 0 (24 new + 10 answer) is dropped, the prefix kept.
+    spec2, ids2 = prompts.request(2)
+    assert prompts.conversation.truncated_turns == 1 and prompts.conversation.dropped_turns == 1
+    new1 = builder.segment_ids(SESSION_KEY_BASE + 2, 20)
+    assert ids2 == shared + new1 + list(range(400, 410)) + builder.segment_ids(SESSION_KEY_BASE + 4, 20)
+    assert spec2.num_prompt_tokens == len(ids2) == 66
+    assert set(prompts.answers) == {SESSION_KEY_BASE + 3}  # turn 0's answer is never sent again
+
+
+def test_session_answer_before_request_is_refused():
+    prompts, _ = _session([(10, 2, 0.0)])
+    with pytest.raises(ValueError, match="no turn awaits"):
+        prompts.answered([1, 2])

@@ -295,3 +295,162 @@ def test_several_base_urls_route_each_request_and_record_its_replica():
         run_live(sc, ["http://a:1", "http://b:1", "http://c:1"], progress=False)
     with pytest.raises(LiveRouterError, match="deployment.replicas is 2 but 1"):
         run_live(sc, "http://a:1", progress=False)
+
+
+# --------------------------------------------------------------------------- sessions
+
+FAIL_CALL = 4  # the 5th completion request sent fails (HTTP 500): its session ends there
+
+
+class SessionFakeVllm(FakeVllm):
+    """Answers each request with ids of its own (200 + 10 * call + k), keeps every prompt it
+    got, reports the cached tokens of each prompt (``prompt_tokens_details``), and fails one."""
+
+    def __init__(self, fail_call: int | None = FAIL_CALL, details: bool = True) -> None:
+        super().__init__()
+        self.fail_call, self.details = fail_call, details
+        self.prompts: list[list[int]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/completions":
+            return super().__call__(request)
+        body = json.loads(request.content)
+        i, self.calls = self.calls, self.calls + 1
+        self.prompts.append(body["prompt"])
+        assert body["return_token_ids"] is True
+        if i == self.fail_call:
+            return httpx.Response(500, json={"error": {"message": "engine dead"}})
+        n = body["max_tokens"]
+        parts = [_sse({"choices": [{"text": "x", "token_ids": [200 + 10 * i + k],
+                                    "finish_reason": "length" if k == n - 1 else None}]}) for k in range(n)]
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+        if self.details:
+            usage["prompt_tokens_details"] = {"cached_tokens": 32 * (len(body["prompt"]) // 64)}
+        parts += [_sse({"choices": [], "usage": usage}), _sse(b"[DONE]")]
+        return httpx.Response(200, stream=_Body(parts))
+
+
+def test_sessions_resend_the_answers_ids_and_an_errored_turn_ends_its_session(tmp_path):
+    from simcap.sessions import SessionWorkload
+
+    sc = parse_scenario({
+        "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=4096),
+        "workload": dict(arrival={"process": "closed", "concurrency": 2}, input_len=8, output_len=5,
+                         sessions={"num_sessions": 4, "turns": 3, "first_input_len": 40,
+                                   "think_time_s": {"dist": "uniform", "low": 0.02, "high": 0.06}}),
+    })
+    fake = SessionFakeVllm()
+    out = tmp_path / "run.jsonl"
+    run = run_live(sc, "http://fake:8000", transport=httpx.MockTransport(fake), out_path=out, progress=False)
+
+    assert run.sessions == {"sessions": 4, "ended_by_error": 1, "truncated_turns": 0, "dropped_turns": 0,
+                            "ended_sessions": 0}
+    assert any("1 session(s) ended at an errored turn" in note for note in run.notes)
+    # Request ids in send order; 4 sessions x 3 turns, less the failed session's later turns.
+    assert [r.request_id for r in run.records] == list(range(len(fake.prompts)))
+    failed = [r for r in run.records if not r.succeeded]
+    assert len(failed) == 1 and failed[0].request_id == FAIL_CALL
+    ended = failed[0].session_id
+    plans = SessionWorkload(sc.workload, sc.seed)
+    by_session: dict[int, list[RequestRecord]] = {}
+    for rec in run.records:
+        assert rec.session_id is not None and rec.client_id in (0, 1)
+        by_session.setdefault(rec.session_id, []).append(rec)
+    assert sorted(by_session) == [0, 1, 2, 3]
+    for sid, recs in by_session.items():
+        assert [r.turn for r in recs] == list(range(len(recs)))
+        assert len(recs) == (failed[0].turn + 1 if sid == ended else 3)
+        think = [t.think_s for t in plans.plan(sid).turns]
+        for prev, nxt in zip(recs, recs[1:]):
+            # Turn k+1 goes out after turn k's last token plus its think time, and its prompt
+            # is turn k's prompt, turn k's answer as it came back, then 8 new tokens.
+            assert nxt.arrival_time >= prev.finish_time + think[prev.turn]
+            answer = [200 + 10 * prev.request_id + k for k in range(5)]
+            sent = fake.prompts[nxt.request_id]
+            assert sent[: prev.num_prompt_tokens + 5] == fake.prompts[prev.request_id] + answer
+            assert len(sent) == prev.num_prompt_tokens + 5 + 8 == nxt.num_prompt_tokens
+        assert recs[0].num_prompt_tokens == 40
+    # The server's cached tokens are the records' prefix hits; the per-turn summary has them.
+    ok = [r for r in run.records if r.succeeded]
+    assert [r.num_cached_tokens for r in ok] == [32 * (r.num_prompt_tokens // 64) for r in ok]
+    sessions = run.summary().sessions
+    assert sessions["sessions"] == 4 and sessions["completed_sessions"] == 3
+    assert [row["turn"] for row in sessions["by_turn"]] == [0, 1, 2]
+    turn1 = [r for r in ok if r.turn == 1]
+    assert sessions["by_turn"][1]["prefix_hit_share"] == pytest.approx(
+        sum(r.num_cached_tokens for r in turn1) / sum(r.num_prompt_tokens for r in turn1))
+    # Every record, the failed one too, is on disk with its session and turn.
+    back = [RequestRecord.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+    assert sorted(back, key=lambda r: r.request_id) == run.records
+    assert json.loads(json.dumps(run.to_dict()))["live"]["sessions"]["ended_by_error"] == 1
+
+
+def test_open_loop_sessions_without_cached_tokens_leave_prefix_shares_unknown():
+    from simcap.sessions import SessionWorkload
+
+    sc = parse_scenario({
+        "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=4096),
+        "workload": dict(arrival={"process": "poisson", "rate": 20.0}, input_len=8, output_len=3,
+                         sessions={"num_sessions": 3, "turns": 2, "think_time_s": 0.01}),
+    })
+    run = run_live(sc, "http://fake:8000", transport=httpx.MockTransport(SessionFakeVllm(None, details=False)),
+                   progress=False)
+    assert all(r.succeeded and r.client_id is None for r in run.records) and len(run.records) == 6
+    # Sessions start at their drawn start times; the rate is of sessions.
+    starts = SessionWorkload(sc.workload, sc.seed).start_times()
+    first = sorted(r.arrival_time for r in run.records if r.turn == 0)
+    assert all(t >= s for t, s in zip(first, starts))
+    assert run.to_dict()["live"]["rate_unit"] == "sessions/s" and run.requested_rate == 20.0
+    # No per-request cached tokens from the server: per-turn shares are unknown, not 0.
+    assert run.cached_tokens_reported == 0
+    sessions = run.summary().sessions
+    assert sessions["prefix_hit_share"] is None
+    assert [row["prefix_hit_share"] for row in sessions["by_turn"]] == [None, None]
+    assert any("--enable-prompt-tokens-details" in note for note in run.notes)
+
+
+def test_a_live_session_run_replays_as_its_sessions_in_the_simulator():
+    from simcap.live.validate import Repeat, compare_sessions, session_trace_of
+    from simcap.simulator import simulate
+
+    sc = parse_scenario({
+        "engine": dict(block_size=16, num_gpu_blocks=1000, max_model_len=4096, max_num_seqs=4,
+                       max_num_batched_tokens=256),
+        "step_time": dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4),
+        "workload": dict(arrival={"process": "closed", "concurrency": 2}, input_len=8, output_len=5,
+                         sessions={"num_sessions": 4, "turns": 3, "first_input_len": 40, "think_time_s": 0.02}),
+    })
+    run = run_live(sc, "http://fake:8000", transport=httpx.MockTransport(SessionFakeVllm()), progress=False)
+    trace = session_trace_of(run)
+    ok = sorted((r for r in run.records if r.succeeded), key=lambda r: r.arrival_time)
+    # The closed loop's 2 clients, each its sessions' turns in order; the failed turn is out.
+    assert len(trace.clients) == 2 and trace.num_requests == len(ok) == len(run.records) - 1
+    for c, requests in enumerate(trace.clients):
+        live = [r for r in ok if r.client_id == c]
+        assert [(q.spec.session_id, q.spec.turn) for q in requests] == [(r.session_id, r.turn) for r in live]
+        for q, prev, rec in zip(requests[1:], live, live[1:]):
+            assert q.gap_s == pytest.approx(rec.arrival_time - prev.finish_time)
+            if rec.session_id == prev.session_id:
+                assert q.gap_s >= 0.02  # the think time, measured
+        for q, rec in zip(requests, live):
+            spec = run.specs[rec.request_id]
+            assert q.spec.segments == spec.segments and q.spec.output_key == spec.output_key
+            assert q.spec.max_tokens == rec.num_output_tokens
+    sim = simulate(sc, trace=trace, records=True)
+    sim_sessions = sim.summary.sessions
+    assert [row["requests"] for row in sim_sessions["by_turn"]] == [
+        sum(1 for r in ok if r.turn == k) for k in range(3)]
+    # Later turns resend turn 0's blocks: the simulated engine hits them, and counts it.
+    assert sim_sessions["by_turn"][0]["prefix_hit_share"] == 0.0
+    assert sim_sessions["by_turn"][1]["prefix_hit_share"] > 0.5
+    assert 0 < sim.prefix_cache["hits"] < sim.prefix_cache["queries"]
+    rep = Repeat(0, run, run.summary(), sim.summary, sim.records, {}, "skipped", sim_prefix_cache=sim.prefix_cache)
+    cmp = compare_sessions([rep])
+    assert cmp["prefix_hit_rate"]["live"] == [None]  # the fake has no /metrics
+    assert cmp["prefix_hit_rate"]["predicted"] == pytest.approx(sim.prefix_cache["hits"] / sim.prefix_cache["queries"])
+    assert [row["turn"] for row in cmp["by_turn"]] == [0, 1, 2]
+    for row in cmp["by_turn"]:
+        live_row = run.summary().sessions["by_turn"][row["turn"]]
+        assert row["ttft_p50"]["live"] == [live_row["ttft_s"]["p50"]]
+        assert row["ttft_p50"]["predicted"] == sim_sessions["by_turn"][row["turn"]]["ttft_s"]["p50"]
+        assert row["live_requests"] == row["predicted_requests"]
