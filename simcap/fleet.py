@@ -41,7 +41,10 @@ Results: the fleet-wide summary (every request of every replica, as one engine's
 computed), and per replica: requests routed, latency percentiles, throughput, preemptions,
 prefix-cache hit rate, KV usage, steps. Load imbalance is max / mean over the replicas of
 the requests routed (``requests``) and of the tokens served, prompt + output
-(``tokens``): 1.0 is even, N is everything on one replica.
+(``tokens``): 1.0 is even, N is everything on one replica. Each record names its
+``replica``; :func:`replica_rows` and :func:`load_imbalance` give the per-replica table and
+the imbalance from records alone, so a live run over several servers
+(:mod:`simcap.live.routing`) and its simulated replay are tabled by the one function.
 """
 
 from __future__ import annotations
@@ -55,14 +58,13 @@ from typing import Any
 
 import numpy as np
 
-from simcap.engine.request import Request
 from simcap.early_stop import SloStop
 from simcap.engine.speculative import SpecDecodeCounters
 from simcap.errors import SimulationError
 from simcap.fast_forward import LATE, Clock
 from simcap.metrics import Distribution, MetricsAccumulator
 from simcap.records import RequestRecord
-from simcap.router import ReplicaState, RouteRequest, affinity_key, make_router
+from simcap.router import ReplicaState, make_router, route_request
 from simcap.scenario import (
     ClosedArrival, Scenario, kv_transfer_bytes_per_token, replica_scenarios,
 )
@@ -170,12 +172,7 @@ class Fleet:
         counted as sent there; the caller submits it."""
         router = self.routers[pool]
         members = self.pools[pool]
-        hashes: list[int] | tuple = ()
-        if router.needs_block_hashes:
-            hashes = Request(
-                spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments
-            ).hash_full_blocks(self.block_size)
-        request = RouteRequest(spec.request_id, affinity_key(spec, client_id), hashes)
+        request = route_request(spec, client_id, self.block_size, router.needs_block_hashes, now)
         states = [ReplicaState(self.outstanding[i], *self.scraped[i]) for i in members]
         j = router.pick(request, states)
         router.routed(request, j)
@@ -438,6 +435,9 @@ class Fleet:
                     summary.slo[key]["pass"] = False
             summary = dataclasses.replace(summary, slo_pass=False)
         records = None if self.records is None else [self.records[i] for i in sorted(self.records)]
+        if records is not None:
+            for record in records:
+                record.replica = int(self.replica_of[record.request_id])
         return FleetResult(
             scenario, summary, metrics, StepLog(keep=False), records, provenance(scenario), stopped,
             replica_steps=[r.steps for r in self.replicas],
@@ -492,6 +492,47 @@ def _add_counters(total: SpecDecodeCounters | None, part: SpecDecodeCounters) ->
         else:
             per_pos.append(count)
     return total
+
+
+def replica_rows(
+    records: list[RequestRecord], num_replicas: int, slo: dict[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """Per replica, from the records alone (each names its ``replica``): requests routed,
+    completed, tokens routed (prompt + max_tokens), latency percentiles and throughput."""
+    from simcap.metrics import summarize
+
+    stat = Distribution.stat
+    rows = []
+    for i in range(num_replicas):
+        mine = [r for r in records if r.replica == i]
+        row: dict[str, Any] = {
+            "replica": i,
+            "requests": len(mine),
+            "tokens": sum(r.num_prompt_tokens + r.max_tokens for r in mine),
+        }
+        if any(r.succeeded for r in mine):
+            summary = summarize(mine, slo=slo)
+            row.update(
+                completed=summary.completed,
+                ttft_p50_s=stat(summary.ttft_s, "p50"),
+                ttft_p95_s=stat(summary.ttft_s, "p95"),
+                tpot_p95_s=stat(summary.tpot_s, "p95"),
+                e2e_p95_s=stat(summary.e2e_s, "p95"),
+                output_tokens_per_s=summary.throughput["output_tokens_per_s"],
+            )
+        else:
+            row.update(completed=0, ttft_p50_s=None, ttft_p95_s=None, tpot_p95_s=None,
+                       e2e_p95_s=None, output_tokens_per_s=None)
+        rows.append(row)
+    return rows
+
+
+def load_imbalance(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Max / mean over the replicas of :func:`replica_rows`' requests and tokens routed."""
+    return {
+        "requests": _ratio_max_mean([float(r["requests"]) for r in rows]),
+        "tokens": _ratio_max_mean([float(r["tokens"]) for r in rows]),
+    }
 
 
 def simulate_fleet(

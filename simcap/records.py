@@ -8,6 +8,8 @@ In a closed-loop run, ``client_id`` says which client (0..concurrency-1) sent th
 (None in an open-loop run), so the run can be replayed client by client
 (:class:`simcap.workload.ClosedLoopTrace`). A turn of a multi-turn session
 (:mod:`simcap.sessions`) carries its ``session_id`` and ``turn`` (0-based); None otherwise.
+In a fleet (simulated, or a live run over several servers), ``replica`` says which replica
+(0..N-1) the router sent it to; None on a lone engine.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class RequestRecord:
     client_id: int | None = None  # closed loop: the client that sent it
     session_id: int | None = None  # a session's turn: which session
     turn: int | None = None  # and which of its turns (0-based)
+    replica: int | None = None  # a fleet's: the replica that served it
 
     @property
     def num_output_tokens(self) -> int:

@@ -231,6 +231,34 @@ def render_fleet(fleet: dict[str, Any], console: Console) -> None:
         )
 
 
+def render_live_fleet(fleet: dict[str, Any], console: Console) -> None:
+    """Print a live run over several servers: one row per server (requests routed to it, its
+    latencies, and its own counters against the client's), and the load imbalance."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"fleet: {fleet['replicas']} servers, router {fleet['router']} (latencies in ms)",
+        title_justify="left",
+    )
+    for col in ("#", "server", "reqs", "done", "tokens", "TTFT p50", "TTFT p95", "E2E p95",
+                "out tok/s", "server gen tokens"):
+        table.add_column(col, justify="left" if col in ("#", "server") else "right")
+    for row in fleet["per_replica"]:
+        check = row["cross_check"]
+        rel = check["generation_tokens_rel_diff"]
+        out = row["output_tokens_per_s"]
+        table.add_row(
+            str(row["replica"]), row["base_url"], f"{row['requests']:,}", f"{row['completed']:,}",
+            f"{row['tokens']:,}", _ms(row["ttft_p50_s"]), _ms(row["ttft_p95_s"]),
+            _ms(row["e2e_p95_s"]), "-" if out is None else f"{out:,.1f}",
+            "n/a" if rel is None else f"{rel * 100:+.2f}%",
+        )
+    console.print(table)
+    imb = fleet["load_imbalance"]
+    parts = ["-" if imb[k] is None else f"{imb[k]:.3f}" for k in ("requests", "tokens")]
+    console.print(f"load imbalance (max / mean): requests {parts[0]}, tokens {parts[1]}")
+
+
 def render_kv_plan(plan: dict[str, Any], console: Console) -> None:
     """Print a KV pool plan: where each card's memory goes and what the pool holds."""
     from rich.table import Table

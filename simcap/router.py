@@ -75,6 +75,20 @@ def affinity_key(spec: Any, client_id: int | None) -> int | None:
     return session_id if session_id is not None else client_id
 
 
+def route_request(spec: Any, client_id: int | None, block_size: int, hashes: bool,
+                  now: float = 0.0) -> RouteRequest:
+    """What a router is told of ``spec``: its id, affinity key and, when the router reads
+    them (``hashes``), its prompt's full-block hashes at ``block_size``."""
+    block_hashes: Sequence[int] = ()
+    if hashes:
+        from simcap.engine.request import Request
+
+        block_hashes = Request(
+            spec.request_id, now, spec.num_prompt_tokens, spec.max_tokens, spec.segments
+        ).hash_full_blocks(block_size)
+    return RouteRequest(spec.request_id, affinity_key(spec, client_id), block_hashes)
+
+
 def session_hash(key: int) -> int:
     """A well-mixed 64-bit hash of an affinity key (splitmix64's finaliser): the same in
     every run, unlike Python's salted string hashes."""

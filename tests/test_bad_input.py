@@ -28,6 +28,7 @@ from simcap.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 URL = "http://127.0.0.1:9"  # nothing listens there
+URL2 = "http://127.0.0.1:7"  # nor there
 SCENARIO = {
     "engine": dict(max_num_seqs=8, max_num_batched_tokens=512, block_size=32, num_gpu_blocks=64,
                    max_model_len=2048),
@@ -174,6 +175,24 @@ CASES = [
      "workload.num_requests"),
     (["live", "run", "{s}", "--base-url", URL, "--set", "engine.max_num_seqs=true"], "engine.max_num_seqs"),
     (["live", "run", "{s}"], "--base-url"),
+    # several servers: one --base-url per deployment replica
+    (["live", "run", "{s}", "--base-url", URL, "--base-url", URL2], "--base-url"),
+    (["live", "run", "{s}", "--base-url", URL, "--set", "deployment.replicas=2"], "deployment.replicas is 2"),
+    (["live", "run", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=3"],
+     "deployment.replicas is 3"),
+    (["live", "validate", "{s}", "--base-url", URL, "--set", "deployment.replicas=2"], "deployment.replicas is 2"),
+    (["live", "validate", "{s}", "--base-url", URL, "--base-url", URL2], "--base-url"),
+    (["live", "validate", "{s}", "--base-url", URL, "--base-url", URL2, "--set",
+      "deployment={groups: [{replicas: 2}]}"], "deployment"),
+    (["live", "validate", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=2",
+      *CLOSED, "--replay", "closed"], "replay"),
+    (["live", "run", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=2",
+      *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"], "deployment: a session workload"),
+    (["live", "validate", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=2",
+      *SESSIONS, "workload.sessions={num_sessions: 2, turns: 3}"], "deployment: a session workload"),
+    (["live", "validate", "{s}", "--base-url", URL, "--base-url", URL2, "--set", "deployment.replicas=2",
+      "--launch", str(ROOT / "examples" / "servers" / "cpu-tiny.yaml")], "--launch"),
+    (["live", "validate", "{s}"], "--base-url"),
     (["live", "validate", "{s}", "--base-url", URL, "--plot", "{tmp}/e.foo"], "--plot"),
     (["live", "validate", "{s}", "--base-url", URL, "--plot", "{file}/e.png"], "--plot"),
     (["live", "validate", "{s}", "--base-url", URL, "--repeats", "0"], "--repeats"),

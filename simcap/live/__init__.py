@@ -2,6 +2,8 @@
 
 - :mod:`simcap.live.client` -- :func:`run_live`: the load generator (asyncio + httpx
   streaming), one :class:`~simcap.records.RequestRecord` per request, as the simulator makes.
+- :mod:`simcap.live.routing` -- :class:`LiveRouter`: the fleet's routers over several servers
+  (their own outstanding counts, the servers' scraped gauges).
 - :mod:`simcap.live.prompts` -- exact-length token-id prompts from a request's content segments.
 - :mod:`simcap.live.sessions` -- a live session's prompts: the conversation so far as exact
   token ids, answers as the server sent them.
@@ -31,6 +33,7 @@ _LAZY = {
     "LiveCapacity": "simcap.live.capacity",
     "LiveCrossover": "simcap.live.crossover",
     "LiveError": "simcap.live.client",
+    "LiveRouter": "simcap.live.routing",
     "LiveRun": "simcap.live.client",
     "PromptBuilder": "simcap.live.prompts",
     "Validation": "simcap.live.validate",

@@ -27,6 +27,10 @@ live_app = typer.Typer(
 _SET_HELP = "Override a scenario key: dotted.key=value (repeatable)."
 _KEY_HELP = "API key (sent as a Bearer header; visible in the process list: prefer --api-key-env)."
 _KEY_ENV_HELP = "Read the API key from this environment variable (default: SIMCAP_API_KEY when set)."
+_URLS_HELP = (
+    "vLLM server, e.g. http://127.0.0.1:8000; repeat it once per deployment replica to route "
+    "over several servers with the scenario's deployment.router."
+)
 _TIMEOUT_HELP = "Seconds a request may take (send to done) before it is cut and recorded as failed."
 
 
@@ -44,6 +48,11 @@ def _api_key(api_key: Optional[str], api_key_env: Optional[str]) -> Optional[str
             _fail(f"--api-key-env: environment variable {api_key_env} is not set")
         return value
     return os.environ.get(API_KEY_ENV) or None
+
+
+def _urls(base_urls: List[str]):
+    """One --base-url as itself, several as the list a fleet run takes."""
+    return base_urls[0] if len(base_urls) == 1 else list(base_urls)
 
 
 def _fail(message: str) -> None:
@@ -71,7 +80,7 @@ def _command_line(ctx: typer.Context, prefix: str, secret: frozenset[str] = froz
 @live_app.command("run")
 def run_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file (its workload is sent)."),
-    base_url: str = typer.Option(..., "--base-url", help="vLLM server, e.g. http://127.0.0.1:8000"),
+    base_url: List[str] = typer.Option(..., "--base-url", metavar="URL", help=_URLS_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
     endpoint: str = typer.Option("completions", "--endpoint", help="completions (exact token prompts) or chat."),
     out: Optional[Path] = typer.Option(None, "--out", help="JSONL file: one record per request, written as each completes."),
@@ -91,7 +100,7 @@ def run_cmd(
     key = _api_key(api_key, api_key_env)
     try:
         sc = load_scenario(scenario, set_ or [])
-        run = run_live(sc, base_url, model, endpoint=endpoint, out_path=out, progress=progress and not json_out,
+        run = run_live(sc, _urls(base_url), model, endpoint=endpoint, out_path=out, progress=progress and not json_out,
                        api_key=key, request_timeout_s=request_timeout)  # type: ignore[arg-type]
     except SimcapError as exc:
         _fail(str(exc))
@@ -125,7 +134,10 @@ def run_cmd(
             f"sessions: {sess['sessions']:,} started, {sess['ended_by_error']:,} ended at an errored turn; "
             f"server prefix-cache hit rate {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
         )
-    console.print(_cross_check_line(check))
+    if "fleet" in data:
+        report.render_live_fleet(data["fleet"], console)
+    else:
+        console.print(_cross_check_line(check))
     spec = _spec_line(data["server"])
     if spec:
         console.print(spec)
@@ -174,8 +186,8 @@ def _num(v) -> str:
 @live_app.command("validate")
 def validate_cmd(
     scenario: Path = typer.Argument(..., help="Scenario YAML file (workload, engine and step-time model)."),
-    base_url: Optional[str] = typer.Option(
-        None, "--base-url", help="vLLM server, e.g. http://127.0.0.1:8000 (or --launch)."
+    base_url: Optional[List[str]] = typer.Option(
+        None, "--base-url", metavar="URL", help=_URLS_HELP + " Or --launch instead, for one server."
     ),
     model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
     repeats: int = typer.Option(
@@ -212,7 +224,8 @@ def validate_cmd(
     from simcap.live.client import ENDPOINTS
     from simcap.live.plot import plot_validation_ecdfs
     from simcap.live.validate import (
-        REPLAYS, ks_line, replay_line, sessions_table, spread_line, validate, validation_table,
+        REPLAYS, fleet_table, ks_line, replay_line, sessions_table, spread_line, validate,
+        validation_table,
     )
     from simcap.plots import check_figure_path
     from simcap.scenario import load_scenario
@@ -226,7 +239,9 @@ def validate_cmd(
             check_figure_path(plot, "--plot")
         except SimcapError as exc:
             _fail(str(exc))
-    if (base_url is None) == (launch is None):
+    if launch is not None and base_url and len(base_url) > 1:
+        _fail(f"--launch: starts one server; a fleet's {len(base_url)} servers are given by --base-url alone")
+    if (not base_url) == (launch is None):
         _fail("--base-url: give either --base-url (a running server) or --launch SERVER.yaml, one of them")
     if restarts < 0:
         _fail(f"--restarts: must be >= 0 (got {restarts})")
@@ -249,7 +264,7 @@ def validate_cmd(
             model = model or config.served_model_name
             starter = lambda: launch_server(config, base_dir, speculative=sc.speculative is not None)  # noqa: E731
         result = validate(
-            sc, base_url or "", model, repeats, endpoint=endpoint, progress=not json_out,
+            sc, _urls(base_url or []), model, repeats, endpoint=endpoint, progress=not json_out,
             warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
             replay=replay, launch=starter, restarts=restarts,
         )  # fmt: skip
@@ -279,6 +294,9 @@ def validate_cmd(
     if table is not None:
         console.print(table)
     console.print(ks_line(data))
+    table = fleet_table(data)
+    if table is not None:
+        console.print(table)
     for note in data["notes"]:
         console.print(f"note: {note}", style="dim")
     if plot is not None:

@@ -39,6 +39,14 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
 - ``request_timeout_s``: a request that has not completed within that many seconds of its
   send is cut and recorded as failed, ``error`` saying ``timeout: ...`` and how many chunks
   had arrived; the run goes on.
+- Several base URLs (a scenario whose ``deployment.replicas`` is their number): the
+  deployment's router (:mod:`simcap.live.routing`, the simulated fleet's routers) picks a
+  server for each request as it is sent, from its own outstanding counts and the servers'
+  ``/metrics`` scraped every ``deployment.scrape_interval_s``; each record names its
+  ``replica`` (the URL's index), and the result has the per-replica table and the load
+  imbalance (:func:`simcap.fleet.replica_rows`), and per server its counters' cross-check.
+  Every server must take the longest request (its ``max_model_len``). A session workload
+  runs on one server (a scenario refuses sessions with a deployment).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ import numpy as np
 from simcap.errors import SimcapError
 from simcap.live.prom import ServerMetrics, cross_check, metrics_delta, scrape
 from simcap.live.prompts import PROBE_TEXT, PromptBuilder
+from simcap.live.routing import LiveRouter, check_fleet_urls
 from simcap.live.sessions import SessionPrompts
 from simcap.metrics import Summary, summarize
 from simcap.records import RequestRecord
@@ -120,6 +129,37 @@ class LiveRun:
     # Records whose usage carried prompt_tokens_details.cached_tokens (vLLM with
     # --enable-prompt-tokens-details): their num_cached_tokens is the server's prefix hit.
     cached_tokens_reported: int = 0
+    # Several servers: every base URL, and each server's scrapes before and after the run
+    # (``metrics_before``/``metrics_after`` are then None: no one server saw the whole run).
+    base_urls: list[str] = field(default_factory=list)
+    router: str | None = None
+    server_metrics: list[tuple[ServerMetrics | None, ServerMetrics | None]] = field(default_factory=list)
+
+    @property
+    def is_fleet(self) -> bool:
+        return len(self.base_urls) > 1
+
+    @property
+    def last_metrics(self) -> ServerMetrics | None:
+        """The first server's scrape after the run (its cache config stands for all)."""
+        if self.server_metrics:
+            return self.server_metrics[0][1]
+        return self.metrics_after
+
+    def fleet(self, slo: dict[str, float] | None = None) -> dict[str, Any] | None:
+        """Several servers: the per-replica table, the load imbalance and each server's
+        cross-check; None for one server."""
+        if not self.is_fleet:
+            return None
+        from simcap.fleet import load_imbalance, replica_rows
+
+        rows = replica_rows(self.records, len(self.base_urls), slo)
+        for row, url, (before, after) in zip(rows, self.base_urls, self.server_metrics):
+            mine = [r for r in self.records if r.replica == row["replica"]]
+            row["base_url"] = url
+            row["cross_check"] = cross_check(mine, metrics_delta(before, after))
+        return {"replicas": len(rows), "router": self.router, "per_replica": rows,
+                "load_imbalance": load_imbalance(rows)}
 
     @property
     def num_failed(self) -> int:
@@ -173,6 +213,7 @@ class LiveRun:
             },
             "server": self.server_delta(),
             "cross_check": self.cross_check(),
+            **({"fleet": self.fleet(slo)} if self.is_fleet else {}),
         }
 
 
@@ -463,7 +504,7 @@ def _progress(total: int | None, enabled: bool):
     return prog
 
 
-async def run_live_async(scenario: Scenario, base_url: str, model: str | None = None, **kwargs: Any) -> LiveRun:
+async def run_live_async(scenario: Scenario, base_url: str | Sequence[str], model: str | None = None, **kwargs: Any) -> LiveRun:
     """Async form of :func:`run_live` (same arguments; see :func:`_run_live_async`)."""
     try:
         return await _run_live_async(scenario, base_url, model, **kwargs)
@@ -473,7 +514,7 @@ async def run_live_async(scenario: Scenario, base_url: str, model: str | None = 
 
 async def _run_live_async(
     scenario: Scenario,
-    base_url: str,
+    base_url: str | Sequence[str],
     model: str | None = None,
     *,
     endpoint: Endpoint = "completions",
@@ -490,13 +531,17 @@ async def _run_live_async(
     if endpoint not in ENDPOINTS:
         raise LiveError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
     check_live_sessions(scenario, endpoint)
-    base_url = base_url.rstrip("/")
+    base_urls = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else base_url)]
+    check_fleet_urls(scenario, len(base_urls))
+    base_url = base_urls[0]
     workload = Workload(scenario.workload, scenario.seed)
     sessions = None if scenario.workload.sessions is None else SessionWorkload(scenario.workload, scenario.seed)
     arrival = scenario.workload.arrival
     closed = isinstance(arrival, ClosedArrival)
     chat = endpoint == "chat"
-    url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
+    urls = [u + ("/v1/chat/completions" if chat else "/v1/completions") for u in base_urls]
+    fleet = len(base_urls) > 1
+    router: LiveRouter | None = None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     check_request_timeout(request_timeout_s)
     timeout = httpx.Timeout(request_timeout_s, connect=min(30.0, request_timeout_s or 30.0), pool=None)
@@ -514,13 +559,15 @@ async def _run_live_async(
         async with httpx.AsyncClient(
             transport=transport, limits=limits, timeout=timeout, headers=auth_headers(api_key)
         ) as client:
-            model, max_len = await resolve_model(client, base_url, model)
             what, longest = _longest_request(scenario)
-            if max_len is not None and longest > max_len:
-                raise LiveError(
-                    f"{what}: prompt + output up to {longest} tokens exceed the "
-                    f"server's max_model_len ({max_len}) for model {model!r}"
-                )
+            for u in base_urls:  # every server must take the longest request
+                model, max_len = await resolve_model(client, u, model)
+                if max_len is not None and longest > max_len:
+                    where = f" at {u}" if fleet else ""
+                    raise LiveError(
+                        f"{what}: prompt + output up to {longest} tokens exceed the "
+                        f"server's max_model_len ({max_len}) for model {model!r}{where}"
+                    )
             context_len = scenario.engine.max_model_len
             if sessions is not None and max_len is not None and max_len < context_len:
                 notes.append(
@@ -542,9 +589,17 @@ async def _run_live_async(
                 return json.dumps(request_body(endpoint, model, spec, prompt, return_token_ids)).encode()
 
             sink = _Sink(out_path)
-            before = await scrape(client, base_url)
-            if before is None:
-                notes.append("server has no readable /metrics: no server-side cross-check")
+            befores = [await scrape(client, u) for u in base_urls]
+            before = befores[0]
+            for u, b in zip(base_urls, befores):
+                if b is None:
+                    where = f" ({u})" if fleet else ""
+                    notes.append(f"server{where} has no readable /metrics: no server-side cross-check")
+            if fleet:
+                router = LiveRouter(
+                    scenario, len(base_urls), block_size=before.block_size if before else None,
+                    capacities=[b.num_gpu_blocks - 1 if b and b.num_gpu_blocks else None for b in befores],
+                )
             if sessions is not None:  # turns per run are not known in advance
                 n_total = None
                 times = None if closed else sessions.start_times()
@@ -567,7 +622,15 @@ async def _run_live_async(
                 rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens,
                                     client_id=client_id, session_id=spec.session_id, turn=spec.turn)
                 records[spec.request_id] = rec
-                usage = await stream_request(client, url, body, rec, t0, chat, fixups, request_timeout_s, token_ids)
+                replica = 0
+                if router is not None:
+                    replica = rec.replica = router.send(spec, client_id)
+                try:
+                    usage = await stream_request(client, urls[replica], body, rec, t0, chat, fixups,
+                                                 request_timeout_s, token_ids)
+                finally:
+                    if router is not None:
+                        router.ended(replica)
                 if usage is not None and isinstance((usage.get("prompt_tokens_details") or {}).get("cached_tokens"), int):
                     cached_reported += 1
                 if rec.error and api_key:
@@ -619,6 +682,9 @@ async def _run_live_async(
                     session_counts["ended_sessions"] += conv.ended
 
             sched_lag: list[float] = []
+            scraper = None
+            if router is not None and router.reads_gauges:
+                scraper = asyncio.create_task(_scrape_every(client, base_urls, router))
             try:
                 if sessions is not None and closed:
                     assert isinstance(arrival, ClosedArrival)
@@ -687,8 +753,16 @@ async def _run_live_async(
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
+            finally:
+                if scraper is not None:
+                    scraper.cancel()
+                    await asyncio.gather(scraper, return_exceptions=True)
             wall = time.perf_counter() - t0
-            after = await _scrape_settled(client, base_url, before, records.values())
+            afters = []
+            for i, (u, b) in enumerate(zip(base_urls, befores)):
+                mine = [r for r in records.values() if not fleet or r.replica == i]
+                afters.append(await _scrape_settled(client, u, b, mine))
+            after = afters[0]
     finally:
         if prog is not None:
             prog.stop()
@@ -729,14 +803,31 @@ async def _run_live_async(
         achieved_rate=achieved,
         wall_duration_s=wall,
         max_send_lag_s=lag,
-        metrics_before=before,
-        metrics_after=after,
+        metrics_before=None if fleet else before,
+        metrics_after=None if fleet else after,
         token_fixups=fixups,
         notes=notes,
         out_path=str(out_path) if out_path else None,
         sessions=session_counts if sessions is not None else None,
         cached_tokens_reported=cached_reported,
+        base_urls=base_urls if fleet else [],
+        router=scenario.deployment.router if fleet and scenario.deployment else None,
+        server_metrics=list(zip(befores, afters)) if fleet else [],
     )
+
+
+async def _scrape_every(client: httpx.AsyncClient, base_urls: Sequence[str], router: LiveRouter) -> None:
+    """Every ``scrape_interval_s`` from the run's start: each server's gauges, to the router."""
+    interval = router.scrape_interval_s
+    start = time.perf_counter()
+    k = 1
+    while True:
+        delay = start + k * interval - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        k += 1
+        for i, u in enumerate(base_urls):
+            router.observe(i, await scrape(client, u))
 
 
 async def _scrape_settled(client, base_url, before, records) -> ServerMetrics | None:
@@ -778,7 +869,7 @@ def check_request_timeout(request_timeout_s: float | None) -> None:
 
 def run_live(
     scenario: Scenario,
-    base_url: str,
+    base_url: str | Sequence[str],
     model: str | None = None,
     *,
     endpoint: Endpoint = "completions",
@@ -786,7 +877,8 @@ def run_live(
     progress: bool = True,
     **kwargs: Any,
 ) -> LiveRun:
-    """Run ``scenario``'s workload against the vLLM server at ``base_url`` (see module doc).
+    """Run ``scenario``'s workload against the vLLM server at ``base_url``, or routed over
+    the servers of a list of base URLs, one per ``deployment`` replica (see module doc).
 
     ``model``: the served model name (None: the server's first). ``out_path``: JSONL file the
     records are appended to as requests complete (truncated first). ``progress``: a rich

@@ -37,6 +37,15 @@ run is simulated with that run's own acceptance (vLLM's per-position acceptance 
 for ngram, its proposal rate (drafts per decode request-step, the server's ITL sample count),
 so the comparison judges the step-time model, not a guess of acceptance; the scenario's and
 the run's values are both in the notes. ``adopt_spec_acceptance=False`` keeps the scenario's.
+
+A fleet (a scenario with ``deployment``, one base URL per replica): each live run, routed by
+the deployment's router over the servers, is replayed at its send times through the
+simulated fleet with the same router (:func:`simcap.fleet.simulate_fleet`), which routes the
+requests anew from its own simulated state. Besides the fleet-wide metrics above, ``fleet``
+compares per replica the requests and tokens routed and TTFT/E2E, and the load imbalance
+(max / mean over the replicas of requests and of tokens), live against predicted, and how
+many requests the simulated router sent where the live one did. A fleet's servers are given
+by their URLs (``launch`` starts one server), and a session workload runs on one server.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from rich.table import Table
 from simcap.live.client import LiveError, LiveRun, auth_headers, check_live_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics
+from simcap.live.routing import check_fleet_urls
 from simcap.metrics import Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario
@@ -129,6 +139,64 @@ def session_trace_of(run: LiveRun) -> ClosedLoopTrace:
     return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j), by=by)
 
 
+FLEET_KEYS = ("requests", "tokens", "ttft_p50_s", "e2e_p95_s")
+
+
+def fleet_pair(run: LiveRun, sim_records: list[RequestRecord]) -> dict[str, Any]:
+    """One fleet run, live and its replay: per-replica rows, imbalance, and the fraction of
+    requests the simulated router sent to the replica the live one chose (the replay's
+    request j is the live run's j-th completed request in send order)."""
+    from simcap.fleet import load_imbalance, replica_rows
+
+    n = len(run.base_urls)
+    live_rows = replica_rows(run.records, n)
+    sim_rows = replica_rows(sim_records, n)
+    done = sorted((r for r in run.records if r.succeeded), key=lambda r: (r.arrival_time, r.request_id))
+    sim = sorted(sim_records, key=lambda r: r.request_id)
+    same = sum(1 for a, b in zip(done, sim) if a.replica == b.replica)
+    return {
+        "live": {"per_replica": live_rows, "load_imbalance": load_imbalance(live_rows)},
+        "predicted": {"per_replica": sim_rows, "load_imbalance": load_imbalance(sim_rows)},
+        "same_replica_fraction": same / len(sim) if sim else None,
+    }
+
+
+def compare_fleet(repeats: Sequence["Repeat"]) -> dict[str, Any]:
+    """Per imbalance measure and per replica metric: every repeat's live and predicted value,
+    the live range and median, the predicted median and whether it lies in the live range."""
+    clean = [r for r in repeats if not r.disturbed] or list(repeats)
+
+    def entry(live_all: list, pred_all: list, live: list, pred: list) -> dict[str, Any]:
+        live = [v for v in live if v is not None]
+        pred = [v for v in pred if v is not None]
+        lo, hi = (min(live), max(live)) if live else (None, None)
+        p = float(np.median(pred)) if pred else None
+        med = float(np.median(live)) if live else None
+        return {"live": live_all, "predicted_per_repeat": pred_all, "live_min": lo, "live_max": hi,
+                "live_median": med, "predicted": p, "rel_error": _rel(p, med),
+                "in_range": None if p is None or lo is None else bool(lo <= p <= hi)}
+
+    out: dict[str, Any] = {"load_imbalance": {}, "per_replica": []}
+    for key in ("requests", "tokens"):
+        get = lambda r, side: r.fleet[side]["load_imbalance"][key]  # noqa: E731
+        out["load_imbalance"][key] = entry(
+            [get(r, "live") for r in repeats], [get(r, "predicted") for r in repeats],
+            [get(r, "live") for r in clean], [get(r, "predicted") for r in clean],
+        )
+    n = len(repeats[0].fleet["live"]["per_replica"])
+    for i in range(n):
+        row: dict[str, Any] = {"replica": i}
+        for key in FLEET_KEYS:
+            get = lambda r, side: r.fleet[side]["per_replica"][i][key]  # noqa: E731
+            row[key] = entry(
+                [get(r, "live") for r in repeats], [get(r, "predicted") for r in repeats],
+                [get(r, "live") for r in clean], [get(r, "predicted") for r in clean],
+            )
+        out["per_replica"].append(row)
+    out["same_replica_fraction"] = [r.fleet["same_replica_fraction"] for r in repeats]
+    return out
+
+
 @dataclass
 class Repeat:
     """One live run and its simulated twin."""
@@ -142,6 +210,7 @@ class Repeat:
     prefix_cache_reset: str  # "ok", "not allowed (HTTP 404)", "skipped"
     sim_prefix_cache: dict[str, int] | None = None  # the simulated engine's queries / hits
     instance: int = 0  # which server instance it ran against (restarts)
+    fleet: dict[str, Any] | None = None  # several servers: fleet_pair()
 
     @property
     def live_prefix_hit_rate(self) -> float | None:
@@ -183,6 +252,7 @@ class Repeat:
                 "predicted_prefix_hit_rate": self.sim_prefix_hit_rate,
                 "predicted_prefix_cache": self.sim_prefix_cache,
             }} if self.live.sessions is not None else {}),
+            **({"fleet": self.fleet} if self.fleet is not None else {}),
         }
 
 
@@ -197,6 +267,7 @@ class Validation:
     replay: dict[str, Any] = field(default_factory=dict)  # how live runs were simulated
     sessions: dict[str, Any] | None = None  # a session workload: compare_sessions()
     spread: dict[str, Any] = field(default_factory=dict)  # which spread the band holds
+    fleet: dict[str, Any] | None = None  # several servers: compare_fleet()
 
     @property
     def used(self) -> list[Repeat]:
@@ -217,6 +288,7 @@ class Validation:
             "ks": self.ks,
             **({"sessions": self.sessions} if self.sessions is not None else {}),
             "notes": list(self.notes),
+            **({"fleet": self.fleet} if self.fleet is not None else {}),
         }
 
 
@@ -364,7 +436,7 @@ def server_cache_update(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
 
 def _adopt_server_config(scenario: Scenario, run: LiveRun, notes: list[str]) -> Scenario:
     """The scenario with the server's KV cache shape (block size, pool) where it reports it."""
-    after = run.metrics_after
+    after = run.last_metrics
     if after is None:
         notes.append("server exposes no cache_config_info: simulating the scenario's KV cache as given")
         return scenario
@@ -426,6 +498,7 @@ def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str,
     warm = scenario.model_copy(
         update={
             "seed": scenario.seed + 7919,
+            "deployment": None,  # each server of a fleet is warmed on its own
             "workload": wl.model_copy(
                 update={"arrival": ClosedArrival(process="closed", concurrency=min(4, n)),
                         "num_requests": n, "duration_s": None, "sessions": None}
@@ -437,7 +510,7 @@ def _warmup(scenario: Scenario, base_url: str, model: str | None, endpoint: str,
 
 def validate(
     scenario: Scenario,
-    base_url: str,
+    base_url: str | Sequence[str] | None,
     model: str | None = None,
     repeats: int = 3,
     *,
@@ -466,10 +539,13 @@ def validate(
     to ``{out_prefix}{i}.jsonl``. ``api_key``: Bearer token for every request (never stored).
     ``replay``: how each live run is simulated, ``"closed"`` (a closed-loop workload only: its
     clients and their measured gaps, the default for one) or ``"times"`` (its send times, the
-    default and the only choice for an open-loop workload).
+    default and the only choice for an open-loop workload or a fleet), or ``"sessions"`` (a
+    session workload, the default there). ``base_url``: a list of one URL per ``deployment``
+    replica validates a fleet (see the module doc).
     ``launch``: makes a fresh (not yet started) server, e.g. a
     :class:`~simcap.live.server.VllmServer` from :func:`simcap.live.launch.launch_server`;
-    then ``base_url`` is ignored and ``restarts + 1`` servers are started one after another,
+    then ``base_url`` is ignored (it may be empty; several URLs are refused: a launch starts
+    one server) and ``restarts + 1`` servers are started one after another,
     ``repeats`` runs against each, so the band holds the spread between server instances
     (``Validation.spread`` says which spread it holds).
     Other keyword options go to :func:`~simcap.live.client.run_live`.
@@ -481,10 +557,22 @@ def validate(
     if restarts and launch is None:
         raise LiveError("--restarts: restarting the server between repeats needs --launch (a server simcap starts)")
     check_live_sessions(scenario, endpoint)
+    urls = [] if base_url is None else [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = [u for u in urls if u]
+    if launch is not None and len(urls) > 1:
+        raise LiveError(
+            f"--launch: starts one server; a fleet's {len(urls)} servers are given by --base-url alone"
+        )
+    if launch is None and not urls:
+        raise LiveError("--base-url: give a running server's URL, or --launch SERVER.yaml")
+    check_fleet_urls(scenario, 1 if launch is not None else len(urls))
+    fleet = launch is None and len(urls) > 1
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
     has_sessions = scenario.workload.sessions is not None
     if replay is None:
-        replay = "sessions" if has_sessions else "closed" if closed else "times"
+        replay = "sessions" if has_sessions else "closed" if closed and not fleet else "times"
+    if replay == "closed" and fleet:
+        raise LiveError("replay: a fleet is replayed at its send times (replay: times)")
     if replay not in REPLAYS:
         raise LiveError(f"replay: must be one of {', '.join(REPLAYS)} (got {replay!r})")
     if replay == "sessions" and not has_sessions:
@@ -497,21 +585,23 @@ def validate(
     results: list[Repeat] = []
     simulated = scenario
 
-    def one_instance(base_url: str, server_pids: Iterable[int], instance: int) -> None:
+    def one_instance(base_urls: list[str], server_pids: Iterable[int], instance: int) -> None:
         nonlocal simulated
         if warmup:
-            _warmup(scenario, base_url, model, endpoint, api_key=api_key, **live_kwargs)
+            for url in base_urls:
+                _warmup(scenario, url, model, endpoint, api_key=api_key, **live_kwargs)
         for _ in range(repeats):
-            simulated = _one_repeat(len(results), instance, base_url, server_pids, simulated)
+            simulated = _one_repeat(len(results), instance, base_urls, server_pids, simulated)
 
-    def _one_repeat(i: int, instance: int, base_url: str, server_pids: Iterable[int],
+    def _one_repeat(i: int, instance: int, base_urls: list[str], server_pids: Iterable[int],
                     simulated: Scenario) -> Scenario:
-        reset = reset_prefix_cache(base_url, api_key=api_key) if reset_cache else "skipped"
+        resets = [reset_prefix_cache(u, api_key=api_key) if reset_cache else "skipped" for u in base_urls]
+        reset = next((r for r in resets if r != "ok"), resets[0])
         if reset != "ok" and reset_cache and i == 0:
             notes.append(f"prefix cache not reset between runs: {reset}; reruns may hit the cache")
-        watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(base_url)).start()
+        watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(base_urls[0])).start()
         out = f"{out_prefix}{i}.jsonl" if out_prefix else None
-        run = run_live(scenario, base_url, model, endpoint=endpoint, out_path=out, progress=progress,
+        run = run_live(scenario, base_urls, model, endpoint=endpoint, out_path=out, progress=progress,
                        api_key=api_key, **live_kwargs)  # type: ignore[arg-type]
         cpu = watch.stop()
         if i == 0 and adopt_server_cache_config:
@@ -535,16 +625,17 @@ def validate(
             notes.append(f"run {i}: {run.sessions['ended_by_error']} session(s) ended at an errored turn; "
                          "their later turns are in neither run")
         results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset,
-                              sim_prefix_cache=sim.prefix_cache, instance=instance))
+                              sim_prefix_cache=sim.prefix_cache, instance=instance,
+                              fleet=fleet_pair(run, sim.records) if fleet else None))
         return simulated
 
     if launch is None:
-        one_instance(base_url, server_pids, 0)
+        one_instance(urls, server_pids, 0)
     else:
         for instance in range(restarts + 1):
             server = launch()
             with server:
-                one_instance(server.base_url, sorted(server.pids()), instance)
+                one_instance([server.base_url], sorted(server.pids()), instance)
             if getattr(server, "failed", False):
                 notes.append(f"server instance {instance} did not stop cleanly (log {server.log_path})")
     instances = restarts + 1 if launch is not None else 1
@@ -580,7 +671,12 @@ def validate(
                              "requests in its order, sent the measured gap after its previous response)"}
     else:
         described = {"mode": "times", "clients": None, "text": "send times (each request at its live send time)"}
-    return Validation(scenario, simulated, results, metrics, ks, notes, described, spread=spread, sessions=sessions)
+    if fleet:
+        assert scenario.deployment is not None
+        described["text"] += (f"; through a simulated fleet of {len(urls)} replicas, router "
+                              f"{scenario.deployment.router} (it routes the replay itself)")
+    return Validation(scenario, simulated, results, metrics, ks, notes, described, spread=spread,
+                      sessions=sessions, fleet=compare_fleet(results) if fleet else None)
 
 
 SPREAD_METRICS = ("ttft_p50", "tpot_p50", "e2e_p50", "output_throughput")
@@ -693,6 +789,40 @@ def sessions_table(data: dict[str, Any]) -> Table | None:
 def replay_line(data: dict[str, Any]) -> str:
     """How the live runs were simulated, from ``to_dict()``."""
     return f"replay: {data['replay']['text']}"
+
+
+def fleet_table(data: dict[str, Any]) -> Table | None:
+    """Fleet validation: per replica and for the imbalance, live range vs predicted, from
+    ``to_dict()``; None without a fleet."""
+    fleet = data.get("fleet")
+    if not fleet:
+        return None
+    table = Table(title="fleet: simulated vs live (TTFT/E2E in ms)", title_justify="left")
+    for col in ("replica", "metric", "live", "live range", "predicted", "error vs median", "in range"):
+        table.add_column(col, justify="left" if col in ("replica", "metric") else "right", no_wrap=True)
+
+    def fmt(key: str, v: float | None) -> str:
+        if v is None:
+            return "-"
+        if key.endswith("_s"):
+            return f"{v * 1e3:,.1f}"
+        return f"{v:,.3f}" if key.startswith("imbalance") else f"{v:,.0f}"
+
+    def add(who: str, key: str, m: dict[str, Any]) -> None:
+        err = m["rel_error"]
+        table.add_row(
+            who, key, " ".join(fmt(key, v) for v in m["live"]),
+            f"{fmt(key, m['live_min'])} - {fmt(key, m['live_max'])}", fmt(key, m["predicted"]),
+            "-" if err is None else f"{err * 100:+.1f}%",
+            {True: "yes", False: "NO", None: "-"}[m["in_range"]],
+        )
+
+    for key, m in fleet["load_imbalance"].items():
+        add("fleet", f"imbalance {key}", m)
+    for row in fleet["per_replica"]:
+        for key in FLEET_KEYS:
+            add(str(row["replica"]), key, row[key])
+    return table
 
 
 def ks_line(data: dict[str, Any]) -> str:

@@ -2,7 +2,8 @@
 
 The ONLY place live mode runs against a fake: an in-process ``httpx.MockTransport`` that
 speaks vLLM's streaming protocol, so each fault is injected into one known request and the
-test checks that it is recorded as an error while every other request is kept intact. (It
+test checks that it is recorded as an error while every other request is kept intact; and
+two such hosts behind one transport, to check which host each routed request went to. (It
 needs no server, so it runs in the default test suite.)
 """
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from simcap.live.client import run_live
+from simcap.live.routing import LiveRouterError
 from simcap.records import RequestRecord
 from simcap.scenario import parse_scenario
 
@@ -244,6 +246,57 @@ def test_server_echo_of_the_key_in_a_request_error_is_masked():
     assert all(KEY not in r.error and "***" in r.error for r in run.records)
 
 
+# --------------------------------------------------------------------------- several servers
+
+
+class TwoFakeServers(FakeVllm):
+    """Two hosts behind one transport, answering without faults; each request's host is kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 1000  # past every fault index
+        self.hosts: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            self.hosts.append(request.url.host)
+        return super().__call__(request)
+
+
+def test_several_base_urls_route_each_request_and_record_its_replica():
+    sc = parse_scenario(
+        {
+            "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=4096),
+            "workload": dict(arrival={"process": "closed", "concurrency": 1}, num_requests=7,
+                             input_len=40, output_len=3),
+            "deployment": {"replicas": 2, "router": "roundrobin"},
+        }
+    )
+    fake = TwoFakeServers()
+    run = run_live(sc, ["http://a:8000", "http://b:8000/"], transport=httpx.MockTransport(fake), progress=False)
+    assert [r.replica for r in run.records] == [0, 1, 0, 1, 0, 1, 0]
+    assert fake.hosts == ["a", "b", "a", "b", "a", "b", "a"]
+    fleet = run.to_dict()["fleet"]
+    assert fleet["router"] == "roundrobin"
+    assert [(r["base_url"], r["requests"], r["completed"]) for r in fleet["per_replica"]] == [
+        ("http://a:8000", 4, 4), ("http://b:8000", 3, 3)]
+    assert fleet["load_imbalance"]["requests"] == pytest.approx(4 / 3.5)
+    assert run.metrics_before is None and run.server_delta() == {"available": False}
+    from rich.console import Console
+
+    from simcap.report import render_live_fleet
+
+    console = Console(record=True, width=160)
+    render_live_fleet(fleet, console)
+    text = console.export_text()
+    assert "router roundrobin" in text and "http://b:8000" in text
+    assert "load imbalance (max / mean): requests 1.143, tokens 1.143" in text
+    with pytest.raises(LiveRouterError, match="deployment.replicas is 2 but 3"):
+        run_live(sc, ["http://a:1", "http://b:1", "http://c:1"], progress=False)
+    with pytest.raises(LiveRouterError, match="deployment.replicas is 2 but 1"):
+        run_live(sc, "http://a:1", progress=False)
+
+
 # --------------------------------------------------------------------------- sessions
 
 FAIL_CALL = 4  # the 5th completion request sent fails (HTTP 500): its session ends there
@@ -391,7 +444,7 @@ def test_a_live_session_run_replays_as_its_sessions_in_the_simulator():
     assert sim_sessions["by_turn"][0]["prefix_hit_share"] == 0.0
     assert sim_sessions["by_turn"][1]["prefix_hit_share"] > 0.5
     assert 0 < sim.prefix_cache["hits"] < sim.prefix_cache["queries"]
-    rep = Repeat(0, run, run.summary(), sim.summary, sim.records, {}, "skipped", sim.prefix_cache)
+    rep = Repeat(0, run, run.summary(), sim.summary, sim.records, {}, "skipped", sim_prefix_cache=sim.prefix_cache)
     cmp = compare_sessions([rep])
     assert cmp["prefix_hit_rate"]["live"] == [None]  # the fake has no /metrics
     assert cmp["prefix_hit_rate"]["predicted"] == pytest.approx(sim.prefix_cache["hits"] / sim.prefix_cache["queries"])
