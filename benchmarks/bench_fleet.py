@@ -23,18 +23,7 @@ import subprocess
 import sys
 import time
 
-BASE = {
-    "engine": {
-        "max_num_seqs": 256,
-        "max_num_batched_tokens": 8192,
-        "block_size": 16,
-        "num_gpu_blocks": 16384,
-        "max_model_len": 4096,
-    },
-    "step_time": {"base": 0.004, "per_prefill_token": 1.0e-5, "per_decode_token": 5.0e-5},
-    "workload": {"arrival": {"process": "poisson", "rate": 5.0}, "input_len": 1000, "output_len": 200},
-    "seed": 0,
-}
+from bench_simulate import BASE  # the reference workload (num_requests set per case)
 
 
 def child(replicas: int, router: str, num_requests: int) -> None:
