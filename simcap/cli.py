@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 from typer.core import TyperGroup
@@ -73,6 +73,22 @@ def user_errors() -> Iterator[None]:
     except SimulationError as exc:  # a state vLLM could not reach: report, don't hide
         typer.echo(f"simulation error: {exc}", err=True)
         raise typer.Exit(1)
+
+
+def _show(result: Any, render: Callable[[Any, Any], None], json_out: bool, plot: Optional[Path],
+          plotter: str) -> None:
+    """A study's result: its figure (``simcap.plots.<plotter>``) when asked, then JSON or tables."""
+    if plot is not None:
+        from simcap import plots
+
+        with user_errors():
+            getattr(plots, plotter)(result, plot)
+    if json_out:
+        typer.echo(report.to_json(result.to_dict()))
+    else:
+        render(result, report.wide_console(120))
+    if plot is not None:
+        typer.echo(f"figure: {plot}", err=json_out)
 
 
 @app.command("simulate")
@@ -280,17 +296,7 @@ def capacity_cmd(
             interval_max_sets=interval_sets,
             early_stop=early_stop,
         )
-    if plot is not None:
-        from simcap.plots import plot_capacity
-
-        with user_errors():
-            plot_capacity(result, plot)
-    if json_out:
-        typer.echo(report.to_json(result.to_dict()))
-    else:
-        cap.render_capacity(result, report.wide_console(120))
-    if plot is not None:
-        typer.echo(f"figure: {plot}", err=json_out)
+    _show(result, cap.render_capacity, json_out, plot, "plot_capacity")
 
 
 @app.command("fleet")
@@ -354,17 +360,7 @@ def fleet_cmd(
         )
         if plot is not None:
             fs.add_safe_rate_curve(result, loaded, fs.curve_counts_for(result), workers=workers)
-    if plot is not None:
-        from simcap.plots import plot_fleet_sizing
-
-        with user_errors():
-            plot_fleet_sizing(result, plot)
-    if json_out:
-        typer.echo(report.to_json(result.to_dict()))
-    else:
-        fs.render_sizing(result, report.wide_console(120))
-    if plot is not None:
-        typer.echo(f"figure: {plot}", err=json_out)
+    _show(result, fs.render_sizing, json_out, plot, "plot_fleet_sizing")
 
 
 @app.command("sweep")

@@ -68,7 +68,7 @@ from simcap.router import ReplicaState, make_router, route_request
 from simcap.scenario import (
     ClosedArrival, Scenario, kv_transfer_bytes_per_token, replica_scenarios,
 )
-from simcap.simulator import Result, _World, provenance
+from simcap.simulator import Result, _World, closed_loop_clients, provenance
 from simcap.steplog import StepLog
 from simcap.workload import ClosedLoopTrace, RequestSpec, Workload
 
@@ -242,29 +242,13 @@ class Fleet:
 
     def closed_loop(self, arrival: ClosedArrival):
         """Closed-loop clients, each routed as it sends (as one engine's clients)."""
-        env = self.env
-        limit = self.workload.num_requests
-        duration = self.workload.duration_s
-        counter = iter(range(limit) if limit is not None else itertools.count())
-        spec_of = self.workload.spec
-
-        def client(c: int):
-            for i in counter:
-                if duration is not None and env.now >= duration:
-                    return
-                done = env.event()
-                self.send(spec_of(i), env.now, c, done.succeed)
-                yield done
-                if arrival.think_time_s:
-                    yield env.timeout(arrival.think_time_s)
-
-        clients = [env.process(client(c)) for c in range(arrival.concurrency)]
+        clients = closed_loop_clients(self.env, self.workload, arrival, self.send)
 
         def watch():
-            yield env.all_of(clients)
+            yield self.env.all_of(clients)
             self.sources_done = True
 
-        env.process(watch())
+        self.env.process(watch())
 
     def scrapes(self):
         """Every ``scrape_interval_s``: each replica's gauges, until nothing more is sent."""

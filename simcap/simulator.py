@@ -136,6 +136,31 @@ class _StretchGaps:
         return gaps, sizes
 
 
+def closed_loop_clients(
+    env: simpy.Environment, workload: Workload, arrival: ClosedArrival,
+    send: Callable[[RequestSpec, float, int, Callable[[int], object]], None],
+) -> list[simpy.Process]:
+    """``arrival.concurrency`` closed-loop clients (SimPy processes, returned), each sending
+    the workload's next request (``send(spec, now, client_id, done)``, ``done`` to be called
+    when its response ends), waiting for the response and the think time, until
+    ``num_requests`` are sent or ``duration_s`` has passed."""
+    limit = workload.num_requests
+    duration = workload.duration_s
+    counter = iter(range(limit) if limit is not None else itertools.count())
+
+    def client(c: int):
+        for i in counter:
+            if duration is not None and env.now >= duration:
+                return
+            done = env.event()
+            send(workload.spec(i), env.now, c, done.succeed)
+            yield done
+            if arrival.think_time_s:
+                yield env.timeout(arrival.think_time_s)
+
+    return [env.process(client(c)) for c in range(arrival.concurrency)]
+
+
 class _World:
     def __init__(
         self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False,
@@ -236,25 +261,10 @@ class _World:
             self._wakeup.succeed()
             self._wakeup = None
 
-    def closed_loop(self, arrival: ClosedArrival):
-        env = self.env
-        limit = self.workload.num_requests
-        duration = self.workload.duration_s
-        counter = iter(range(limit) if limit is not None else itertools.count())
-
-        def client(c: int):
-            for i in counter:
-                if duration is not None and env.now >= duration:
-                    return
-                done = env.event()
-                self._on_finish[i] = done.succeed
-                self.submit(self.workload.spec(i), env.now, c)
-                yield done
-                if arrival.think_time_s:
-                    yield env.timeout(arrival.think_time_s)
-
-        for c in range(arrival.concurrency):
-            env.process(client(c))
+    def send(self, spec: RequestSpec, now: float, client_id: int | None, done: Callable[[int], object]) -> None:
+        """A client's request: submitted now, ``done`` called with its output tokens when it ends."""
+        self._on_finish[spec.request_id] = done
+        self.submit(spec, now, client_id)
 
     def replay_clients(self, trace: ClosedLoopTrace) -> None:
         """One client per ``trace.clients[c]``: wait the gap, send, wait for the response."""
@@ -265,8 +275,7 @@ class _World:
                 if gap > 0:
                     yield env.timeout(gap)
                 done = env.event()
-                self._on_finish[spec.request_id] = done.succeed
-                self.submit(spec, env.now, c)
+                self.send(spec, env.now, c, done.succeed)
                 yield done
 
         for c, requests in enumerate(trace.clients):
@@ -293,8 +302,7 @@ class _World:
                     break
                 self._next_request_id = rid + 1
                 done = env.event()
-                self._on_finish[rid] = done.succeed
-                self.submit(spec, env.now, client_id)
+                self.send(spec, env.now, client_id, done.succeed)
                 num_output_tokens = yield done
                 think = conv.answered(num_output_tokens)
                 if conv.done:
@@ -591,7 +599,7 @@ class _World:
         elif isinstance(arrival, ClosedArrival):
             if self.stop is not None:
                 raise ValueError("a stop rule needs open-loop or replayed arrivals")
-            self.closed_loop(arrival)
+            closed_loop_clients(self.env, self.workload, arrival, self.send)
             self.env.process(self.engine())
         else:
             times = array("d", self.workload.arrival_times().tobytes())  # (compact)

@@ -57,7 +57,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Literal, Sequence
+from typing import IO, Any, Awaitable, Callable, Literal, Sequence
 
 import httpx
 import numpy as np
@@ -682,6 +682,19 @@ async def _run_live_async(
                     session_counts["ended_sessions"] += conv.ended
 
             sched_lag: list[float] = []
+
+            async def on_schedule(times, start: Callable[[int, float], Awaitable[Any]]) -> float:
+                """Open loop: ``start(i, t0)`` as a task at ``times[i]`` after t0 (now), each
+                send's lag behind its time kept; then wait for every task. Returns t0."""
+                t0 = time.perf_counter()
+                for i, t in enumerate(times.tolist()):
+                    delay = t0 + t - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    sched_lag.append(time.perf_counter() - t0 - t)
+                    tasks.append(asyncio.create_task(start(i, t0)))
+                await asyncio.gather(*tasks)
+                return t0
             scraper = None
             if router is not None and router.reads_gauges:
                 scraper = asyncio.create_task(_scrape_every(client, base_urls, router))
@@ -704,14 +717,7 @@ async def _run_live_async(
                     await asyncio.gather(*tasks)
                 elif sessions is not None:
                     assert times is not None
-                    t0 = time.perf_counter()
-                    for i, t in enumerate(times.tolist()):
-                        delay = t0 + t - time.perf_counter()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                        sched_lag.append(time.perf_counter() - t0 - t)
-                        tasks.append(asyncio.create_task(session(i, t0)))
-                    await asyncio.gather(*tasks)
+                    t0 = await on_schedule(times, session)
                 elif closed:
                     assert isinstance(arrival, ClosedArrival)
                     counter = iter(range(n_total) if n_total is not None else itertools.count())
@@ -737,14 +743,7 @@ async def _run_live_async(
                         spec = workload.spec(i)
                         specs[i] = spec
                         bodies.append(await body_for(spec))
-                    t0 = time.perf_counter()
-                    for i, t in enumerate(times.tolist()):
-                        delay = t0 + t - time.perf_counter()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                        sched_lag.append(time.perf_counter() - t0 - t)
-                        tasks.append(asyncio.create_task(one(specs[i], bodies[i], t0)))
-                    await asyncio.gather(*tasks)
+                    t0 = await on_schedule(times, lambda i, t0: one(specs[i], bodies[i], t0))
             except BaseException:
                 # Interrupted (Ctrl-C cancels this task): stop every request in flight before
                 # the client and the records file close, so only finished requests are kept.
