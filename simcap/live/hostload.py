@@ -11,8 +11,13 @@ measures the disturbance, not the server. :class:`CpuWatch` reads ``/proc/stat``
 - ``unattributed_cpu_s``: busy time no live process accounts for (interrupts, processes that
   exited during the run without being waited for by a live parent);
 
-Exited children that their parent waited for count towards the parent (``cutime``).
 - ``steal_s``: time the hypervisor gave to other guests (a VM's invisible neighbour).
+
+Exited children that their parent waited for count towards the parent (``cutime``), less the
+CPU time they had used before the run began (a long build job reaped during a short run would
+otherwise count its whole life). A process that was already running when the watch started but
+was not seen then (its ``/proc`` entry unreadable at that moment) has no baseline: it counts
+nothing, rather than its whole life.
 
 A run is ``disturbed`` when foreign processes or steal used more than ``threshold_cores`` of a
 core on average. Without ``/proc`` (not Linux) the watch reports ``available: False``.
@@ -83,6 +88,45 @@ def _processes() -> dict[int, _Proc]:
     return procs
 
 
+def _uptime_ticks() -> float | None:
+    """Seconds since boot, in clock ticks (the unit of a process's start time)."""
+    text = _read("/proc/uptime")
+    try:
+        return float(text.split()[0]) * _TICK if text else None
+    except (IndexError, ValueError):
+        return None
+
+
+def cpu_used(
+    before: dict[int, _Proc], after: dict[int, _Proc], started_ticks: float | None
+) -> dict[int, float]:
+    """CPU seconds each process alive at the end used between the two readings.
+
+    A process seen at both readings used the difference. One first seen at the end used its
+    whole life if it started after ``started_ticks`` (ticks since boot when ``before`` was
+    read), else nothing is known of it and it counts 0. A parent that reaped a child during the
+    run finds the child's whole life in its ``cutime``; the part the child had used before the
+    run (its ``before`` reading) is taken back off the parent.
+    """
+    used: dict[int, float] = {}
+    for pid, p in after.items():
+        old = before.get(pid)
+        if old is not None and old.start == p.start:
+            used[pid] = p.cpu_s - old.cpu_s
+        elif started_ticks is None or p.start >= started_ticks - 1:  # (tick rounding)
+            used[pid] = p.cpu_s
+        else:
+            used[pid] = 0.0
+    for pid, old in before.items():
+        now = after.get(pid)
+        if now is not None and now.start == old.start:
+            continue  # still running
+        parent = before.get(old.ppid)
+        if old.ppid in used and parent is not None and after[old.ppid].start == parent.start:
+            used[old.ppid] = max(used[old.ppid] - old.cpu_s, 0.0)
+    return used
+
+
 def _cmdline(pid: int) -> str:
     text = _read(f"/proc/{pid}/cmdline")
     return text.replace("\0", " ") if text else ""
@@ -137,10 +181,12 @@ class CpuWatch:
         self._t0 = 0.0
         self._sys0: dict[str, float] | None = None
         self._procs0: dict[int, _Proc] = {}
+        self._ticks0: float | None = None
 
     def start(self) -> "CpuWatch":
         self._t0 = time.monotonic()
         self._sys0 = _system_times()
+        self._ticks0 = _uptime_ticks()
         self._procs0 = _processes()
         return self
 
@@ -153,9 +199,12 @@ class CpuWatch:
         measured = _measured(procs1, self.roots, self.find_server, self.server_port)
         measured_s = foreign_s = 0.0
         top: list[tuple[float, str]] = []
-        for pid, p in procs1.items():
-            old = self._procs0.get(pid)
-            used = p.cpu_s - old.cpu_s if old is not None and old.start == p.start else p.cpu_s
+        # No process can have used more than every core for the whole run; more means a
+        # reaped child whose life before the run went unseen (an orphan reaped by init).
+        cap = wall * (os.cpu_count() or 1)
+        for pid, used in cpu_used(self._procs0, procs1, self._ticks0).items():
+            p = procs1[pid]
+            used = min(used, cap)
             if pid in measured:
                 measured_s += used
             else:

@@ -37,3 +37,36 @@ def test_foreign_and_own_cpu_are_told_apart():
 def test_quiet_threshold_logic():
     out = CpuWatch(server_pids=[1], threshold_cores=1e9).start().stop()
     assert out["available"] and out["disturbed"] is False
+
+
+def _proc(pid, ppid, cpu_s, start, name="p"):
+    from simcap.live.hostload import _Proc
+
+    return _Proc(pid, ppid, cpu_s, start, name)
+
+
+def test_cpu_used_hand_cases():
+    from simcap.live.hostload import cpu_used
+
+    before = {
+        10: _proc(10, 1, 5.0, 100),     # runs throughout: 5 -> 7.5 s
+        11: _proc(11, 10, 100.0, 200),  # a long job with 100 s behind it, reaped by 10 in the run
+        12: _proc(12, 1, 3.0, 300),     # exits unreaped by anyone alive: nothing to take back
+    }
+    after = {
+        10: _proc(10, 1, 5.0 + 2.5 + 100.0 + 0.5, 100),  # own 2.5 s + the reaped job's life (100 + 0.5)
+        20: _proc(20, 10, 4.0, 5000),   # started during the run (watch started at tick 4000)
+        21: _proc(21, 1, 900.0, 50),    # running before the watch started, unseen then
+        30: _proc(30, 1, 1.0, 7000, "reused pid"),
+    }
+    used = cpu_used(before, after, started_ticks=4000)
+    assert used[10] == 2.5 + 0.5  # the reaped job's 0.5 s in the run, not its 100 s before it
+    assert used[20] == 4.0
+    assert used[21] == 0.0
+    assert used[30] == 1.0
+    assert set(used) == set(after)
+    # A PID reused by a new process is a new process, and the old one exited.
+    reused = {10: _proc(10, 1, 0.25, 9000)}
+    assert cpu_used({10: _proc(10, 1, 50.0, 100)}, reused, started_ticks=8000) == {10: 0.25}
+    # Without an uptime reading, an unseen process counts in full (the old behaviour).
+    assert cpu_used({}, {21: _proc(21, 1, 9.0, 50)}, started_ticks=None) == {21: 9.0}
