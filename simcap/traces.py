@@ -71,7 +71,7 @@ _TIME_UNIT_S = {"azure": 1e-7, "mooncake": 1e-3, "burstgpt": 1.0, "sharegpt": 1.
 class TraceConfig(BaseModel):
     """``workload.trace``: which file, in which format, and which part of it to send."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, defer_build=True)
 
     format: TraceFormat
     path: str = Field(min_length=1, description="the trace file, relative to the scenario")
