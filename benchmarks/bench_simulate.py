@@ -13,7 +13,12 @@ per workload: wall seconds of the ``simulate`` call and of the whole child proce
 imports, scenario, simulation), simulated seconds per wall second, engine steps per second,
 peak RSS. ``--peer`` also times NVIDIA Dynamo's compiled mocker on the same
 workload (when importable: ``pip install --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1``)
-interleaved with simcap, and prints the ratio; ``--reference`` does the same for simcap's
+interleaved with simcap, and prints the ratio, and it adds the arm the speed target speaks
+of: the whole ``simcap simulate FILE`` process as a user runs it (``python -m simcap`` on the
+real interpreter, bytecode compiled, the scenario as a YAML file, the tables written to a
+pipe), interleaved with the peer's whole process (a Python process that imports the mocker
+and replays the same workload). The target compares those two whole processes: simcap's at
+most 0.7x the peer's. ``--reference`` does the same for simcap's
 step-by-step reference path. ``--eagle3`` times the ``spec`` workload (EAGLE3) against the
 ``reference`` one (no speculation), interleaved, and prints their ratio. Machines are shared
 and noisy: compare medians of runs measured side by side, never a lone figure. simcap's
@@ -36,6 +41,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,6 +128,27 @@ def measure(which: str, name: str, num_requests: int | None) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "process": process}
 
 
+def measure_cli(tree: Path, scenario_file: Path) -> dict:
+    """Wall seconds of the whole ``simcap simulate FILE`` process, output to a pipe."""
+    cmd = [sys.executable, "-m", "simcap", "simulate", str(scenario_file)]
+    env = dict(os.environ, PYTHONPATH=str(tree))  # this tree's simcap, not an installed one
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr.decode()[-2000:]}")
+    return {"process": process}
+
+
+def write_scenario(name: str, num_requests: int | None, folder: Path) -> Path:
+    """The workload as the YAML file a user would pass to ``simcap simulate``."""
+    import yaml
+
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(scenario_data(name, num_requests), sort_keys=False))
+    return path
+
+
 def compile_bytecode(tree: Path) -> None:
     """Write ``tree``'s simcap bytecode, as an installed package has it (module doc)."""
     compileall.compile_dir(str(tree / "simcap"), quiet=1)
@@ -173,7 +200,8 @@ def main() -> None:
 
     import simcap
 
-    compile_bytecode(Path(simcap.__file__).parents[1])
+    tree = Path(simcap.__file__).parents[1]
+    compile_bytecode(tree)
     print(f"simcap {simcap.__version__}, Python {platform.python_version()}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     if args.eagle3:
@@ -188,10 +216,15 @@ def main() -> None:
                 print("compiled peer: not installed; skipped")
         if args.reference:
             arms.append("reference")
+        if "peer" in arms:
+            arms.append("cli")  # the whole simcap simulate process, against the peer's
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-        for _ in range(args.repeats):
-            for arm in arms:  # interleaved, so that machine noise hits every arm alike
-                runs[arm].append(measure(arm, name, args.num_requests))
+        with tempfile.TemporaryDirectory(prefix="simcap-bench-") as folder:
+            scenario_file = write_scenario(name, args.num_requests, Path(folder))
+            for _ in range(args.repeats):
+                for arm in arms:  # interleaved, so that machine noise hits every arm alike
+                    runs[arm].append(measure_cli(tree, scenario_file) if arm == "cli"
+                                     else measure(arm, name, args.num_requests))
         sim = runs["simcap"]
         wall = statistics.median(r["wall"] for r in sim)
         sim_s, steps = sim[0]["sim_s"], sim[0]["steps"]
@@ -211,6 +244,9 @@ def main() -> None:
             print(f"simcap / peer     {wall / pw:.2f}")
             pp = statistics.median(r["process"] for r in runs["peer"])
             print(f"whole process     peer {pp:.3f} s (median); simcap / peer {process / pp:.2f}")
+            cli = statistics.median(r["process"] for r in runs["cli"])
+            print(f"simcap simulate   {cli:.3f} s whole process (median; all: {_walls(runs['cli'], 'process')})")
+            print(f"                  / peer's whole process {cli / pp:.2f} (target <= 0.7)")
         if "reference" in runs:
             ref = statistics.median(r["wall"] for r in runs["reference"])
             print(f"reference path    {ref:.3f} s (median); fast path is {ref / wall:.1f}x faster")
