@@ -1,7 +1,5 @@
 """The ``simcap`` command: parse, call the library, render. No logic of its own."""
 
-from __future__ import annotations
-
 import atexit
 import gc
 import os
