@@ -168,11 +168,11 @@ def print_stages(arms: dict[str, Path | None], scenario_file: Path, repeats: int
             runs[arm].append(stages_once(trees[arm], scenario_file))
     print(f"\nstages of the reference case (simcap simulate, tables to a pipe), median ms of "
           f"{repeats} interleaved rounds")
-    print(f"{'stage':<28}" + "".join(f"{arm:>10}" for arm in trees))
+    print(f"{'stage':<36}" + "".join(f"{arm:>10}" for arm in trees))
     for stage in (*STAGES, "whole process"):
         cells = [statistics.median(run[stage] for run in runs[arm]) * 1e3 if stage in runs[arm][0]
                  else None for arm in trees]
-        print(f"{stage:<28}" + "".join("         -" if c is None else f"{c:>10.1f}" for c in cells))
+        print(f"{stage:<36}" + "".join("         -" if c is None else f"{c:>10.1f}" for c in cells))
 
 
 def import_total_ms(stderr: str) -> float:
