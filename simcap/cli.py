@@ -82,7 +82,7 @@ def _fail(message: str) -> None:
 @contextmanager
 def _without_pydantic_plugins() -> Iterator[None]:
     """pydantic looks for plugins the first time it builds a validator: it reads the entry
-    points of every installed distribution (``importlib.metadata``), some 20 ms of a command's
+    points of every installed distribution (``importlib.metadata``), 5-15 ms of a command's
     start. The command builds simcap's scenario models without plugins, as typer builds its
     parameters': ``PYDANTIC_DISABLE_PLUGINS`` is set while a scenario loads and then restored,
     so the library, and every process a command starts, keep the user's setting."""
@@ -219,7 +219,6 @@ def kv_cmd(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Size the KV pool from card memory, model shape and flags, as vLLM does at start-up."""
-
     try:
         loaded = _load_scenario(scenario, set_, check=False)
     except SimcapError as exc:
