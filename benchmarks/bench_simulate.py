@@ -13,7 +13,12 @@ per workload: wall seconds of the ``simulate`` call and of the whole child proce
 imports, scenario, simulation), simulated seconds per wall second, engine steps per second,
 peak RSS. ``--peer`` also times NVIDIA Dynamo's compiled mocker on the same
 workload (when importable: ``pip install --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1``)
-interleaved with simcap, and prints the ratio; ``--reference`` does the same for simcap's
+interleaved with simcap, and prints the ratio, and it adds the arm the speed target speaks
+of: the whole ``simcap simulate FILE`` process as a user runs it (``python -m simcap`` on the
+real interpreter, bytecode compiled, the scenario as a YAML file, the tables written to a
+pipe), interleaved with the peer's whole process (a Python process that imports the mocker
+and replays the same workload, nothing else). The target compares those two whole processes: simcap's at
+most 0.7x the peer's. ``--reference`` does the same for simcap's
 step-by-step reference path. ``--eagle3`` times the ``spec`` workload (EAGLE3) against the
 ``reference`` one (no speculation), interleaved, and prints their ratio. Machines are shared
 and noisy: compare medians of runs measured side by side, never a lone figure. simcap's
@@ -90,19 +95,37 @@ def run_simcap(data: dict, fast: bool) -> dict:
             "completed": result.summary.completed}
 
 
-def run_peer(data: dict) -> dict:
-    from dynamo._core import run_mocker_synthetic_trace_replay
-
+def peer_call(data: dict) -> tuple[list, dict]:
+    """Arguments of the peer's ``run_mocker_synthetic_trace_replay`` for the workload."""
     engine = data["engine"]
     config = {"engine": {"backend": "vllm", **{k: engine[k] for k in (
         "block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks")}}}
     wl = data["workload"]
+    return ([wl["input_len"], wl["output_len"], wl["num_requests"]],
+            {"extra_engine_args": config, "request_rate": wl["arrival"]["rate"]})
+
+
+def run_peer(data: dict) -> dict:
+    from dynamo._core import run_mocker_synthetic_trace_replay
+
+    args, kwargs = peer_call(data)
     t0 = time.perf_counter()
-    run_mocker_synthetic_trace_replay(
-        wl["input_len"], wl["output_len"], wl["num_requests"], extra_engine_args=config,
-        request_rate=wl["arrival"]["rate"],
-    )
+    run_mocker_synthetic_trace_replay(*args, **kwargs)
     return {"wall": time.perf_counter() - t0}
+
+
+# The peer's whole process: the interpreter, the mocker's import and the replay, nothing else.
+_PEER_PROCESS = ("import json, sys\nfrom dynamo._core import run_mocker_synthetic_trace_replay\n"
+                 "args, kwargs = json.loads(sys.argv[1])\n"
+                 "run_mocker_synthetic_trace_replay(*args, **kwargs)\n")
+
+
+def measure_peer_process(name: str, num_requests: int | None) -> dict:
+    """Wall seconds of the peer's whole process on the workload (:data:`_PEER_PROCESS`)."""
+    cmd = [sys.executable, "-c", _PEER_PROCESS, json.dumps(peer_call(scenario_data(name, num_requests)))]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    return {"process": time.perf_counter() - t0}
 
 
 def child(which: str, name: str, num_requests: int | None) -> None:
@@ -120,6 +143,27 @@ def measure(which: str, name: str, num_requests: int | None) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     process = time.perf_counter() - t0
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "process": process}
+
+
+def measure_cli(tree: Path, scenario_file: Path) -> dict:
+    """Wall seconds of the whole ``simcap simulate FILE`` process, output to a pipe."""
+    cmd = [sys.executable, "-m", "simcap", "simulate", str(scenario_file)]
+    env = dict(os.environ, PYTHONPATH=str(tree))  # this tree's simcap, not an installed one
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr.decode()[-2000:]}")
+    return {"process": process}
+
+
+def write_scenario(name: str, num_requests: int | None, folder: Path) -> Path:
+    """The workload as the YAML file a user would pass to ``simcap simulate``."""
+    import yaml
+
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(scenario_data(name, num_requests), sort_keys=False))
+    return path
 
 
 def compile_bytecode(tree: Path) -> None:
@@ -171,9 +215,12 @@ def main() -> None:
         child(args.child, names[0], args.num_requests)
         return
 
+    import tempfile
+
     import simcap
 
-    compile_bytecode(Path(simcap.__file__).parents[1])
+    tree = Path(simcap.__file__).parents[1]
+    compile_bytecode(tree)
     print(f"simcap {simcap.__version__}, Python {platform.python_version()}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     if args.eagle3:
@@ -188,10 +235,19 @@ def main() -> None:
                 print("compiled peer: not installed; skipped")
         if args.reference:
             arms.append("reference")
+        if "peer" in arms:  # the whole simcap simulate process, against the peer's
+            arms += ["cli", "peer-process"]
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-        for _ in range(args.repeats):
-            for arm in arms:  # interleaved, so that machine noise hits every arm alike
-                runs[arm].append(measure(arm, name, args.num_requests))
+        with tempfile.TemporaryDirectory(prefix="simcap-bench-") as folder:
+            scenario_file = write_scenario(name, args.num_requests, Path(folder))
+            for _ in range(args.repeats):
+                for arm in arms:  # interleaved, so that machine noise hits every arm alike
+                    if arm == "cli":
+                        runs[arm].append(measure_cli(tree, scenario_file))
+                    elif arm == "peer-process":
+                        runs[arm].append(measure_peer_process(name, args.num_requests))
+                    else:
+                        runs[arm].append(measure(arm, name, args.num_requests))
         sim = runs["simcap"]
         wall = statistics.median(r["wall"] for r in sim)
         sim_s, steps = sim[0]["sim_s"], sim[0]["steps"]
@@ -211,6 +267,11 @@ def main() -> None:
             print(f"simcap / peer     {wall / pw:.2f}")
             pp = statistics.median(r["process"] for r in runs["peer"])
             print(f"whole process     peer {pp:.3f} s (median); simcap / peer {process / pp:.2f}")
+            cli = statistics.median(r["process"] for r in runs["cli"])
+            peer = statistics.median(r["process"] for r in runs["peer-process"])
+            print(f"simcap simulate   {cli:.3f} s whole process (median; all: {_walls(runs['cli'], 'process')})")
+            print(f"peer's process    {peer:.3f} s (median; all: {_walls(runs['peer-process'], 'process')})")
+            print(f"simulate / peer   {cli / peer:.2f} (whole processes; target <= 0.7)")
         if "reference" in runs:
             ref = statistics.median(r["wall"] for r in runs["reference"])
             print(f"reference path    {ref:.3f} s (median); fast path is {ref / wall:.1f}x faster")

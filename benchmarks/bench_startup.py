@@ -15,6 +15,11 @@ noise hits them alike): ``pass`` (``python -c pass``: the interpreter's own star
 Printed per case and arm: median wall seconds, median CPU seconds (user + system of the child,
 less noisy than wall on a shared machine), and the median total of ``-X importtime`` (the sum of
 the top-level imports' cumulative times, including those made lazily while the command runs).
+Then the reference case stage by stage (``--stages``: only that), each arm's median of fresh
+processes: the interpreter's start, importing ``simcap.cli``, parsing the command line,
+loading the scenario, importing the simulator, simulating, rendering the tables, and the
+interpreter's exit (a tree that predates ``simcap.cli._load_scenario`` counts parsing to
+simulating as one stage).
 
 Measured with ``--before`` the commit preceding the lazy imports (9 rounds; shared 2-core x86-64
 machine, Python 3.11.7, numpy 2.4, scipy 1.17, typer 0.29, rich help formatting; load average
@@ -43,11 +48,24 @@ What is left of a simulation's start-up: ``simulate`` of one request takes 0.38 
 numpy about 0.11 s, typer and the pydantic it loads to convert parameters about 0.08 s, and
 simcap's own modules about 0.14 s (mostly building the scenario's pydantic models). The
 reference workload's whole process takes 0.67x the CPU time of the earlier commit.
+
+Then, with ``--before d766f70`` (9 rounds, load average 3.7-5 from other jobs: compare CPU
+seconds and the exit stage, not wall seconds): ``help`` 0.212 CPU s (before 0.243), ``chat``
+0.546 (0.609), ``reference`` 1.134 (1.176); of the reference case's stages, the interpreter's
+exit 30 ms (before 241: its shutdown ran full collections over every object numpy, pydantic,
+typer and rich had made; the command now freezes them at exit). By instruction count
+(cachegrind, one run each): ``simcap --help`` 716M (before 805M: typer no longer compiles
+every parameter's string annotation, twice per run), ``python -c "import simcap.scenario"``
+834M (1,189M: no numpy, validators built on first use), the reference case 5,940M (6,087M).
+Whole ``simcap simulate`` of the reference workload, 11 interleaved rounds against the
+compiled peer's whole process (``bench_simulate.py --peer``): 2.19 s wall, 1.20 CPU s (before
+2.48, 1.36; peer 2.26, 1.12).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -59,13 +77,58 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_simulate import compile_bytecode, scenario_data  # noqa: E402  (defined once)
+from bench_simulate import compile_bytecode, write_scenario  # noqa: E402  (defined once)
 
 CASES = ("import", "help", "chat", "reference")
+
+# One ``simcap simulate FILE`` run (tables to a pipe) timed stage by stage in its own process:
+# the command's own functions are wrapped to note when each stage ends (a tree without
+# ``simcap.cli._load_scenario`` counts parsing, loading and simulating as one stage). It prints
+# the stages' seconds and the wall-clock times its work began and ended, from which the parent
+# reads the interpreter's start (before the first line) and shutdown (after the last).
+_STAGES_CHILD = r"""
+import json, sys, time
+start = time.time()
+t0 = time.perf_counter()
+ends = {}
+import simcap.cli as cli
+from simcap import report
+ends["import simcap.cli (typer)"] = time.perf_counter()
+load, console, render = getattr(cli, "_load_scenario", None), report.wide_console, report.render_summary
+
+def timed_load(*args, **kwargs):
+    ends["parse the command line (pydantic)"] = time.perf_counter()
+    scenario = load(*args, **kwargs)
+    ends["load the scenario"] = time.perf_counter()
+    import simcap.simulator  # what the command imports next
+    ends["import simcap.simulator"] = time.perf_counter()
+    return scenario
+
+def timed_console(*args, **kwargs):
+    ends["simulate"] = time.perf_counter()
+    return console(*args, **kwargs)
+
+def timed_render(*args, **kwargs):
+    render(*args, **kwargs)
+    ends["render the tables (rich)"] = time.perf_counter()
+
+if load is not None:
+    cli._load_scenario = timed_load
+report.wide_console, report.render_summary = timed_console, timed_render
+try:
+    cli.app(["simulate", sys.argv[1]], prog_name="simcap")
+except SystemExit as exc:
+    assert not exc.code, exc.code
+sys.stdout.flush()
+marks = sorted(ends.items(), key=lambda kv: kv[1])
+stages = {name: end - prev for (name, end), prev in zip(marks, [t0] + [e for _, e in marks])}
+print(json.dumps({"start": start, "stages": stages, "end": time.time()}), file=sys.stderr)
+"""
+STAGES = ("interpreter start", "import simcap.cli (typer)", "parse the command line (pydantic)",
+          "load the scenario", "import simcap.simulator", "simulate", "render the tables (rich)",
+          "interpreter exit")
 _IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| (\S.*)$")
 
 
@@ -98,6 +161,37 @@ def run_once(args: list[str], tree: Path | None, importtime: bool = False) -> tu
     return wall, cpu, done.stderr
 
 
+def stages_once(tree: Path, scenario_file: Path) -> dict[str, float]:
+    """Seconds of each stage of one ``simcap simulate FILE`` process (:data:`STAGES`)."""
+    env = dict(os.environ, COLUMNS="120", PYTHONPATH=str(tree))
+    spawned = time.time()
+    done = subprocess.run([sys.executable, "-c", _STAGES_CHILD, str(scenario_file)], cwd=tree,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ended = time.time()
+    if done.returncode != 0:
+        raise SystemExit(f"stage timing (in {tree}) exited {done.returncode}:\n{done.stderr[-2000:]}")
+    child = json.loads(done.stderr.strip().splitlines()[-1])
+    return {"interpreter start": child["start"] - spawned, **child["stages"],
+            "interpreter exit": ended - child["end"], "whole process": ended - spawned}
+
+
+def print_stages(arms: dict[str, Path | None], scenario_file: Path, repeats: int) -> None:
+    """Median seconds per stage of the reference case, per arm, interleaved."""
+    trees = {arm: tree for arm, tree in arms.items() if tree is not None}
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in trees}
+    for r in range(repeats):
+        order = list(trees)[r % len(trees):] + list(trees)[:r % len(trees)]
+        for arm in order:
+            runs[arm].append(stages_once(trees[arm], scenario_file))
+    print(f"\nstages of the reference case (simcap simulate, tables to a pipe), median ms of "
+          f"{repeats} interleaved rounds")
+    print(f"{'stage':<36}" + "".join(f"{arm:>10}" for arm in trees))
+    for stage in (*STAGES, "whole process"):
+        cells = [statistics.median(run[stage] for run in runs[arm]) * 1e3 if stage in runs[arm][0]
+                 else None for arm in trees]
+        print(f"{stage:<36}" + "".join("         -" if c is None else f"{c:>10.1f}" for c in cells))
+
+
 def import_total_ms(stderr: str) -> float:
     """Sum of the cumulative times of the top-level imports in ``-X importtime`` output."""
     return sum(int(m.group(1)) for line in stderr.splitlines() if (m := _IMPORT_LINE.match(line))) / 1e3
@@ -116,12 +210,13 @@ def main() -> None:
     parser.add_argument("--case", choices=CASES, action="append", help="default: all")
     parser.add_argument("--repeats", type=int, default=9, help="rounds per case")
     parser.add_argument("--before", metavar="REV", help="also time this commit (extracted to a temporary folder)")
+    parser.add_argument("--stages", action="store_true",
+                        help="only the reference case's stages (imports, simulate, render, exit)")
     args = parser.parse_args()
     cases = args.case or list(CASES)
 
     tmp = Path(tempfile.mkdtemp(prefix="simcap-startup-"))
-    reference_yaml = tmp / "reference.yaml"
-    reference_yaml.write_text(yaml.safe_dump(scenario_data("reference", None), sort_keys=False))
+    reference_yaml = write_scenario("reference", None, tmp)
     arms: dict[str, Path | None] = {"pass": None, "simcap": ROOT}
     try:
         if args.before:
@@ -132,6 +227,9 @@ def main() -> None:
         print(f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.2f}; {args.repeats} rounds per case"
               + (f"; before = {args.before}" if args.before else ""))
+        if args.stages:
+            print_stages(arms, reference_yaml, args.repeats)
+            return
         print(f"\n{'case':<10} {'arm':<7} {'wall s':>7} {'cpu s':>7} {'imports ms':>11}   "
               f"{'wall / pass':>11} {'wall / before':>13}")
         for case in cases:
@@ -154,6 +252,8 @@ def main() -> None:
                 vs_before = f"{m['wall'] / med['before']['wall']:.2f}" if arm == "simcap" and "before" in med else ""
                 print(f"{case:<10} {arm:<7} {m['wall']:>7.3f} {m['cpu']:>7.3f} {imp:>11}   "
                       f"{vs_pass:>11} {vs_before:>13}")
+        if "reference" in cases:
+            print_stages(arms, reference_yaml, args.repeats)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

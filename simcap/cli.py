@@ -1,7 +1,8 @@
 """The ``simcap`` command: parse, call the library, render. No logic of its own."""
 
-from __future__ import annotations
-
+import atexit
+import gc
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,10 @@ class _OneLineUsageErrors(TyperGroup):
     a missing argument), in any sub-command, is one line and exit code 2, as every other bad
     input is; a bare group still prints its help."""
 
+    def main(self, *args, **kwargs):
+        _exit_without_collecting()
+        return super().main(*args, **kwargs)
+
     def make_context(self, *args, **kwargs):
         with _usage_errors():
             return super().make_context(*args, **kwargs)
@@ -27,6 +32,17 @@ class _OneLineUsageErrors(TyperGroup):
     def invoke(self, ctx):
         with _usage_errors():
             return super().invoke(ctx)
+
+
+def _exit_without_collecting() -> None:
+    """At exit, move every object to the collector's permanent generation (``gc.freeze``):
+    the interpreter's shutdown then frees them by reference count alone instead of running
+    full collections over everything numpy, pydantic, typer and rich loaded (some 60 ms of a
+    ``simcap simulate``; ``benchmarks/bench_startup.py``). Registered before the command runs,
+    so it runs after the exit handlers the command registers; only cyclic garbage still
+    there at exit goes unfreed, which the interpreter does not promise to finalize either."""
+    atexit.unregister(gc.freeze)  # once, however often the command runs in one process
+    atexit.register(gc.freeze)
 
 
 # Click's usage errors, from the click typer runs on (some typer releases carry their own).
@@ -61,6 +77,33 @@ def _fail(message: str) -> None:
     """One line on stderr, exit code 2: the user's input was wrong."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+@contextmanager
+def _without_pydantic_plugins() -> Iterator[None]:
+    """pydantic looks for plugins the first time it builds a validator: it reads the entry
+    points of every installed distribution (``importlib.metadata``), 5-15 ms of a command's
+    start. The command builds simcap's scenario models without plugins, as typer builds its
+    parameters': ``PYDANTIC_DISABLE_PLUGINS`` is set while a scenario loads and then restored,
+    so the library, and every process a command starts, keep the user's setting."""
+    previous = os.environ.get("PYDANTIC_DISABLE_PLUGINS")
+    os.environ["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PYDANTIC_DISABLE_PLUGINS"]
+        else:
+            os.environ["PYDANTIC_DISABLE_PLUGINS"] = previous
+
+
+def _load_scenario(path: Path, overrides: Optional[List[str]], **kwargs: Any) -> Any:
+    """:func:`simcap.scenario.load_scenario` with the scenario models built without pydantic
+    plugins (:func:`_without_pydantic_plugins`)."""
+    with _without_pydantic_plugins():  # the import too: it builds the models' default instances
+        from simcap.scenario import load_scenario
+
+        return load_scenario(path, overrides or [], **kwargs)
 
 
 @contextmanager
@@ -120,8 +163,6 @@ def simulate_cmd(
     ),
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
-    from simcap.scenario import load_scenario
-    from simcap.simulator import simulate
     from simcap.traces import trace_overrides
 
     set_ = [*(set_ or []), *trace_overrides(speedup, trace_start, trace_duration, trace_requests)]
@@ -133,10 +174,12 @@ def simulate_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot", directory=True)
+        loaded = _load_scenario(scenario, set_)
+        from simcap.simulator import simulate  # after the scenario's models (_load_scenario)
+
         if compare_router is not None:
             from simcap.fleet_sizing import parse_routers, with_fleet
 
-            loaded = load_scenario(scenario, set_ or [])
             if plot is None or loaded.deployment is None:
                 _fail("--compare-router: only with --plot and a scenario with a deployment")
             compare = [
@@ -146,11 +189,9 @@ def simulate_cmd(
         if ci:
             from simcap.calibrate import simulate_with_ci
 
-            result, intervals = simulate_with_ci(
-                load_scenario(scenario, set_ or []), records=keep, steps=keep
-            )
+            result, intervals = simulate_with_ci(loaded, records=keep, steps=keep)
         else:
-            result = simulate(load_scenario(scenario, set_ or []), records=keep, steps=keep)
+            result = simulate(loaded, records=keep, steps=keep)
     data = result.to_dict()
     if intervals is not None:
         data["ci"] = {"level": 0.9, **{k: list(v) for k, v in intervals.items()}}
@@ -178,10 +219,8 @@ def kv_cmd(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Size the KV pool from card memory, model shape and flags, as vLLM does at start-up."""
-    from simcap.scenario import load_scenario
-
     try:
-        loaded = load_scenario(scenario, set_ or [], check=False)
+        loaded = _load_scenario(scenario, set_, check=False)
     except SimcapError as exc:
         _fail(str(exc))
     plan = loaded.engine.kv_plan
@@ -212,7 +251,6 @@ def crossover_cmd(
 ) -> None:
     """Run a scenario with and without speculative decoding across load; find the crossover."""
     from simcap import crossover as xo
-    from simcap.scenario import load_scenario
 
     with user_errors():
         if concurrency is not None and rate is not None:
@@ -221,7 +259,7 @@ def crossover_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        loaded = load_scenario(scenario, set_ or [])
+        loaded = _load_scenario(scenario, set_)
         result = xo.find_crossover(
             loaded,
             concurrencies=None if concurrency is None else xo.parse_load_list(concurrency, "--concurrency", integer=True),
@@ -270,14 +308,13 @@ def capacity_cmd(
 ) -> None:
     """Highest arrival rate that keeps the SLO (safe rate) and where the queue diverges."""
     from simcap import capacity as cap
-    from simcap.scenario import load_scenario
 
     with user_errors():
         if plot is not None:
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        loaded = load_scenario(scenario, set_ or [])
+        loaded = _load_scenario(scenario, set_)
         if router is not None and replicas is None:
             _fail("--router: give --replicas N with it (or a deployment in the scenario)")
         if replicas is not None:
@@ -329,7 +366,6 @@ def fleet_cmd(
 ) -> None:
     """The fewest replicas meeting the SLO at a target rate, for each router, and their cost."""
     from simcap import fleet_sizing as fs
-    from simcap.scenario import load_scenario
 
     if disaggregated:
         for given, name in ((router, "--router"), (plot, "--plot"), (price, "--price-per-replica-hour")):
@@ -337,7 +373,7 @@ def fleet_cmd(
                 _fail(f"{name}: not with --disaggregated (the scenario's router serves both pools)")
         with user_errors():
             pools = fs.size_pools(
-                load_scenario(scenario, set_ or []), target_rate, fs.parse_slo(slo) if slo else None,
+                _load_scenario(scenario, set_), target_rate, fs.parse_slo(slo) if slo else None,
                 duration_s=duration, replicates=replicates, max_replicas=max_replicas,
                 workers=workers, backend=backend,
             )
@@ -351,7 +387,7 @@ def fleet_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        loaded = load_scenario(scenario, set_ or [])
+        loaded = _load_scenario(scenario, set_)
         routers = fs.parse_routers(router, loaded)
         result = fs.size_fleet(
             loaded, target_rate, fs.parse_slo(slo) if slo else None, routers,

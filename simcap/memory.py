@@ -66,7 +66,7 @@ KVSource = Literal["measured num_gpu_blocks", "measured kv_cache_gb", "estimate"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, defer_build=True)
 
 
 MAX_CARD_GB = 1.0e6  # memory of one card, GB: far above any card, and bytes stay exact integers

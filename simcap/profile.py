@@ -22,7 +22,7 @@ from simcap.yaml_files import read_yaml_mapping
 class Profile(BaseModel):
     """The file format; sections are validated again as part of the scenario they feed."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     name: str
     hardware: str | None = None

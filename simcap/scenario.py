@@ -51,7 +51,9 @@ MAX_RECORDED_TOKENS = 20_000_000
 
 class _Model(BaseModel):
     # Finite numbers only; parse_scenario also validates strictly (no true -> 1, no "3" -> 3).
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Validators are built on first use (defer_build), not one per class at import: loading a
+    # scenario builds the Scenario's, every section's inside it, once per process.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, defer_build=True)
 
 
 # --------------------------------------------------------------------------- engine

@@ -49,12 +49,14 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from simcap.errors import ScenarioError
+
+if TYPE_CHECKING:  # numpy is imported where a trace is read: a scenario without one needs none
+    import numpy as np
 
 TraceFormat = Literal["azure", "mooncake", "burstgpt", "sharegpt"]
 
@@ -71,7 +73,7 @@ _TIME_UNIT_S = {"azure": 1e-7, "mooncake": 1e-3, "burstgpt": 1.0, "sharegpt": 1.
 class TraceConfig(BaseModel):
     """``workload.trace``: which file, in which format, and which part of it to send."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, defer_build=True)
 
     format: TraceFormat
     path: str = Field(min_length=1, description="the trace file, relative to the scenario")
@@ -434,6 +436,8 @@ def load_trace(config: TraceConfig, *, max_model_len: int, own_times: bool = Tru
             f"workload.trace: every request of {path} in the slice exceeds engine.max_model_len "
             f"({max_model_len}); {too_long} skipped"
         )
+    import numpy as np
+
     times = None
     if config.timed and own_times:
         times = (np.fromiter((r.time for r in kept), float, len(kept)) - kept[0].time) / config.speedup

@@ -7,6 +7,7 @@ reads ``sys.modules`` at its end. Times are measured by ``benchmarks/bench_start
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,13 @@ def modules_of_cli(*argv: str) -> set[str]:
 def test_import_simcap_loads_no_third_party_package():
     loaded = loaded_by("import simcap")
     assert not loaded & {*HEAVY, "numpy", "pydantic", "simpy", "yaml", "rich", "typer"}
+
+
+def test_import_scenario_loads_no_numpy():
+    """A trace's reader imports numpy when it reads one; ``simcap kv`` never needs it."""
+    loaded = loaded_by("import simcap.scenario")
+    assert not loaded & {*HEAVY, "numpy", "simpy", "rich", "typer"}
+    assert not loaded_by_cli("kv", "examples/ascend910b4-kv.yaml") & {*HEAVY, "numpy", "simpy"}
 
 
 def test_import_cli_loads_only_typer():
@@ -130,3 +138,48 @@ def test_lazy_exports_resolve_and_list():
     assert loaded_by(
         "from simcap.live import validate\nassert callable(validate.validate)"
     ) >= {"httpx"}
+
+
+def probe_plugin(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """A pydantic plugin installed as a distribution (an entry point in the ``pydantic``
+    group) that writes the name of every model or adapter it is asked to validate to a log;
+    the environment that puts it on the path, and the log."""
+    site = tmp_path / "site"
+    info = site / "simcap_probe-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: simcap-probe\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[pydantic]\nprobe = simcap_probe_plugin:plugin\n")
+    (site / "simcap_probe_plugin.py").write_text(
+        "import os\n"
+        "class Probe:\n"
+        "    def new_schema_validator(self, schema, schema_type, path, kind, config, settings):\n"
+        "        with open(os.environ['SIMCAP_PROBE_LOG'], 'a') as log:\n"
+        "            log.write(path.name + '\\n')\n"
+        "        return None, None, None\n"
+        "plugin = Probe()\n"
+    )
+    log = tmp_path / "validated.txt"
+    log.touch()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), SIMCAP_PROBE_LOG=str(log))
+    env.pop("PYDANTIC_DISABLE_PLUGINS", None)
+    return env, log
+
+
+def test_command_builds_scenario_models_without_pydantic_plugins(tmp_path):
+    """The command loads a scenario with pydantic's plugins off (no scan of every installed
+    distribution) and then restores the environment; the library keeps the user's plugins."""
+    env, log = probe_plugin(tmp_path)
+    library = "import simcap\nsimcap.load_scenario('examples/chat.yaml')\n"
+    subprocess.run([sys.executable, "-c", library], cwd=ROOT, env=env, check=True, timeout=300)
+    assert "Scenario" in log.read_text().split()  # the plugin is installed and sees the library
+
+    log.write_text("")
+    command = ("import os, sys\nfrom simcap.cli import app\n"
+               "try:\n    app(['simulate', 'examples/chat.yaml', '--set', 'workload.num_requests=20'])\n"
+               "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
+               "print('PYDANTIC_DISABLE_PLUGINS' in os.environ, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", command], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    assert "completed 20 requests" in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == "False"  # restored once the scenario loaded
+    assert log.read_text() == ""

@@ -39,7 +39,7 @@ DTYPES: dict[str, tuple[int, str]] = {
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class Interconnect(_Model):

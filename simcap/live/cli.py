@@ -8,8 +8,6 @@ variable ``--api-key-env`` names, else ``$SIMCAP_API_KEY``; it is sent as a Bear
 and never printed or written (a profile's ``fitted_with`` masks it).
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import List, Optional
 
