@@ -35,9 +35,8 @@ from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCount
 from simcap.engine.step_time import make_step_model
 from simcap.early_stop import SloStop, StopRecord
 from simcap.errors import SimulationError
-from simcap.fast_forward import (
-    LATE, Clock, advance_decode_stretch, advance_verify_stretch, schedule_admission,
-)
+from simcap.fast_forward import LATE, Clock, advance_decode_stretch, schedule_admission
+from simcap.fast_verify import advance_verify_stretch
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario, check_limits
