@@ -80,6 +80,65 @@ def advance_verify_stretch(
     return stretch.apply(first)
 
 
+def schedule_verify_admission(world) -> SchedulerOutput | None:
+    """The next step's :class:`SchedulerOutput` when requests wait and every running request
+    verifies its drafts (or decodes): what ``Scheduler.schedule`` gives, with the running
+    requests' drafts and blocks worked out on plain integers, then admission from the queue.
+
+    None (nothing changed) when the batch is not like that (a prompt under way), or when its
+    tokens do not fit as stepping schedules them in full (the budget, the prefill threshold,
+    or a block the pool cannot give: a preemption), the reference path's business. The
+    running requests' newly full blocks are committed when they next allocate or are
+    released, as along a stretch (:meth:`VerifyStretch.apply`): no other request can hit them.
+    """
+    scheduler = world.scheduler
+    if not scheduler.waiting:
+        return None
+    running = scheduler.running
+    kv = scheduler.kv
+    bs = kv.block_size
+    held_map = kv.req_to_blocks
+    lookahead = scheduler.num_lookahead_tokens
+    max_model_len = scheduler.max_model_len
+    threshold = scheduler.prefill_threshold()
+    ds = []  # drafts to verify, per request (capped by max_model_len)
+    allocs: list[Request] = []  # new blocks, by holder, in batch order
+    total = context = 0
+    for req in running:
+        computed = req.num_computed_tokens
+        nt = req.num_prompt_tokens + req.num_output_tokens
+        if computed != nt - 1:
+            return None
+        d = req.num_spec_tokens
+        if d > max_model_len - nt - 1:
+            d = max_model_len - nt - 1
+        n = 1 + d
+        if 0 < threshold < n:
+            return None
+        total += n
+        context += computed + n
+        need = computed + n + lookahead
+        if need > max_model_len:
+            need = max_model_len
+        blocks = -(-need // bs) - len(held_map.get(req.request_id, ()))
+        if blocks > 0:
+            allocs += [req] * blocks
+        ds.append(d)
+    if total > scheduler.max_num_batched_tokens or len(allocs) > kv.num_free_blocks:
+        return None
+    if allocs:
+        kv.append_blocks(allocs)
+    for req, d in zip(running, ds):
+        if d < req.num_spec_tokens:
+            req.num_spec_tokens = d  # drafts past max_model_len are dropped
+    n = len(running)
+    return scheduler.admit_after_running(SchedulerOutput(
+        reqs=list(running), num_scheduled_tokens=[1 + d for d in ds], num_scheduled_spec_tokens=ds,
+        total_num_scheduled_tokens=total, num_decode_reqs=n, num_decode_tokens=n,
+        num_verify_tokens=total - n, num_context_tokens=context,
+    ))
+
+
 class VerifyStretch:
     """A stretch of verify steps while it runs: per request (in batch order) its tokens,
     output tokens, blocks and drafts, as plain integers; the steps run so far (periods,

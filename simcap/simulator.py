@@ -36,7 +36,7 @@ from simcap.engine.step_time import make_step_model
 from simcap.early_stop import SloStop, StopRecord
 from simcap.errors import SimulationError
 from simcap.fast_forward import LATE, Clock, advance_decode_stretch, schedule_admission
-from simcap.fast_verify import advance_verify_stretch
+from simcap.fast_verify import advance_verify_stretch, schedule_verify_admission
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario, check_limits
@@ -526,9 +526,12 @@ class _World:
             out = stretch = None
             if fast:
                 if speculative:  # scheduled here, or by the scheduler, then run in bulk
-                    stretch = advance_verify_stretch(self, now, horizon)
+                    out = schedule_verify_admission(self)
+                    if out is None:
+                        stretch = advance_verify_stretch(self, now, horizon)
+                        if stretch is None:
+                            out = scheduler.schedule()
                     if stretch is None:
-                        out = scheduler.schedule()
                         stretch = advance_verify_stretch(self, now, horizon, out)
                 else:
                     out = schedule_admission(self)
