@@ -207,20 +207,17 @@ class VerifyStretch:
         per_request = self.per_request = proposer.per_request
         self.matches = [proposer.match_probability(req) for req in reqs] if per_request else []
         self.onset = onset = proposer.onset  # ngram: no drafts before this many output tokens
-        # Uniforms are read from the streams' buffers in order and used up at the end (or
-        # when a buffer runs out): acceptance, one per request in steps with drafts, read as
-        # the tokens each emits (AcceptanceModel.reserve_tokens); proposals (ngram), one per
-        # request in every step.
+        # Uniforms are read from the streams' buffers in order (reserved when first needed)
+        # and used up at the end (or when a buffer runs out): acceptance, one per request in
+        # steps with drafts, read as the tokens each emits (AcceptanceModel.reserve_tokens);
+        # proposals (ngram), one per request in every step.
         self.acceptance = acceptance
         self.accept_stream = acceptance.uniforms
-        self.tb, self.u0 = acceptance.reserve_tokens(num_reqs)
-        self.ui = self.u0
-        propose_stream = self.propose_stream = proposer.uniforms
-        if drafts_all:
-            self.pb, self.p0 = [], 0
-        else:
-            self.pb, self.p0 = propose_stream.reserve(num_reqs)
-        self.pi = self.p0
+        self.tb = []
+        self.u0 = self.ui = 0
+        self.propose_stream = proposer.uniforms
+        self.pb = []
+        self.p0 = self.pi = 0
         # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
         self.neg_rates = acceptance.neg_rates
         self.accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
@@ -644,7 +641,8 @@ class VerifyStretch:
         else:
             steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting)
         world.emit_steps(reqs, starts, self.news_all)
+        if not finished:
+            return starts[-1], []
         finishing = [reqs[b] for b in sorted(finished)]
-        if finishing:
-            scheduler.finish_requests(finishing)
+        scheduler.finish_requests(finishing)
         return starts[-1], finishing
