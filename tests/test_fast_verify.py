@@ -38,20 +38,22 @@ def scheduled(out, scheduler):
     )
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(scenarios(speculative=True))
-def test_verify_admission_equals_scheduler(scenario):
-    """Each admission step the shortcut schedules equals Scheduler.schedule on a copy of
-    the engine (EAGLE, EAGLE3, ngram; budgets, thresholds, tight pools, prefixes)."""
-    assume(scenario.speculative is not None)
+def check_admissions(scenario) -> tuple[int, int]:
+    """Run ``scenario``, holding each admission step the shortcut schedules to
+    Scheduler.schedule on a copy of the engine. Returns the shortcut's steps, and the drafts
+    it capped at max_model_len."""
     original = sim.schedule_verify_admission
+    taken = capped = 0
 
     def checked(world):
+        nonlocal taken, capped
         reference = copy.deepcopy(world.scheduler)
+        drafts = [r.num_spec_tokens for r in world.scheduler.running]
         out = original(world)
         if out is not None:
             assert scheduled(out, world.scheduler) == scheduled(reference.schedule(), reference)
+            taken += 1
+            capped += sum(d > s for d, s in zip(drafts, out.num_scheduled_spec_tokens))
         return out
 
     sim.schedule_verify_admission = checked
@@ -59,6 +61,31 @@ def test_verify_admission_equals_scheduler(scenario):
         sim.simulate(scenario)
     finally:
         sim.schedule_verify_admission = original
+    return taken, capped
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(scenarios(speculative=True))
+def test_verify_admission_equals_scheduler(scenario):
+    """Each admission step the shortcut schedules equals Scheduler.schedule on a copy of
+    the engine (EAGLE, EAGLE3, ngram; budgets, thresholds, tight pools, prefixes)."""
+    assume(scenario.speculative is not None)
+    check_admissions(scenario)
+
+
+def test_verify_admission_caps_drafts_at_max_model_len():
+    """Requests that end at max_model_len: admissions while one of them is within k tokens
+    of it, its drafts cut as the scheduler cuts them."""
+    scenario = make_scenario(
+        engine=dict(max_num_seqs=16, max_num_batched_tokens=512, num_gpu_blocks=400,
+                    max_model_len=256),
+        speculative={"method": "eagle3", "num_speculative_tokens": 4, "acceptance_length": 3.0},
+        workload={"arrival": {"process": "poisson", "rate": 30.0}, "num_requests": 300,
+                  "input_len": {"dist": "uniform", "low": 20, "high": 120}, "output_len": 136},
+    )
+    taken, capped = check_admissions(scenario)
+    assert taken > 300 and capped > 0
 
 
 def test_verify_admission_is_taken():
