@@ -7,13 +7,17 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import simcap.fast_verify as fv
 import simcap.simulator as sim
 from simcap.engine.speculative import AcceptanceModel
 from tests.conftest import make_scenario
-from tests.test_fast_forward import scenarios
+from tests.test_fast_forward import (
+    ROOFLINE_HW, ROOFLINE_MODEL, check_fast_equals_reference, scenarios,
+)
 
 
 def scheduled(out, scheduler):
@@ -132,3 +136,37 @@ def test_token_table_equals_sampled_counts(rates, seed, takes):
         tabled.uniforms.advance(n)
         accepted = [min(t - 1, d) for t in tokens[start : start + n]]
         assert accepted == sampled.sample([d] * n)
+
+
+@pytest.mark.parametrize("roofline", [False, True])
+def test_bulk_followed_by_a_capped_step_equals_reference_path(roofline):
+    """Requests that end at max_model_len: bulks that stop before a step whose drafts it
+    caps, that step run one at a time, then the next bulk; periods that depend on the
+    context (a context term, the roofline's KV read)."""
+    step_time = (dict(form="roofline", hardware=ROOFLINE_HW, model=ROOFLINE_MODEL) if roofline
+                 else dict(base=0.004, per_decode_token=1e-4, per_context_token=1e-8,
+                           draft_per_pass=5e-4))
+    scenario = make_scenario(
+        engine=dict(num_gpu_blocks=4000, max_num_seqs=64, max_num_batched_tokens=2048,
+                    max_model_len=400),
+        step_time=step_time,
+        speculative={"method": "eagle3", "num_speculative_tokens": 4,
+                     "acceptance_rates": [0.9, 0.6, 0.5, 0.2]},
+        workload=dict(arrival={"process": "poisson", "rate": 5.0}, num_requests=100,
+                      input_len={"dist": "uniform", "low": 140, "high": 150}, output_len=250),
+    )
+    original = fv.VerifyStretch.run_bulk
+    followed = []
+
+    def spy(stretch, horizon):
+        ran = len(stretch.periods)
+        ends = original(stretch, horizon)
+        followed.append(not ends and len(stretch.periods) > ran)
+        return ends
+
+    fv.VerifyStretch.run_bulk = spy
+    try:
+        check_fast_equals_reference(scenario)
+    finally:
+        fv.VerifyStretch.run_bulk = original
+    assert sum(followed) > 20
