@@ -653,7 +653,8 @@ def simulate(
     chunk, as the live client records it), ``steps=True`` every row of the step log.
 
     ``fast=False`` steps the engine one step at a time: the reference path that the fast
-    path (:mod:`simcap.fast_forward`, identical results) is tested against.
+    path (:mod:`simcap.fast_forward`, :mod:`simcap.fast_verify`; identical results) is tested
+    against.
 
     ``stop``: a :class:`simcap.early_stop.SloStop` for ``scenario.slo`` (open-loop or
     replayed arrivals only): the run ends once the SLO is certain to fail, and
