@@ -359,10 +359,13 @@ class VerifyStretch:
         if m < 2:
             return False
         size = num_reqs * m
-        self.accept_stream.advance(self.ui - self.u0)
-        tb, ui = acceptance.reserve_tokens(size)
-        self.tb = tb
-        self.u0 = self.ui = ui
+        tb = self.tb
+        ui = self.ui
+        if ui + size > len(tb):  # (else the stream's buffer holds them from ui on)
+            self.accept_stream.advance(ui - self.u0)
+            tb, ui = acceptance.reserve_tokens(size)
+            self.tb = tb
+            self.u0 = self.ui = ui
         # Tokens per request per step (step-major): accepted + 1.
         news = tb[ui : ui + size]
         fin = cap = m  # the first step in which one finishes; after which one caps
