@@ -10,7 +10,8 @@ Reading guide, in the order data flows:
    files (Azure, Mooncake, BurstGPT, ShareGPT) as the requests.
 3. :mod:`simcap.engine` -- the pure engine model: scheduler, KV cache, step time.
 4. :mod:`simcap.simulator` -- the SimPy world around it: one event per engine step on the
-   reference path, bulk stretches of steps on the fast path (:mod:`simcap.fast_forward`);
+   reference path, bulk stretches of steps on the fast path (:mod:`simcap.fast_forward`;
+   with speculative decoding :mod:`simcap.fast_verify`);
    :mod:`simcap.steplog` keeps or reduces the per-step rows.
 5. :mod:`simcap.records` and :mod:`simcap.metrics` -- per-request records (the same type
    for simulated and live runs) and the one path from records, or requests streamed as they

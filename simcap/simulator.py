@@ -35,9 +35,8 @@ from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCount
 from simcap.engine.step_time import make_step_model
 from simcap.early_stop import SloStop, StopRecord
 from simcap.errors import SimulationError
-from simcap.fast_forward import (
-    LATE, Clock, advance_decode_stretch, advance_verify_stretch, schedule_admission,
-)
+from simcap.fast_forward import LATE, Clock, advance_decode_stretch, schedule_admission
+from simcap.fast_verify import advance_verify_stretch, schedule_verify_admission
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario, check_limits
@@ -527,9 +526,12 @@ class _World:
             out = stretch = None
             if fast:
                 if speculative:  # scheduled here, or by the scheduler, then run in bulk
-                    stretch = advance_verify_stretch(self, now, horizon)
+                    out = schedule_verify_admission(self)
+                    if out is None:
+                        stretch = advance_verify_stretch(self, now, horizon)
+                        if stretch is None:
+                            out = scheduler.schedule()
                     if stretch is None:
-                        out = scheduler.schedule()
                         stretch = advance_verify_stretch(self, now, horizon, out)
                 else:
                     out = schedule_admission(self)
@@ -651,7 +653,8 @@ def simulate(
     chunk, as the live client records it), ``steps=True`` every row of the step log.
 
     ``fast=False`` steps the engine one step at a time: the reference path that the fast
-    path (:mod:`simcap.fast_forward`, identical results) is tested against.
+    path (:mod:`simcap.fast_forward`, :mod:`simcap.fast_verify`; identical results) is tested
+    against.
 
     ``stop``: a :class:`simcap.early_stop.SloStop` for ``scenario.slo`` (open-loop or
     replayed arrivals only): the run ends once the SLO is certain to fail, and

@@ -184,6 +184,16 @@ class Scheduler:
         self._advance(out)
         return out
 
+    def admit_after_running(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The rest of :meth:`schedule` when ``out`` holds the running requests as
+        :meth:`_schedule_running` would have scheduled them (none preempted), their blocks
+        allocated by the caller: admit from WAITING within the budget left, then advance."""
+        self._schedule_waiting(
+            out, self.max_num_batched_tokens - out.total_num_scheduled_tokens, self.prefill_threshold()
+        )
+        self._advance(out)
+        return out
+
     def prefill_threshold(self) -> int:
         """``long_prefill_token_threshold`` as it applies to this step (0: no cap)."""
         threshold = self.long_prefill_token_threshold

@@ -105,10 +105,12 @@ class AcceptanceModel:
         # count for a uniform u is the number of rates above it (see sample).
         self.non_increasing = all(b <= a for a, b in zip(r, r[1:]))
         # Then accepted = bisect_left(neg_rates, -u); and for many uniforms at once (the fast
-        # path) k - accepted = searchsorted(rates_ascending, u, side="right").
+        # path's reserve_tokens) k - accepted = searchsorted(rates_ascending, u, side="right").
         self.neg_rates = [-x for x in r]
         self.rates_ascending = self.rates[::-1].copy()
         self.mean_tokens = 1.0 + sum(r)  # mean accepted + 1 with every draft verified
+        self._tokens: list[int] = []  # reserve_tokens' table, for the buffer _tokens_of
+        self._tokens_of: list[float] | None = None
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
@@ -118,6 +120,20 @@ class AcceptanceModel:
     def mean_acceptance_length(self) -> float:
         """``1 + sum(r_i)``: vLLM's mean acceptance length for full-length drafts."""
         return 1.0 + float(self.rates.sum())
+
+    def reserve_tokens(self, n: int) -> tuple[list[int], int]:
+        """:meth:`UniformStream.reserve` on the model's stream, each uniform ``u`` read as the
+        tokens a request emits when it verifies all k drafts: ``1 + accepted``, with accepted
+        the number of rates above ``u`` (``min(tokens - 1, d)`` accepted of ``d`` drafts).
+        Rates that never rise only (:attr:`non_increasing`). The table is made once for each
+        buffer the stream draws (numpy's comparisons of the same floats: the counts
+        :meth:`sample` takes, one uniform at a time)."""
+        buffer, start = self.uniforms.reserve(n)
+        if buffer is not self._tokens_of:
+            self._tokens_of = buffer
+            rejected = self.rates_ascending.searchsorted(self.uniforms.array, side="right")
+            self._tokens = (len(self.rate_list) + 1 - rejected).tolist()
+        return self._tokens, start
 
     def sample(self, num_drafts: Sequence[int]) -> list[int]:
         """Accepted count for each request that verifies ``num_drafts[i]`` drafts (may be 0)."""

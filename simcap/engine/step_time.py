@@ -164,6 +164,12 @@ class StepTimeModel:
     def decode_nondecreasing(self) -> bool:
         return self.per_context_token >= 0
 
+    # Whether verify_periods depends on the contexts (else every step of a batch is priced
+    # alike).
+    @property
+    def periods_depend_on_context(self) -> bool:
+        return bool(self.per_context_token)
+
     def decode_periods(self, num_reqs: int, context: int, count: int) -> list[float]:
         """:meth:`step_period` of ``count`` pure-decode steps of ``num_reqs`` requests (one
         token each, no drafts in play) whose attended context is ``context + num_reqs * j``
@@ -510,6 +516,7 @@ class RooflineStepTimeModel:
         return forward + self.host_overhead
 
     decode_nondecreasing = True  # every term is non-decreasing in tokens and context
+    periods_depend_on_context = True  # (the KV read)
 
     def decode_periods(self, num_reqs: int, context: int, count: int) -> list[float]:
         """:meth:`step_period` of ``count`` pure-decode steps (see StepTimeModel's)."""

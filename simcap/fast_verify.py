@@ -1,0 +1,651 @@
+"""Fast path with speculative decoding: advance a stretch of verify steps at once, exactly.
+
+While the batch cannot change (nothing waits, or ``max_num_seqs`` requests run; nothing is
+preempted) every step of a speculative engine is a verify step: each request verifies its
+drafts, accepts a count drawn from the acceptance model's stream and emits ``accepted + 1``
+tokens, then gets its next drafts from the proposer. :func:`advance_verify_stretch` runs
+such steps until the batch would change; :class:`VerifyStretch` holds a stretch's state
+while it runs, in three parts:
+
+- :meth:`VerifyStretch.schedule`: the next step as the scheduler would schedule it (drafts
+  capped by ``max_model_len``, the token budget, the prefill threshold, KV blocks);
+- :meth:`VerifyStretch.run_bulk`: steps in which every request verifies k drafts and none
+  finishes or is capped (EAGLE, no noise), all at once: a request's tokens after each step
+  are the running sum of its column of the acceptance stream;
+- :meth:`VerifyStretch.run_step`: one step at a time (ngram proposals, noise, a step that
+  admits, one that is capped), as stepping runs it;
+
+then :meth:`VerifyStretch.apply` hands out the blocks and writes the requests' state, the
+counters, the step log and the stream chunks.
+
+The result is the same, float for float, as stepping one by one (``simulate(...,
+fast=False)``; the tests hold the two to each other on random scenarios): step periods come
+from the step-time model (and noise) on each step's counts, start times are added one step
+at a time, blocks are handed out in (step, batch) order, and every stream is read in the
+order and amount stepping reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
+from operator import sub
+
+from simcap.engine.request import Request
+from simcap.engine.scheduler import SchedulerOutput
+from simcap.fast_forward import usages_by_step
+
+
+def advance_verify_stretch(
+    world, now: float, horizon: float, first: SchedulerOutput | None = None
+) -> tuple[float, list[Request]] | None:
+    """With speculative decoding: run the verify steps from ``now`` while the batch cannot
+    change; None (nothing changed) if none can run.
+
+    ``first``: the step the scheduler has just scheduled, run as the stretch's first step
+    (it may admit requests); or None, when every running request decodes or verifies and
+    the stretch schedules its first step itself. Either way nothing may wait (unless
+    ``max_num_seqs`` requests run, so that scheduling never looks at the queue), nothing may
+    be preempted, and every request samples in the first step.
+
+    Then, until a request finishes (that step included), a step ends at or after
+    ``horizon``, or the next step cannot be scheduled as 1 + drafts tokens per request (the
+    token budget, ``long_prefill_token_threshold``, or a KV block the pool cannot give:
+    stepping would preempt), each step is: every request verifies its drafts
+    (``num_spec_tokens``, capped by ``max_model_len``), accepts a count drawn from the
+    acceptance model's stream (one uniform per request, in batch order, in steps with
+    drafts), emits ``accepted + 1`` tokens (capped by ``max_tokens`` and ``max_model_len``) and
+    gets its next drafts from the proposer (ngram: one uniform per request from the
+    proposer's stream, below the request's match probability). Steps in which every request
+    verifies k drafts and none finishes (EAGLE, no noise) run in bulk, a request at a time;
+    the rest one at a time.
+
+    Returns the stretch's end time and the requests that finished in its last step
+    (released; the caller reports them at that time).
+    """
+    stretch = VerifyStretch.begin(world, now, first)
+    if stretch is None:
+        return None
+    pending = first is not None  # a step is scheduled and not yet run
+    while True:
+        if not pending and not stretch.schedule():
+            break  # the next step does not fit as a verify step: stepping's business
+        if stretch.bulk and stretch.verify == stretch.full and not stretch.prefill:
+            if stretch.run_bulk(horizon):
+                break
+        if stretch.run_step(horizon):
+            break
+        pending = False
+    return stretch.apply(first)
+
+
+def schedule_verify_admission(world) -> SchedulerOutput | None:
+    """The next step's :class:`SchedulerOutput` when requests wait and every running request
+    verifies its drafts (or decodes): what ``Scheduler.schedule`` gives, with the running
+    requests' drafts and blocks worked out on plain integers, then admission from the queue.
+
+    None (nothing changed) when the batch is not like that (a prompt under way), or when its
+    tokens do not fit as stepping schedules them in full (the budget, the prefill threshold,
+    or a block the pool cannot give: a preemption), the reference path's business. The
+    running requests' newly full blocks are committed when they next allocate or are
+    released, as along a stretch (:meth:`VerifyStretch.apply`): no other request can hit them.
+    """
+    scheduler = world.scheduler
+    if not scheduler.waiting:
+        return None
+    running = scheduler.running
+    kv = scheduler.kv
+    bs = kv.block_size
+    held_map = kv.req_to_blocks
+    lookahead = scheduler.num_lookahead_tokens
+    max_model_len = scheduler.max_model_len
+    threshold = scheduler.prefill_threshold()
+    ds = []  # drafts to verify, per request (capped by max_model_len)
+    allocs: list[Request] = []  # new blocks, by holder, in batch order
+    total = context = 0
+    for req in running:
+        computed = req.num_computed_tokens
+        nt = req.num_prompt_tokens + req.num_output_tokens
+        if computed != nt - 1:
+            return None
+        d = req.num_spec_tokens
+        if d > max_model_len - nt - 1:
+            d = max_model_len - nt - 1
+        n = 1 + d
+        if 0 < threshold < n:
+            return None
+        total += n
+        context += computed + n
+        need = computed + n + lookahead
+        if need > max_model_len:
+            need = max_model_len
+        blocks = -(-need // bs) - len(held_map.get(req.request_id, ()))
+        if blocks > 0:
+            allocs += [req] * blocks
+        ds.append(d)
+    if total > scheduler.max_num_batched_tokens or len(allocs) > kv.num_free_blocks:
+        return None
+    if allocs:
+        kv.append_blocks(allocs)
+    for req, d in zip(running, ds):
+        if d < req.num_spec_tokens:
+            req.num_spec_tokens = d  # drafts past max_model_len are dropped
+    n = len(running)
+    return scheduler.admit_after_running(SchedulerOutput(
+        reqs=list(running), num_scheduled_tokens=[1 + d for d in ds], num_scheduled_spec_tokens=ds,
+        total_num_scheduled_tokens=total, num_decode_reqs=n, num_decode_tokens=n,
+        num_verify_tokens=total - n, num_context_tokens=context,
+    ))
+
+
+class VerifyStretch:
+    """A stretch of verify steps while it runs: per request (in batch order) its tokens,
+    output tokens, blocks and drafts, as plain integers; the steps run so far (periods,
+    start times, KV usages, tokens emitted); the blocks taken and the streams' read
+    positions. The scheduled step not yet run is ``ds`` (drafts per request), ``verify``
+    (their sum), ``context`` (attended tokens) and ``prefill`` (prompt tokens), and ``out``
+    its :class:`SchedulerOutput` (the caller's first step, or made when a step runs one at a
+    time)."""
+
+    __slots__ = (
+        "world", "reqs", "num_reqs", "num_waiting", "nts", "outs", "maxes", "proposed",
+        "matches", "max_model_len", "k", "rate", "drafts_all", "per_request", "onset", "tail",
+        "acceptance", "accept_stream", "tb", "u0", "ui", "propose_stream", "pb", "p0", "pi",
+        "neg_rates", "accepted_hist", "num_drafts", "num_draft_tokens", "threshold", "budget",
+        "lookahead", "bs", "held", "limits", "free", "scale", "allocs", "model", "noise",
+        "starts", "periods", "usages", "news_all", "t", "finished", "last_accepted", "bulk",
+        "full", "ds", "verify", "context", "prefill", "out", "verify_out",
+    )
+
+    @classmethod
+    def begin(cls, world, now: float, first: SchedulerOutput | None) -> "VerifyStretch | None":
+        """The stretch from ``now`` (see :func:`advance_verify_stretch`), or None when the
+        engine is not in a state it covers."""
+        scheduler = world.scheduler
+        running: list[Request] = scheduler.running
+        num_reqs = len(running)
+        num_waiting = len(scheduler.waiting)
+        if not num_reqs or (num_waiting and num_reqs < scheduler.max_num_seqs):
+            return None
+        acceptance = world.acceptance
+        if not acceptance.non_increasing:
+            return None
+        # Each request's tokens before the first step's update; every one samples in it.
+        nts = []
+        if first is None:
+            reqs = list(running)
+            for req in reqs:
+                nt = req.num_prompt_tokens + req.num_output_tokens
+                if req.num_computed_tokens != nt - 1:
+                    return None
+                nts.append(nt)
+        else:
+            reqs = first.reqs
+            if first.preempted_reqs or first.spec_padded_reqs or len(reqs) != num_reqs:
+                return None  # (padded drafts are never accepted: stepping's business)
+            for req, spec in zip(reqs, first.num_scheduled_spec_tokens):
+                nt = req.num_prompt_tokens + req.num_output_tokens
+                if req.num_computed_tokens - spec != nt:
+                    return None  # a prompt chunk that does not complete: no token this step
+                nts.append(nt)
+        self = cls()
+        self.world = world
+        self.reqs = reqs
+        self.num_reqs = num_reqs
+        self.num_waiting = num_waiting
+        self.nts = nts
+        self.outs = [req.num_output_tokens for req in reqs]
+        self.maxes = [req.max_tokens for req in reqs]
+        max_model_len = self.max_model_len = scheduler.max_model_len
+
+        proposer = world.proposer
+        k = self.k = proposer.k
+        rate = self.rate = proposer.proposal_rate
+        drafts_all = self.drafts_all = rate >= 1.0  # EAGLE: every request that sampled drafts k
+        # ngram with a match probability per request (drawn from its content, in any order).
+        per_request = self.per_request = proposer.per_request
+        self.matches = [proposer.match_probability(req) for req in reqs] if per_request else []
+        self.onset = onset = proposer.onset  # ngram: no drafts before this many output tokens
+        # Uniforms are read from the streams' buffers in order (reserved when first needed)
+        # and used up at the end (or when a buffer runs out): acceptance, one per request in
+        # steps with drafts, read as the tokens each emits (AcceptanceModel.reserve_tokens);
+        # proposals (ngram), one per request in every step.
+        self.acceptance = acceptance
+        self.accept_stream = acceptance.uniforms
+        self.tb = []
+        self.u0 = self.ui = 0
+        self.propose_stream = proposer.uniforms
+        self.pb = []
+        self.p0 = self.pi = 0
+        # accepted = #{i < d : u < r_i}; rates never rise, so that is min(d, rates above u).
+        self.neg_rates = acceptance.neg_rates
+        self.accepted_hist = [0] * (k + 1)  # verifying requests by accepted count
+        self.num_drafts = self.num_draft_tokens = 0
+
+        # Steps are scheduled as stepping would: 1 + drafts tokens per request within the
+        # budget and the prefill threshold (both fixed while the batch is), and blocks for
+        # tokens + drafts + lookahead slots (up to max_model_len).
+        self.threshold = scheduler.prefill_threshold()
+        self.budget = scheduler.max_num_batched_tokens
+        lookahead = self.lookahead = scheduler.num_lookahead_tokens
+        kv = scheduler.kv
+        bs = self.bs = kv.block_size
+        held_map = kv.req_to_blocks
+        held = self.held = [len(held_map[req.request_id]) for req in reqs]
+        # A step needs a block when its tokens + drafts pass a request's limit.
+        self.limits = [h * bs - lookahead for h in held]
+        self.free = kv.num_free_blocks
+        self.scale = kv.num_blocks - 1
+        self.allocs = []  # the blocks the stretch takes, by holder, in order taken
+
+        self.model = world.step_model
+        noise = self.noise = world.noise
+        self.starts = [now]
+        self.periods = []
+        self.usages = [] if first is None else [kv.usage]
+        self.news_all = []  # tokens per request per step (step-major)
+        self.t = now
+        self.finished = {}  # batch index -> computed tokens after its last step
+        self.last_accepted = [0] * num_reqs  # each request's accepted drafts in the last step
+        # Plain steps (every request verifies k drafts, none finishes, no draft or block is
+        # capped by max_model_len) run in bulk when no noise and no proposal draws are in
+        # play; a plain step follows up to `tail` tokens.
+        self.bulk = drafts_all and not onset and noise is None
+        self.full = num_reqs * k
+        self.tail = min(max_model_len - 1 - k, max_model_len - k - self.lookahead)
+        self.verify_out = None
+        self.out = first
+        if first is None:
+            self.proposed = [req.num_spec_tokens for req in reqs]  # drafts, before any cap
+        else:
+            self.ds = first.num_scheduled_spec_tokens  # the step's drafts, per request
+            self.verify = first.num_verify_tokens
+            self.context = first.num_context_tokens
+            self.prefill = first.num_prefill_tokens
+        return self
+
+    def schedule(self) -> bool:
+        """Schedule the next step: drafts capped by max_model_len, then the budget, the
+        threshold, and the blocks for 1 + drafts + lookahead slots. False (nothing changed)
+        when it does not fit: stepping would schedule it otherwise, or preempt."""
+        nts = self.nts
+        proposed = self.proposed
+        limits = self.limits
+        num_reqs = self.num_reqs
+        max_model_len = self.max_model_len
+        ds = []
+        grow = []
+        verify = 0
+        for b in range(num_reqs):
+            nt = nts[b]
+            d = proposed[b]
+            if d > max_model_len - nt - 1:
+                d = max_model_len - nt - 1
+            ds.append(d)
+            verify += d
+            if nt + d > limits[b]:
+                grow.append(b)
+        threshold = self.threshold
+        if num_reqs + verify > self.budget or (threshold and verify and max(ds) >= threshold):
+            return False
+        if grow:
+            held = self.held
+            bs = self.bs
+            lookahead = self.lookahead
+            reqs = self.reqs
+            need_blocks = 0
+            step_allocs = []
+            for b in grow:
+                need = nts[b] + ds[b] + lookahead
+                if need > max_model_len:
+                    need = max_model_len
+                blocks = -(-need // bs) - held[b]
+                if blocks > 0:
+                    need_blocks += blocks
+                    step_allocs += [reqs[b]] * blocks
+            if need_blocks > self.free:
+                return False  # stepping would preempt: the reference path's business
+            self.free -= need_blocks
+            for b in grow:
+                need = nts[b] + ds[b] + lookahead
+                if need > max_model_len:
+                    need = max_model_len
+                blocks = -(-need // bs)
+                if blocks > held[b]:
+                    held[b] = blocks
+                    limits[b] = blocks * bs - lookahead
+            self.allocs += step_allocs
+        self.usages.append(1.0 - self.free / self.scale)
+        self.ds = ds
+        self.verify = verify
+        self.context = sum(nts) + verify
+        self.prefill = 0
+        self.out = None
+        return True
+
+    def run_bulk(self, horizon: float) -> bool:
+        """Run the scheduled step (every request verifies k drafts) and those after it in
+        bulk, while they are plain. Request b's accepted counts come from column b of the
+        acceptance stream (one uniform per request per step); its tokens after each step
+        are their running sum. True when the stretch ends with the last step run here (a
+        finish, the horizon, the pool); otherwise the next step is scheduled (a capped one,
+        or the first past the drawn margin) for :meth:`run_step`."""
+        nts = self.nts
+        outs = self.outs
+        maxes = self.maxes
+        num_reqs = self.num_reqs
+        max_model_len = self.max_model_len
+        k = self.k
+        full = self.full
+        model = self.model
+        t = self.t
+        acceptance = self.acceptance
+        # Each request finishes within m steps: m = the fewest tokens any has left.
+        m = min(min(map(sub, maxes, outs)), max_model_len - max(nts))
+        # The first finish comes after about m / mean_tokens steps: draw for a margin over
+        # that, not for m one-token steps (a bulk that ends at its m-th step is followed by a
+        # step run one at a time, then by the next bulk).
+        m = min(m, int(m / acceptance.mean_tokens * 1.15) + 3)
+        context = self.context
+        # Without a context term every step of the bulk has the same period.
+        by_context = model.periods_depend_on_context
+        p = None
+        if model.decode_nondecreasing and horizon < math.inf:
+            # Periods never shrink here: no more steps than this start before the horizon.
+            p = model.verify_periods(num_reqs, full, (context,))[0]
+            if p > 0 and horizon - t < p * m:
+                m = min(m, int((horizon - t) / p) + 2)
+        if m < 2:
+            return False
+        size = num_reqs * m
+        tb = self.tb
+        ui = self.ui
+        if ui + size > len(tb):  # (else the stream's buffer holds them from ui on)
+            self.accept_stream.advance(ui - self.u0)
+            tb, ui = acceptance.reserve_tokens(size)
+            self.tb = tb
+            self.u0 = self.ui = ui
+        # Tokens per request per step (step-major): accepted + 1.
+        news = tb[ui : ui + size]
+        fin = cap = m  # the first step in which one finishes; after which one caps
+        tail = self.tail
+        cums = []
+        for b in range(num_reqs):
+            cum = list(accumulate(news[b::num_reqs]))  # its tokens after each step
+            nt = nts[b]
+            room = maxes[b] - outs[b]
+            if room > max_model_len - nt:
+                room = max_model_len - nt
+            i = bisect_left(cum, room, 0, fin + 1 if fin < m else m)
+            if i < fin:
+                fin = i
+            i = bisect_right(cum, tail - nt, 0, cap)
+            if i < cap:
+                cap = i
+            cums.append(cum)
+        # Blocks for the steps that plain steps schedule (request b's step after step i
+        # needs its tokens + k + lookahead slots), in (step, batch) order.
+        plain = fin if fin < cap else cap
+        limits = self.limits
+        bs = self.bs
+        events = []
+        for b in range(num_reqs):
+            cum = cums[b]
+            h = limits[b] - nts[b] - k
+            while True:
+                i = bisect_right(cum, h, 0, plain)
+                if i >= plain:
+                    break
+                events.append(i * num_reqs + b)
+                h += bs
+        events.sort()
+        kv_stop = m
+        free = self.free
+        if len(events) > free:
+            kv_stop = events[free] // num_reqs  # scheduling its successor would preempt
+        stop = min(fin, cap, kv_stop)
+        # Periods and start times up to the last step that may run; step i attends the
+        # context before it plus the tokens of steps 0..i-1.
+        priced = stop + 1 if stop < m else m
+        if by_context:
+            contexts = list(accumulate(
+                map(sum, zip(*[iter(news[: priced * num_reqs])] * num_reqs)), initial=context
+            ))
+            bulk_periods = model.verify_periods(num_reqs, full, contexts[:priced])
+        else:
+            if p is None:
+                p = model.verify_periods(num_reqs, full, (context,))[0]
+            bulk_periods = [p] * priced
+        bulk_starts = list(accumulate(bulk_periods, initial=t))
+        late = bisect_left(bulk_starts, horizon, 1) - 1  # the first to end at/after it
+        if late < priced and late < stop:
+            stop = late
+        # What ends the bulk: a finish, the horizon or the pool (that step runs and the
+        # stretch ends with it), a cap (that step runs one at a time), or m.
+        ends = stop < m and (stop == fin or stop == late or stop == kv_stop)
+        ran = stop + 1 if ends else stop  # steps run here
+        if not ran:
+            return False
+        scheduled = ran - 1 if ends else ran  # of them, those that schedule the next
+        size = num_reqs * ran
+        self.ui = ui + size
+        self.num_drafts += size
+        self.num_draft_tokens += full * ran
+        if size < len(news):
+            del news[size:]
+        accepted_hist = self.accepted_hist
+        for a in range(1, k + 1):
+            accepted_hist[a] += news.count(a + 1)
+        self.last_accepted = [n - 1 for n in news[size - num_reqs :]]
+        if ends and stop == fin:
+            finished = self.finished
+            before = fin - 1
+            for b in range(num_reqs):
+                cum = cums[b]
+                done = cum[before] if fin else 0
+                room = maxes[b] - outs[b]
+                if room > max_model_len - nts[b]:
+                    room = max_model_len - nts[b]
+                if cum[fin] >= room:  # it finishes: tokens past the end are cut
+                    i = fin * num_reqs + b
+                    finished[b] = nts[b] + done + news[i] - 1
+                    news[i] = room - done
+                    cum[fin] = room
+        held = self.held
+        lookahead = self.lookahead
+        last = scheduled - 1  # the last step here that schedules the next
+        grown_all = 0
+        for b in range(num_reqs):
+            cum = cums[b]
+            nt = nts[b]
+            if scheduled:  # its blocks for the step after step `last` (its events)
+                blocks = -(-(nt + cum[last] + k + lookahead) // bs)
+                if blocks > held[b]:
+                    held[b] = blocks
+                    limits[b] = blocks * bs - lookahead
+            grown = cum[ran - 1]
+            grown_all += grown
+            nts[b] = nt + grown
+            outs[b] += grown
+        self.news_all += news
+        del events[bisect_left(events, scheduled * num_reqs) :]
+        if events:
+            bulk_usages, self.free = usages_by_step(events, num_reqs, scheduled, free, self.scale)
+            self.usages += bulk_usages
+            reqs = self.reqs
+            self.allocs += [reqs[e % num_reqs] for e in events]
+        else:
+            self.usages += [1.0 - free / self.scale] * scheduled
+        self.periods += bulk_periods[:ran]
+        self.starts += bulk_starts[1 : ran + 1]
+        self.t = bulk_starts[ran]
+        if ends:
+            self.proposed = [k] * num_reqs
+            return True
+        self.ds = [k] * num_reqs
+        self.verify = full
+        self.context = context + grown_all
+        self.prefill = 0
+        self.out = None
+        return False
+
+    def run_step(self, horizon: float) -> bool:
+        """Run the scheduled step: price it, then its result (accepted drafts, tokens,
+        finishes) and the next drafts. True when the stretch ends with it (a finish, or it
+        ends at or after ``horizon``)."""
+        out = self.out
+        num_reqs = self.num_reqs
+        ds = self.ds
+        if out is None:
+            out = self.verify_out
+            if out is None:
+                out = self.verify_out = SchedulerOutput(
+                    reqs=self.reqs, num_decode_reqs=num_reqs, num_decode_tokens=num_reqs
+                )
+            out.num_scheduled_spec_tokens = ds
+            out.total_num_scheduled_tokens = num_reqs + self.verify
+            out.num_verify_tokens = self.verify
+            out.num_context_tokens = self.context
+        model = self.model
+        noise = self.noise
+        p = model.step_period(out) if noise is None else noise.step_period(model, out)
+        self.periods.append(p)
+        t = self.t = self.t + p
+        self.starts.append(t)
+        verifying = out.num_verify_tokens
+        tb = self.tb
+        base = 0
+        if verifying:
+            ui = self.ui
+            if ui + num_reqs > len(tb):
+                self.accept_stream.advance(ui - self.u0)
+                tb, ui = self.acceptance.reserve_tokens(num_reqs)
+                self.tb = tb
+                self.u0 = ui
+            base = ui
+            self.ui = ui + num_reqs
+            self.num_drafts += num_reqs - ds.count(0)
+            self.num_draft_tokens += verifying
+        k = self.k
+        if self.drafts_all:
+            proposed = [k] * num_reqs
+        else:
+            pb = self.pb
+            pi = self.pi
+            if pi + num_reqs > len(pb):
+                self.propose_stream.advance(pi - self.p0)
+                pb, pi = self.propose_stream.reserve(num_reqs)
+                self.pb = pb
+                self.p0 = pi
+            ps = pb[pi : pi + num_reqs]
+            self.pi = pi + num_reqs
+            if self.per_request:
+                proposed = [k if u < r else 0 for u, r in zip(ps, self.matches)]
+            else:
+                rate = self.rate
+                proposed = [k if u < rate else 0 for u in ps]
+        accepted_hist = self.accepted_hist
+        last_accepted = self.last_accepted
+        outs = self.outs
+        nts = self.nts
+        maxes = self.maxes
+        max_model_len = self.max_model_len
+        finished = self.finished
+        news_all = self.news_all
+        for b in range(num_reqs):
+            d = ds[b]
+            if d:
+                a = tb[base + b] - 1
+                if a > d:
+                    a = d
+                accepted_hist[a] += 1
+            else:
+                a = 0
+            last_accepted[b] = a
+            new = a + 1
+            o = outs[b] + new
+            nt = nts[b] + new
+            if o >= maxes[b] or nt >= max_model_len:  # it finishes: tokens past the end are cut
+                new = min(new, maxes[b] - outs[b], max_model_len - nts[b])
+                finished[b] = nts[b] + a
+                o = outs[b] + new
+                nt = nts[b] + new
+            outs[b] = o
+            nts[b] = nt
+            news_all.append(new)
+        onset = self.onset
+        if onset:
+            proposed = [d if o >= onset else 0 for d, o in zip(proposed, outs)]
+        self.proposed = proposed
+        return bool(finished) or t >= horizon
+
+    def apply(self, first: SchedulerOutput | None) -> tuple[float, list[Request]] | None:
+        """Hand out the blocks, write the requests' state, the counters, the step log, the
+        stream chunks and the finishes; the stretch's end time and the requests that
+        finished in its last step. None (nothing changed) when no step ran."""
+        periods = self.periods
+        if not periods:
+            return None  # the first step could not be scheduled here: nothing changed
+        self.accept_stream.advance(self.ui - self.u0)
+        if not self.drafts_all:
+            self.propose_stream.advance(self.pi - self.p0)
+        world = self.world
+        scheduler = world.scheduler
+        reqs = self.reqs
+        num_reqs = self.num_reqs
+        if self.allocs:
+            scheduler.kv.append_blocks(self.allocs)
+        outs = self.outs
+        nts = self.nts
+        last_accepted = self.last_accepted
+        finished = self.finished
+        proposed = self.proposed
+        for b, req in enumerate(reqs):
+            req.num_output_tokens = outs[b]
+            req.is_prefill_chunk = False
+            # The last step's accepted drafts: their blocks are cached at the next allocation.
+            req.num_accepted_uncommitted = last_accepted[b]
+            if b in finished:
+                req.num_computed_tokens = finished[b]
+                req.num_spec_tokens = 0
+            else:
+                req.num_computed_tokens = nts[b] - 1
+                req.num_spec_tokens = proposed[b]  # (a step scheduled later caps them)
+        if self.num_drafts:
+            counters = world.spec_counters
+            counters.num_drafts += self.num_drafts
+            counters.num_draft_tokens += self.num_draft_tokens
+            # Position i (0-based) is accepted by every request that accepted more than i.
+            accepted_past = list(accumulate(self.accepted_hist[:0:-1]))[::-1]
+            while accepted_past and not accepted_past[-1]:
+                accepted_past.pop()
+            per_pos = counters.accepted_per_pos
+            if len(per_pos) < len(accepted_past):
+                per_pos += [0] * (len(accepted_past) - len(per_pos))
+            for i, count in enumerate(accepted_past):
+                per_pos[i] += count
+            counters.num_accepted_tokens += sum(accepted_past)
+        steps = world.steps
+        starts = self.starts
+        usages = self.usages
+        num_waiting = self.num_waiting
+        if first is not None:
+            now = starts[0]
+            for req in first.new_reqs:
+                if req.scheduled_ts is None:
+                    req.scheduled_ts = now
+            steps.append(
+                now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, num_reqs,
+                num_reqs, num_waiting, usages[0], 0,
+            )
+            if len(periods) > 1:
+                steps.extend_decode(starts[1:-1], periods[1:], usages[1:], num_reqs, num_waiting)
+        else:
+            steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting)
+        world.emit_steps(reqs, starts, self.news_all)
+        if not finished:
+            return starts[-1], []
+        finishing = [reqs[b] for b in sorted(finished)]
+        scheduler.finish_requests(finishing)
+        return starts[-1], finishing
