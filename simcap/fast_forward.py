@@ -110,9 +110,11 @@ def advance_decode_stretch(
     stretch's first step, when after it every running request decodes and nothing waits;
     otherwise None is returned and the caller runs that step the reference way.
 
-    Plain Python floats throughout: a stretch is typically tens of steps, where numpy's
-    per-call cost exceeds the arithmetic, and float operations are the step-time model's own,
-    in its order, so every time equals the reference path's.
+    Plain Python floats throughout: a stretch is typically tens of steps of a few requests,
+    where numpy's per-call cost exceeds the arithmetic, and float operations are the
+    step-time model's own, in its order, so every time equals the reference path's. The
+    running batch is read once (what each request has left, and when it next needs a block)
+    and written once (its tokens and stream chunks).
     """
     scheduler = world.scheduler
     running: list[Request] = scheduler.running
@@ -125,7 +127,11 @@ def advance_decode_stretch(
     # first step has already counted its tokens as computed.
     ahead = 1 if first is None else 0
     max_model_len = scheduler.max_model_len
-    lefts = []
+    kv = scheduler.kv
+    bs = kv.block_size
+    held = kv.req_to_blocks
+    lefts = []  # tokens each request has left: it finishes in that step (1-based)
+    needs = []  # the step (0-based) in which each first needs a new block
     context = 0
     for req in running:
         num_tokens = req.num_prompt_tokens + req.num_output_tokens
@@ -135,6 +141,8 @@ def advance_decode_stretch(
         context += computed
         left = req.max_tokens - req.num_output_tokens
         lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
+        # Request b needs a new block at step j when computed + j + 1 > held * bs.
+        needs.append(len(held[req.request_id]) * bs - computed + 1 - ahead)
     m_finish = min(lefts)  # the first finish is in step m_finish (1-based)
     if first is None and (m_finish < MIN_STRETCH or now >= horizon):
         return None
@@ -158,32 +166,33 @@ def advance_decode_stretch(
         # (horizon - now) / first period + 1 steps start before the horizon: price only those
         # (+1 for rounding), not every step up to a finish far beyond it.
         if todo > 0:
-            p1 = model.decode_periods(num_reqs, context, 1)[0]
-            if p1 > 0 and model.decode_nondecreasing and horizon - now < p1 * todo:
-                todo = int((horizon - now) / p1) + 2
+            if horizon - now < math.inf and model.decode_nondecreasing:
+                p1 = model.decode_periods(num_reqs, context, 1)[0]
+                if p1 > 0 and horizon - now < p1 * todo:
+                    todo = int((horizon - now) / p1) + 2
             periods += model.decode_periods(num_reqs, context, todo)
         starts = list(accumulate(periods, initial=now))
     # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
     m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
     if m < len(periods):
         del starts[m + 1 :], periods[m:]
-    m = len(periods)
+    else:
+        m = len(periods)
     if first is None and m < MIN_STRETCH:
         return None
 
-    # KV: request b needs a new block at step j when computed + j + 1 > held * bs, i.e. at
-    # j = held*bs - computed and every bs steps after. Events are encoded j * num_reqs + b,
-    # so that sorting them gives the (step, batch) order in which stepping allocates.
-    kv = scheduler.kv
-    bs = kv.block_size
-    held = kv.req_to_blocks
-    stride = bs * num_reqs
-    events: list[int] = []
-    for b, req in enumerate(running):
-        j = len(held.get(req.request_id, ())) * bs - req.num_computed_tokens + 1 - ahead
-        if j < m:
-            events += range((j if j > 0 else 0) * num_reqs + b, m * num_reqs, stride)
+    # KV: request b needs a new block at step needs[b] and every bs steps after. Events are
+    # encoded j * num_reqs + b, so that sorting them gives the (step, batch) order in which
+    # stepping allocates.
     free = kv.num_free_blocks
+    scale = kv.num_blocks - 1
+    events: list[int] = []
+    if min(needs) < m:
+        stride = bs * num_reqs
+        end = m * num_reqs
+        for b, j in enumerate(needs):
+            if j < m:
+                events += range((j if j > 0 else 0) * num_reqs + b, end, stride)
     if events:
         events.sort()
         if len(events) > free:
@@ -192,23 +201,25 @@ def advance_decode_stretch(
             if first is None and m < MIN_STRETCH:
                 return None
             del events[free:], starts[m + 1 :], periods[m:]
-
-    usages, free = usages_by_step(events, num_reqs, m, free, kv.num_blocks - 1)
-
-    # Apply: blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
-    # that fill up are committed when the request releases them (KVCacheManager.free), not
-    # as they fill: their content includes the request's own output tokens, which no other
-    # prompt contains, so no allocation or prefix hit of another request can depend on them.
-    if events:
+        usages, free = usages_by_step(events, num_reqs, m, free, scale)
+        # Blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
+        # that fill up are committed when the request releases them (KVCacheManager.free),
+        # not as they fill: their content includes the request's own output tokens, which
+        # no other prompt contains, so no allocation or prefix hit of another request can
+        # depend on them.
         kv.append_blocks([running[e % num_reqs] for e in events])
+    else:
+        usages = [1.0 - free / scale] * m
+
+    if world.noise is not None:
+        world.noise.advance(len(periods))  # the draws of the steps that ran, and no more
     finishing = []
+    computed = m - 1 + ahead
     for req, left in zip(running, lefts):
-        req.num_computed_tokens += m - 1 + ahead
+        req.num_computed_tokens += computed
         req.num_output_tokens += m
         if left == m:
             finishing.append(req)
-    if world.noise is not None:
-        world.noise.advance(len(periods))  # the draws of the steps that ran, and no more
     world.emit_stretch(running, starts)  # chunks at starts[1:]
     end = starts.pop()  # starts now holds the m steps' start times
     steps = world.steps
@@ -220,8 +231,9 @@ def advance_decode_stretch(
             now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, len(first.reqs),
             num_reqs, 0, usages[0], 0,
         )
-        del starts[0], periods[0], usages[0]
-    if starts:
+        if m > 1:
+            steps.extend_decode(starts[1:], periods[1:], usages[1:], num_reqs)
+    else:
         steps.extend_decode(starts, periods, usages, num_reqs)
     if finishing:
         scheduler.finish_requests(finishing)

@@ -30,6 +30,9 @@ FLOAT_FIELDS = ("start", "duration", "kv_cache_usage")
 
 
 FOLD_ROWS = 1 << 16  # rows reduced at once: always rows [k*FOLD_ROWS, (k+1)*FOLD_ROWS)
+# Rows gathered in Python lists (extending a list by a stretch's rows copies references; an
+# ``array`` converts them float by float) before they join the compact buffers in bulk.
+SPILL_ROWS = 1 << 12
 
 
 class StepLog:
@@ -40,9 +43,12 @@ class StepLog:
         self._columns = {name: array("d" if name in FLOAT_FIELDS else "q") for name in FIELDS}
         self._num_rows = 0
         # Rows not yet reduced (start times and KV usage), and the reduction so far: each
-        # row's usage holds until the next row's start.
-        self._starts = array("d")  # (8 bytes a row: a fleet has one log per replica)
+        # row's usage holds until the next row's start. The latest rows are in the lists,
+        # the earlier ones in the arrays (8 bytes a row: a fleet has one log per replica).
+        self._starts = array("d")
         self._usages = array("d")
+        self._new_starts: list[float] = []
+        self._new_usages: list[float] = []
         self._weighted = 0.0
         self._weight = 0.0
         self._usage_sum = 0.0
@@ -68,12 +74,12 @@ class StepLog:
         kv_cache_usage: float,
         num_preempted: int,
     ) -> None:
-        self._starts.append(start)
-        self._usages.append(kv_cache_usage)
+        self._new_starts.append(start)
+        self._new_usages.append(kv_cache_usage)
         self._num_rows += 1
         self.last = (num_running, num_waiting, kv_cache_usage)
-        if len(self._starts) > FOLD_ROWS:
-            self._fold()
+        if len(self._new_starts) > SPILL_ROWS:
+            self._spill()
         if self.keep:
             c = self._columns
             c["start"].append(start)
@@ -94,11 +100,11 @@ class StepLog:
         preempted)."""
         n = len(starts)
         self.last = (num_reqs, num_waiting, usages[-1])
-        self._starts.extend(starts)
-        self._usages.extend(usages)
+        self._new_starts += starts
+        self._new_usages += usages
         self._num_rows += n
-        while len(self._starts) > FOLD_ROWS:
-            self._fold()
+        if len(self._new_starts) > SPILL_ROWS:
+            self._spill()
         if self.keep:
             c = self._columns
             c["start"].extend(starts)
@@ -112,6 +118,15 @@ class StepLog:
             c["num_decode_tokens"].extend(batch)
             c["num_reqs"].extend(batch)
             c["num_running"].extend(batch)
+
+    def _spill(self) -> None:
+        """Move the listed rows into the arrays; reduce the arrays' full blocks."""
+        self._starts += array("d", self._new_starts)
+        self._usages += array("d", self._new_usages)
+        self._new_starts.clear()
+        self._new_usages.clear()
+        while len(self._starts) > FOLD_ROWS:
+            self._fold()
 
     def _fold(self) -> None:
         """Reduce the oldest FOLD_ROWS buffered rows (the next row's start closes the last)."""
@@ -134,6 +149,7 @@ class StepLog:
         """Time-weighted mean and max of KV usage (each step's usage holds until the next step)."""
         if not self._num_rows:
             return {"mean": None, "max": None}
+        self._spill()
         saved = self._weighted, self._weight, self._usage_sum, self._max
         if self._starts:
             self._reduce(np.frombuffer(self._starts, dtype=np.float64),

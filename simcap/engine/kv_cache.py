@@ -34,8 +34,10 @@ class FreeBlockQueue:
     - ``_front``, a stack of blocks pushed at the head (its last item is the queue's head);
     - ``_main[_head:]``, the rest of the queue in order; pushes at the tail append to it.
 
-    Removal from the middle (:meth:`remove`) is immediate in ``_front`` (rare and short) and
-    lazy in ``_main``: the block's entry stays and ``_stale[block]`` counts it. Entries only
+    Only blocks pushed at the tail are ever removed from the middle (:meth:`remove`): the
+    pool pushes at the head only blocks without cached content, and a prefix hit touches only
+    cached ones (``KVCacheManager.check_invariants`` checks that no block in ``_front`` has a
+    hash). Removal is lazy: the block's entry stays and ``_stale[block]`` counts it. Entries only
     join ``_main`` at the tail, and a removed block is off the queue until it is pushed
     again, so a block's stale entries always come before its live one: a pop that meets a
     block with a stale count skips that entry and lowers the count. Consumed entries are
@@ -46,7 +48,6 @@ class FreeBlockQueue:
     def __init__(self, blocks: range) -> None:
         size = blocks.stop
         self._front: list[int] = []
-        self._in_front = bytearray(size)
         self._main: list[int] = list(blocks)
         self._head = 0
         self._stale = [0] * size
@@ -62,9 +63,7 @@ class FreeBlockQueue:
         self.num_free -= 1
         front = self._front
         if front:
-            block = front.pop()
-            self._in_front[block] = 0
-            return block
+            return front.pop()
         main = self._main
         head = self._head
         block = main[head]
@@ -92,9 +91,6 @@ class FreeBlockQueue:
             out = front[-k:]
             del front[-k:]
             out.reverse()
-            in_front = self._in_front
-            for block in out:
-                in_front[block] = 0
             n -= k
             if not n:
                 return out
@@ -126,24 +122,19 @@ class FreeBlockQueue:
         self.num_free += len(blocks)
 
     def extend_head(self, blocks: list[int]) -> None:
-        """Push each of ``blocks`` at the head in turn: the last one pushed is the new head."""
+        """Push each of ``blocks`` at the head in turn: the last one pushed is the new head.
+        They are never :meth:`remove`\ d (see the class's doc)."""
         self._front += blocks
-        in_front = self._in_front
-        for block in blocks:
-            in_front[block] = 1
         self.num_free += len(blocks)
 
     def remove(self, block: int) -> None:
-        """Take a free block off the queue wherever it is (a prefix hit touches it)."""
+        """Take a free block off the queue wherever it is (a prefix hit touches it); a block
+        pushed at the tail."""
         self.num_free -= 1
-        if self._in_front[block]:
-            self._front.remove(block)
-            self._in_front[block] = 0
-        else:
-            self._stale[block] += 1
-            self._num_stale += 1
-            if self._num_stale > self.num_free + self.compact_at:
-                self._drop_stale()
+        self._stale[block] += 1
+        self._num_stale += 1
+        if self._num_stale > self.num_free + self.compact_at:
+            self._drop_stale()
 
     def _drop_stale(self) -> None:
         """Rewrite ``_main`` without its consumed and stale entries."""
@@ -540,9 +531,10 @@ class KVCacheManager:
         return counts
 
     def check_invariants(self) -> None:
-        """free + held == usable blocks; no held block is on the free queue; a block with a
-        hash has ref_cnt == its holders, one without has a single holder and ref_cnt 0;
-        cache entries point to blocks holding their hash."""
+        """free + held == usable blocks; no held block is on the free queue, no cached one
+        among the blocks pushed at its head; a block with a hash has ref_cnt == its holders,
+        one without has a single holder and ref_cnt 0; cache entries point to blocks holding
+        their hash."""
         free = self.free_queue.blocks()
         assert len(free) == self.free_queue.num_free, "free count differs from the queue"
         assert len(set(free)) == len(free), "block twice on the free queue"
@@ -552,6 +544,8 @@ class KVCacheManager:
         block_hash = self.prefix_cache.block_hash
         for block in free:
             assert counts[block] == 0 and self.ref_cnt[block] == 0, "held block on the free queue"
+        # A prefix hit may take a cached block off the queue: only the tail part supports it.
+        assert all(block_hash[b] is None for b in self.free_queue._front), "cached block at the head"
         for block, count in enumerate(counts):
             if block_hash[block] is not None:
                 assert self.ref_cnt[block] == count, "ref count differs from holders"
