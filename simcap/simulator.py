@@ -430,20 +430,22 @@ class _World:
             self.metrics.add_itl(np.repeat(gaps, sizes), tokens=tokens)
             self._verify_tokens.clear()
 
-    def _session_fields(self, request_id: int) -> dict[str, int]:
-        where = self._session_of.pop(request_id, None) if self._session_of else None
-        return {} if where is None else {"session_id": where[0], "turn": where[1]}
-
     def finish(self, reqs: list[Request], now: float) -> None:
         """Requests that got their last token at ``now``: summarise them, wake their clients."""
+        add_request = self.metrics.add_request
+        sessions = self._session_of
+        waiters = self._on_finish
         for req in reqs:
-            cached = max(req.num_cached_tokens, 0)
-            self.metrics.add_request(
+            cached = req.num_cached_tokens
+            if cached < 0:
+                cached = 0
+            where = sessions.pop(req.request_id, None) if sessions else None
+            add_request(
                 req.request_id, req.arrival_time, first_token_time=req.first_token_ts,
                 finish_time=now, scheduled_time=req.scheduled_ts,
                 num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                 num_preemptions=req.num_preemptions, num_cached_tokens=cached,
-                **self._session_fields(req.request_id),
+                session_id=None if where is None else where[0], turn=None if where is None else where[1],
             )
             if self.records is not None:
                 rec = self.records[req.request_id]
@@ -452,9 +454,10 @@ class _World:
                 rec.scheduled_time = req.scheduled_ts
                 rec.num_preemptions = req.num_preemptions
                 rec.num_cached_tokens = cached
-            notify = self._on_finish.pop(req.request_id, None)
-            if notify is not None:
-                notify(req.num_output_tokens)
+            if waiters:
+                notify = waiters.pop(req.request_id, None)
+                if notify is not None:
+                    notify(req.num_output_tokens)
         if self.fleet is not None:
             self.fleet.responses_ended(self.index, reqs, now)
 

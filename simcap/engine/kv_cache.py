@@ -314,10 +314,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
-        limit = self._num_registrable(request)
-        if limit < max_blocks:  # private blocks of a request never preempted: nobody holds them
-            max_blocks = limit
+        max_blocks = (request.num_prompt_tokens + request.num_output_tokens - 1) // bs
+        if request.request_id not in self._preempted:  # (_num_registrable, inline)
+            limit = request.num_public_tokens // bs
+            if limit < max_blocks:  # private blocks of a request never preempted: nobody holds them
+                max_blocks = limit
         if max_blocks <= 0:
             return [], 0
         hashes = request.hash_full_blocks(bs, max_blocks)
@@ -447,8 +448,12 @@ class KVCacheManager:
         if num_full <= done:
             return
         self._num_committed[rid] = num_full
-        limit = self._num_registrable(request)
-        self._register(request, done, num_full if num_full < limit else limit)
+        if rid not in self._preempted:  # (_num_registrable, inline: this runs at every fill)
+            limit = request.num_public_tokens // self.block_size
+            if limit < num_full:
+                num_full = limit
+        if num_full > done:
+            self._register(request, done, num_full)
 
     def _register(self, request: Request, start: int, stop: int) -> None:
         """Register the request's blocks ``start .. stop-1`` in the prefix cache."""
@@ -475,18 +480,20 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
+        finished = request.is_finished
         num_cached = 0  # blocks 0 .. num_cached-1 hold committed content; the rest none
         num_tracked = 0  # blocks 0 .. num_tracked-1 are in the prefix cache (with ref counts)
         if blocks and self.enable_caching:
             self.commit_full_blocks(request)  # what the fast path left to commit
             num_cached = self._num_committed.get(rid, 0)
             limit = self._num_registrable(request)
-            if not request.is_finished and rid not in self._preempted:
+            if not finished and rid not in self._preempted:
                 self._register(request, limit, num_cached)  # it may hit them when rescheduled
                 limit = num_cached
             num_tracked = num_cached if num_cached < limit else limit
-        if request.is_finished:
-            self._preempted.discard(rid)
+        if finished:
+            if self._preempted:
+                self._preempted.discard(rid)
         else:
             self._preempted.add(rid)
         self.req_to_blocks.pop(rid, None)
