@@ -39,6 +39,7 @@ from simcap.engine.request import Request
 from simcap.engine.scheduler import SchedulerOutput
 
 MIN_STRETCH = 2  # a lone step goes through the reference path
+PRICE_STEPS = 32  # steps of a decode stretch priced before looking at the horizon
 
 
 def schedule_admission(world) -> SchedulerOutput | None:
@@ -162,16 +163,24 @@ def advance_decode_stretch(
         if first is not None:
             periods.append(model.step_period(first))
             todo -= 1
-        # Periods never shrink along a stretch (the context grows), so no more than
-        # (horizon - now) / first period + 1 steps start before the horizon: price only those
-        # (+1 for rounding), not every step up to a finish far beyond it.
-        if todo > 0:
-            if horizon - now < math.inf and model.decode_nondecreasing:
-                p1 = model.decode_periods(num_reqs, context, 1)[0]
-                if p1 > 0 and horizon - now < p1 * todo:
-                    todo = int((horizon - now) / p1) + 2
-            periods += model.decode_periods(num_reqs, context, todo)
+        # Up to PRICE_STEPS steps first (most stretches end sooner); if none of them reaches
+        # the horizon, the rest. Periods never shrink along a stretch (the context grows), so
+        # no more than (horizon - t) / the last period + 1 of the rest start before the
+        # horizon: price only those (+1 for rounding), not every step up to a finish far
+        # beyond it. Step j's context is context + num_reqs * j however the steps are split.
+        priced = todo if todo < PRICE_STEPS else PRICE_STEPS
+        if priced > 0:
+            periods += model.decode_periods(num_reqs, context, priced)
         starts = list(accumulate(periods, initial=now))
+        if priced < todo and starts[-1] < horizon:
+            t = starts.pop()
+            rest = todo - priced
+            p = periods[-1]
+            if p > 0 and model.decode_nondecreasing and horizon - t < p * rest:
+                rest = int((horizon - t) / p) + 2
+            more = model.decode_periods(num_reqs, context + num_reqs * priced, rest)
+            periods += more
+            starts += accumulate(more, initial=t)
     # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
     m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
     if m < len(periods):
@@ -213,13 +222,12 @@ def advance_decode_stretch(
 
     if world.noise is not None:
         world.noise.advance(len(periods))  # the draws of the steps that ran, and no more
-    finishing = []
     computed = m - 1 + ahead
-    for req, left in zip(running, lefts):
+    for req in running:
         req.num_computed_tokens += computed
         req.num_output_tokens += m
-        if left == m:
-            finishing.append(req)
+    # (m never exceeds the first finish's step: a stretch cut short has no finish)
+    finishing = [req for req, left in zip(running, lefts) if left == m] if m == m_finish else []
     world.emit_stretch(running, starts)  # chunks at starts[1:]
     end = starts.pop()  # starts now holds the m steps' start times
     steps = world.steps

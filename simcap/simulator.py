@@ -511,7 +511,7 @@ class _World:
                 continue
             if stop is not None and now >= stop.next_check and stop(self, now):
                 return
-            if not scheduler.has_unfinished_requests():
+            if not (scheduler.running or scheduler.waiting):  # (has_unfinished_requests)
                 if not clients:
                     if next_arrival == math.inf:
                         return
