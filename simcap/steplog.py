@@ -121,8 +121,9 @@ class StepLog:
 
     def _spill(self) -> None:
         """Move the listed rows into the arrays; reduce the arrays' full blocks."""
-        self._starts += array("d", self._new_starts)
-        self._usages += array("d", self._new_usages)
+        n = len(self._new_starts)
+        self._starts.frombytes(np.fromiter(self._new_starts, np.float64, n).tobytes())
+        self._usages.frombytes(np.fromiter(self._new_usages, np.float64, n).tobytes())
         self._new_starts.clear()
         self._new_usages.clear()
         while len(self._starts) > FOLD_ROWS:
