@@ -30,6 +30,7 @@ from bisect import bisect_left, bisect_right
 from heapq import heappush
 from itertools import accumulate
 from operator import sub
+from typing import NamedTuple
 
 import numpy as np
 import simpy
@@ -42,9 +43,21 @@ MIN_STRETCH = 2  # a lone step goes through the reference path
 PRICE_STEPS = 32  # steps of a decode stretch priced before looking at the horizon
 
 
-def schedule_admission(world) -> SchedulerOutput | None:
-    """The next step's :class:`SchedulerOutput` when requests wait and every running request
-    decodes: what ``Scheduler.schedule`` gives, without walking the decoders one by one.
+class Admission(NamedTuple):
+    """A step that admits waiting requests into a batch of decoders (:func:`schedule_admission`),
+    and what the decoders were found to have left, so that the stretch that runs it need not
+    read them again."""
+
+    out: SchedulerOutput  # the scheduled step
+    lefts: list[int]  # per decoder (in batch order): tokens left, this step's included
+    needs: list[int]  # per decoder: the step (0-based, this one 0) that first needs a new block
+    num_context_tokens: int  # the decoders' computed tokens, this step's included
+
+
+def schedule_admission(world) -> Admission | None:
+    """The next step, when requests wait and every running request decodes: the
+    :class:`SchedulerOutput` that ``Scheduler.schedule`` gives, scheduled without walking the
+    decoders one by one, and what the stretch that runs it needs to know of them.
 
     None (nothing changed) when the batch is not like that, or a decoder would need a block
     the pool does not have (a preemption: the reference path's business).
@@ -58,24 +71,34 @@ def schedule_admission(world) -> SchedulerOutput | None:
     kv = scheduler.kv
     bs = kv.block_size
     held = kv.req_to_blocks
+    max_model_len = scheduler.max_model_len
     context = 0
     touched = []  # decoders whose token needs a new block or fills one
     num_new = 0
+    lefts = []
+    needs = []
     for req in running:
         computed = req.num_computed_tokens
-        if computed != req.num_prompt_tokens + req.num_output_tokens - 1 or req.num_spec_tokens:
+        num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        if computed != num_tokens - 1 or req.num_spec_tokens:
             return None
         context += computed
-        if computed >= len(held.get(req.request_id, ())) * bs:
+        num_held = len(held[req.request_id])
+        if computed >= num_held * bs:
             touched.append(req)
             num_new += 1
+            num_held += 1
         elif (computed + 1) % bs == 0:
             touched.append(req)
+        left = req.max_tokens - req.num_output_tokens
+        lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
+        needs.append(num_held * bs - computed)  # its blocks after this step's allocation
     if num_new > kv.num_free_blocks:
         return None
     for req in touched:  # in batch order, as the reference path's allocate_slots calls
         kv.allocate_slots(req, 1)
-    return scheduler.schedule_decoders_and_admit(context)
+    out = scheduler.schedule_decoders_and_admit(context)
+    return Admission(out, lefts, needs, context + len(lefts))
 
 
 def usages_by_step(
@@ -97,7 +120,7 @@ def usages_by_step(
 
 
 def advance_decode_stretch(
-    world, now: float, horizon: float, first: SchedulerOutput | None = None
+    world, now: float, horizon: float, admitted: Admission | None = None
 ) -> tuple[float, list[Request]] | None:
     """Run the pure-decode steps that can run at once from ``now``; None if none can.
 
@@ -107,7 +130,7 @@ def advance_decode_stretch(
     its last step (already released from the scheduler; the caller reports them at that
     time).
 
-    ``first``: an already scheduled step (from :func:`schedule_admission`) to run as the
+    ``admitted``: an already scheduled step (from :func:`schedule_admission`) to run as the
     stretch's first step, when after it every running request decodes and nothing waits;
     otherwise None is returned and the caller runs that step the reference way.
 
@@ -126,15 +149,22 @@ def advance_decode_stretch(
         return None
     # Before a step, a decoding request has computed all but its last token; a scheduled
     # first step has already counted its tokens as computed.
-    ahead = 1 if first is None else 0
     max_model_len = scheduler.max_model_len
     kv = scheduler.kv
     bs = kv.block_size
     held = kv.req_to_blocks
-    lefts = []  # tokens each request has left: it finishes in that step (1-based)
-    needs = []  # the step (0-based) in which each first needs a new block
-    context = 0
-    for req in running:
+    if admitted is None:
+        first = None
+        ahead = 1
+        lefts = []  # tokens each request has left: it finishes in that step (1-based)
+        needs = []  # the step (0-based) in which each first needs a new block
+        context = 0
+        unread = running
+    else:  # the decoders are read; the admitted requests follow them in the batch
+        first, lefts, needs, context = admitted
+        ahead = 0
+        unread = first.new_reqs
+    for req in unread:
         num_tokens = req.num_prompt_tokens + req.num_output_tokens
         computed = req.num_computed_tokens
         if computed != num_tokens - ahead or req.num_spec_tokens:
@@ -222,13 +252,23 @@ def advance_decode_stretch(
 
     if world.noise is not None:
         world.noise.advance(len(periods))  # the draws of the steps that ran, and no more
+    # Each request's tokens, and its token times (RequestStateStats): one token a step, the
+    # first at starts[1], the last at the stretch's end.
     computed = m - 1 + ahead
+    first_token = starts[1]
+    last_token = starts[-1]
+    gaps = []  # from each request's previous token to its first here
     for req in running:
         req.num_computed_tokens += computed
         req.num_output_tokens += m
+        if req.first_token_ts is None:
+            req.first_token_ts = first_token
+        else:
+            gaps.append(first_token - req.last_token_ts)
+        req.last_token_ts = last_token
     # (m never exceeds the first finish's step: a stretch cut short has no finish)
     finishing = [req for req, left in zip(running, lefts) if left == m] if m == m_finish else []
-    world.emit_stretch(running, starts)  # chunks at starts[1:]
+    world.emit_stretch(running, starts, gaps)  # chunks at starts[1:]
     end = starts.pop()  # starts now holds the m steps' start times
     steps = world.steps
     if first is not None:

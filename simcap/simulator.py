@@ -354,18 +354,12 @@ class _World:
         if self.records is not None:
             self.records[req.request_id].add_chunk(now, num_tokens)
 
-    def emit_stretch(self, reqs: list[Request], times: list[float]) -> None:
+    def emit_stretch(self, reqs: list[Request], times: list[float], gaps: list[float]) -> None:
         """One token per request at each of ``times[1:]`` (a stretch of decode steps; ``times[0]``
-        is its start)."""
-        first = times[1]
-        last = times[-1]
+        is its start); ``gaps``: from the previous token to the first here, for each request
+        that had one (the caller has set the requests' token times)."""
+        self._single_gaps += gaps
         gaps = self._single_gaps
-        for req in reqs:
-            if req.first_token_ts is None:
-                req.first_token_ts = first
-            else:
-                gaps.append(first - req.last_token_ts)
-            req.last_token_ts = last
         m = len(times) - 1
         if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
@@ -535,8 +529,10 @@ class _World:
                         out = scheduler.schedule()
                         stretch = advance_verify_stretch(self, now, horizon, out)
                 else:
-                    out = schedule_admission(self)
-                    stretch = advance_decode_stretch(self, now, horizon, out)
+                    admitted = schedule_admission(self)
+                    stretch = advance_decode_stretch(self, now, horizon, admitted)
+                    if admitted is not None:
+                        out = admitted.out
             if stretch is not None:
                 now, finishing = stretch
                 self.busy_until = now
