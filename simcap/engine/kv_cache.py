@@ -97,7 +97,10 @@ class FreeBlockQueue:
         main = self._main
         head = self._head
         if not self._num_stale:
-            out += main[head : head + n]
+            if out:
+                out += main[head : head + n]
+            else:
+                out = main[head : head + n]
             head += n
         else:
             stale = self._stale
