@@ -101,21 +101,38 @@ def schedule_admission(world) -> Admission | None:
     return Admission(out, lefts, needs, context + len(lefts))
 
 
-def usages_by_step(
+def usage_runs_by_step(
     events: list[int], num_reqs: int, num_steps: int, free: int, scale: int
-) -> tuple[list[float], int]:
+) -> tuple[list[float], list[int], int]:
     """KV usage after each of ``num_steps`` steps whose new blocks are ``events`` (``step *
-    num_reqs + b``, ascending), with ``free`` blocks before the first and ``scale`` usable in
-    all: the free count falls at every new block. Returns the usages and the free count left."""
+    num_reqs + b``, ascending, every step below ``num_steps``), with ``free`` blocks before
+    the first and ``scale`` usable in all: the free count falls at every new block. Returns
+    the usages as runs (``counts[i]`` steps of ``usages[i]`` in turn, each count >= 1) and
+    the free count left."""
     usages: list[float] = []
+    counts: list[int] = []
     done = 0
     for e in events:
         step = e // num_reqs
         if step > done:
-            usages += [1.0 - free / scale] * (step - done)
+            usages.append(1.0 - free / scale)
+            counts.append(step - done)
             done = step
         free -= 1
-    usages += [1.0 - free / scale] * (num_steps - done)
+    if num_steps > done:
+        usages.append(1.0 - free / scale)
+        counts.append(num_steps - done)
+    return usages, counts, free
+
+
+def usages_by_step(
+    events: list[int], num_reqs: int, num_steps: int, free: int, scale: int
+) -> tuple[list[float], int]:
+    """:func:`usage_runs_by_step`, one usage per step."""
+    runs, counts, free = usage_runs_by_step(events, num_reqs, num_steps, free, scale)
+    usages: list[float] = []
+    for usage, count in zip(runs, counts):
+        usages += [usage] * count
     return usages, free
 
 
@@ -240,7 +257,7 @@ def advance_decode_stretch(
             if first is None and m < MIN_STRETCH:
                 return None
             del events[free:], starts[m + 1 :], periods[m:]
-        usages, free = usages_by_step(events, num_reqs, m, free, scale)
+        usages, counts, free = usage_runs_by_step(events, num_reqs, m, free, scale)
         # Blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
         # that fill up are committed when the request releases them (KVCacheManager.free),
         # not as they fill: their content includes the request's own output tokens, which
@@ -248,7 +265,7 @@ def advance_decode_stretch(
         # depend on them.
         kv.append_blocks([running[e % num_reqs] for e in events])
     else:
-        usages = [1.0 - free / scale] * m
+        usages, counts = [1.0 - free / scale], [m]  # (as runs: counts[i] steps of usages[i])
 
     if world.noise is not None:
         world.noise.advance(len(periods))  # the draws of the steps that ran, and no more
@@ -280,9 +297,13 @@ def advance_decode_stretch(
             num_reqs, 0, usages[0], 0,
         )
         if m > 1:
-            steps.extend_decode(starts[1:], periods[1:], usages[1:], num_reqs)
+            if counts[0] == 1:
+                del usages[0], counts[0]
+            else:
+                counts[0] -= 1
+            steps.extend_decode(starts[1:], periods[1:], usages, num_reqs, counts=counts)
     else:
-        steps.extend_decode(starts, periods, usages, num_reqs)
+        steps.extend_decode(starts, periods, usages, num_reqs, counts=counts)
     if finishing:
         scheduler.finish_requests(finishing)
     return end, finishing

@@ -48,7 +48,8 @@ class StepLog:
         self._starts = array("d")
         self._usages = array("d")
         self._new_starts: list[float] = []
-        self._new_usages: list[float] = []
+        self._new_usages: list[float] = []  # in runs: _new_counts[i] rows of _new_usages[i]
+        self._new_counts: list[int] = []
         self._weighted = 0.0
         self._weight = 0.0
         self._usage_sum = 0.0
@@ -76,6 +77,7 @@ class StepLog:
     ) -> None:
         self._new_starts.append(start)
         self._new_usages.append(kv_cache_usage)
+        self._new_counts.append(1)
         self._num_rows += 1
         self.last = (num_running, num_waiting, kv_cache_usage)
         if len(self._new_starts) > SPILL_ROWS:
@@ -94,14 +96,16 @@ class StepLog:
 
     def extend_decode(
         self, starts: list[float], durations: list[float], usages: list[float], num_reqs: int,
-        num_waiting: int = 0,
+        num_waiting: int = 0, counts: list[int] | None = None,
     ) -> None:
         """Rows of pure-decode steps of ``num_reqs`` requests, ``num_waiting`` waiting (none
-        preempted)."""
+        preempted). ``usages``: each row's KV usage or, with ``counts``, runs of rows that
+        share one: ``counts[i]`` rows of ``usages[i]`` in turn (each count >= 1)."""
         n = len(starts)
         self.last = (num_reqs, num_waiting, usages[-1])
         self._new_starts += starts
         self._new_usages += usages
+        self._new_counts += [1] * n if counts is None else counts
         self._num_rows += n
         if len(self._new_starts) > SPILL_ROWS:
             self._spill()
@@ -109,7 +113,11 @@ class StepLog:
             c = self._columns
             c["start"].extend(starts)
             c["duration"].extend(durations)
-            c["kv_cache_usage"].extend(usages)
+            if counts is None:
+                c["kv_cache_usage"].extend(usages)
+            else:
+                for usage, count in zip(usages, counts):
+                    c["kv_cache_usage"].extend(array("d", [usage]) * count)
             zeros = array("q", bytes(8 * n))
             c["num_prefill_tokens"].extend(zeros)
             c["num_waiting"].extend(array("q", [num_waiting]) * n if num_waiting else zeros)
@@ -123,9 +131,14 @@ class StepLog:
         """Move the listed rows into the arrays; reduce the arrays' full blocks."""
         n = len(self._new_starts)
         self._starts.frombytes(np.fromiter(self._new_starts, np.float64, n).tobytes())
-        self._usages.frombytes(np.fromiter(self._new_usages, np.float64, n).tobytes())
+        runs = len(self._new_usages)
+        usages = np.fromiter(self._new_usages, np.float64, runs)
+        if runs < n:
+            usages = usages.repeat(np.fromiter(self._new_counts, np.int64, runs))
+        self._usages.frombytes(usages.tobytes())
         self._new_starts.clear()
         self._new_usages.clear()
+        self._new_counts.clear()
         while len(self._starts) > FOLD_ROWS:
             self._fold()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,16 +12,20 @@ import simcap.steplog as steplog
 from simcap.steplog import StepLog
 
 
+USAGES = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.5]))  # (repeats: runs)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.tuples(st.floats(1e-4, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=60),
+    st.lists(st.tuples(st.floats(1e-4, 1.0), USAGES), min_size=1, max_size=60),
     st.lists(st.integers(1, 9), min_size=1, max_size=30),
     st.booleans(),
     st.sampled_from([1, 2, 5, 9]),
 )
 def test_kv_usage_is_the_same_row_by_row_or_in_stretches(steps, cuts, keep, spill):
-    """Rows one at a time, listed until the summary, against rows in stretches that move
-    from the lists to the arrays (and fold) every few rows: the same figures."""
+    """Rows one at a time, listed until the summary, against rows in stretches (every other
+    one with its usages as runs of equal values) that move from the lists to the arrays (and
+    fold) every few rows: the same figures."""
     old = steplog.FOLD_ROWS, steplog.SPILL_ROWS
     steplog.FOLD_ROWS = 7  # fold often, across stretch boundaries
     try:
@@ -39,7 +45,12 @@ def test_kv_usage_is_the_same_row_by_row_or_in_stretches(steps, cuts, keep, spil
             if i >= len(starts):
                 break
             j = min(i + cut, len(starts))
-            many.extend_decode(starts[i:j], [0.01] * (j - i), usages[i:j], 3)
+            if cut % 2:
+                runs = [(u, len(list(g))) for u, g in itertools.groupby(usages[i:j])]
+                many.extend_decode(starts[i:j], [0.01] * (j - i), [u for u, _ in runs], 3,
+                                   counts=[c for _, c in runs])
+            else:
+                many.extend_decode(starts[i:j], [0.01] * (j - i), usages[i:j], 3)
             i = j
         assert one == many and one.kv_usage_summary() == many.kv_usage_summary()
         summary = one.kv_usage_summary()
