@@ -126,7 +126,7 @@ class FreeBlockQueue:
 
     def extend_head(self, blocks: list[int]) -> None:
         """Push each of ``blocks`` at the head in turn: the last one pushed is the new head.
-        They are never :meth:`remove`\ d (see the class's doc)."""
+        :meth:`remove` never takes them off (see the class's doc)."""
         self._front += blocks
         self.num_free += len(blocks)
 
