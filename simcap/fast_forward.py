@@ -26,6 +26,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from heapq import heappush
 from itertools import accumulate
+from typing import NamedTuple
 
 import simpy
 from simpy.core import NORMAL
@@ -34,11 +35,24 @@ from simcap.engine.request import Request
 from simcap.engine.scheduler import SchedulerOutput
 
 MIN_STRETCH = 2  # a lone step goes through the reference path
+PRICE_STEPS = 32  # steps of a decode stretch priced before looking at the horizon
 
 
-def schedule_admission(world) -> SchedulerOutput | None:
-    """The next step's :class:`SchedulerOutput` when requests wait and every running request
-    decodes: what ``Scheduler.schedule`` gives, without walking the decoders one by one.
+class Admission(NamedTuple):
+    """A step that admits waiting requests into a batch of decoders (:func:`schedule_admission`),
+    and what the decoders were found to have left, so that the stretch that runs it need not
+    read them again."""
+
+    out: SchedulerOutput  # the scheduled step
+    lefts: list[int]  # per decoder (in batch order): tokens left, this step's included
+    needs: list[int]  # per decoder: the step (0-based, this one 0) that first needs a new block
+    num_context_tokens: int  # the decoders' computed tokens, this step's included
+
+
+def schedule_admission(world) -> Admission | None:
+    """The next step, when requests wait and every running request decodes: the
+    :class:`SchedulerOutput` that ``Scheduler.schedule`` gives, scheduled without walking the
+    decoders one by one, and what the stretch that runs it needs to know of them.
 
     None (nothing changed) when the batch is not like that, or a decoder would need a block
     the pool does not have (a preemption: the reference path's business).
@@ -52,46 +66,73 @@ def schedule_admission(world) -> SchedulerOutput | None:
     kv = scheduler.kv
     bs = kv.block_size
     held = kv.req_to_blocks
+    max_model_len = scheduler.max_model_len
     context = 0
     touched = []  # decoders whose token needs a new block or fills one
     num_new = 0
+    lefts = []
+    needs = []
     for req in running:
         computed = req.num_computed_tokens
-        if computed != req.num_prompt_tokens + req.num_output_tokens - 1 or req.num_spec_tokens:
+        num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        if computed != num_tokens - 1 or req.num_spec_tokens:
             return None
         context += computed
-        if computed >= len(held.get(req.request_id, ())) * bs:
+        num_held = len(held[req.request_id])
+        if computed >= num_held * bs:
             touched.append(req)
             num_new += 1
+            num_held += 1
         elif (computed + 1) % bs == 0:
             touched.append(req)
+        left = req.max_tokens - req.num_output_tokens
+        lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
+        needs.append(num_held * bs - computed)  # its blocks after this step's allocation
     if num_new > kv.num_free_blocks:
         return None
     for req in touched:  # in batch order, as the reference path's allocate_slots calls
         kv.allocate_slots(req, 1)
-    return scheduler.schedule_decoders_and_admit(context)
+    out = scheduler.schedule_decoders_and_admit(context)
+    return Admission(out, lefts, needs, context + len(lefts))
+
+
+def usage_runs_by_step(
+    events: list[int], num_reqs: int, num_steps: int, free: int, scale: int
+) -> tuple[list[float], list[int], int]:
+    """KV usage after each of ``num_steps`` steps whose new blocks are ``events`` (``step *
+    num_reqs + b``, ascending, every step below ``num_steps``), with ``free`` blocks before
+    the first and ``scale`` usable in all: the free count falls at every new block. Returns
+    the usages as runs (``counts[i]`` steps of ``usages[i]`` in turn, each count >= 1) and
+    the free count left."""
+    usages: list[float] = []
+    counts: list[int] = []
+    done = 0
+    for e in events:
+        step = e // num_reqs
+        if step > done:
+            usages.append(1.0 - free / scale)
+            counts.append(step - done)
+            done = step
+        free -= 1
+    if num_steps > done:
+        usages.append(1.0 - free / scale)
+        counts.append(num_steps - done)
+    return usages, counts, free
 
 
 def usages_by_step(
     events: list[int], num_reqs: int, num_steps: int, free: int, scale: int
 ) -> tuple[list[float], int]:
-    """KV usage after each of ``num_steps`` steps whose new blocks are ``events`` (``step *
-    num_reqs + b``, ascending), with ``free`` blocks before the first and ``scale`` usable in
-    all: the free count falls at every new block. Returns the usages and the free count left."""
+    """:func:`usage_runs_by_step`, one usage per step."""
+    runs, counts, free = usage_runs_by_step(events, num_reqs, num_steps, free, scale)
     usages: list[float] = []
-    done = 0
-    for e in events:
-        step = e // num_reqs
-        if step > done:
-            usages += [1.0 - free / scale] * (step - done)
-            done = step
-        free -= 1
-    usages += [1.0 - free / scale] * (num_steps - done)
+    for usage, count in zip(runs, counts):
+        usages += [usage] * count
     return usages, free
 
 
 def advance_decode_stretch(
-    world, now: float, horizon: float, first: SchedulerOutput | None = None
+    world, now: float, horizon: float, admitted: Admission | None = None
 ) -> tuple[float, list[Request]] | None:
     """Run the pure-decode steps that can run at once from ``now``; None if none can.
 
@@ -101,13 +142,15 @@ def advance_decode_stretch(
     its last step (already released from the scheduler; the caller reports them at that
     time).
 
-    ``first``: an already scheduled step (from :func:`schedule_admission`) to run as the
+    ``admitted``: an already scheduled step (from :func:`schedule_admission`) to run as the
     stretch's first step, when after it every running request decodes and nothing waits;
     otherwise None is returned and the caller runs that step the reference way.
 
-    Plain Python floats throughout: a stretch is typically tens of steps, where numpy's
-    per-call cost exceeds the arithmetic, and float operations are the step-time model's own,
-    in its order, so every time equals the reference path's.
+    Plain Python floats throughout: a stretch is typically tens of steps of a few requests,
+    where numpy's per-call cost exceeds the arithmetic, and float operations are the
+    step-time model's own, in its order, so every time equals the reference path's. The
+    running batch is read once (what each request has left, and when it next needs a block)
+    and written once (its tokens and stream chunks).
     """
     scheduler = world.scheduler
     running: list[Request] = scheduler.running
@@ -118,11 +161,22 @@ def advance_decode_stretch(
         return None
     # Before a step, a decoding request has computed all but its last token; a scheduled
     # first step has already counted its tokens as computed.
-    ahead = 1 if first is None else 0
     max_model_len = scheduler.max_model_len
-    lefts = []
-    context = 0
-    for req in running:
+    kv = scheduler.kv
+    bs = kv.block_size
+    held = kv.req_to_blocks
+    if admitted is None:
+        first = None
+        ahead = 1
+        lefts = []  # tokens each request has left: it finishes in that step (1-based)
+        needs = []  # the step (0-based) in which each first needs a new block
+        context = 0
+        unread = running
+    else:  # the decoders are read; the admitted requests follow them in the batch
+        first, lefts, needs, context = admitted
+        ahead = 0
+        unread = first.new_reqs
+    for req in unread:
         num_tokens = req.num_prompt_tokens + req.num_output_tokens
         computed = req.num_computed_tokens
         if computed != num_tokens - ahead or req.num_spec_tokens:
@@ -130,6 +184,8 @@ def advance_decode_stretch(
         context += computed
         left = req.max_tokens - req.num_output_tokens
         lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
+        # Request b needs a new block at step j when computed + j + 1 > held * bs.
+        needs.append(len(held[req.request_id]) * bs - computed + 1 - ahead)
     m_finish = min(lefts)  # the first finish is in step m_finish (1-based)
     if first is None and (m_finish < MIN_STRETCH or now >= horizon):
         return None
@@ -149,36 +205,45 @@ def advance_decode_stretch(
         if first is not None:
             periods.append(model.step_period(first))
             todo -= 1
-        # Periods never shrink along a stretch (the context grows), so no more than
-        # (horizon - now) / first period + 1 steps start before the horizon: price only those
-        # (+1 for rounding), not every step up to a finish far beyond it.
-        if todo > 0:
-            p1 = model.decode_periods(num_reqs, context, 1)[0]
-            if p1 > 0 and model.decode_nondecreasing and horizon - now < p1 * todo:
-                todo = int((horizon - now) / p1) + 2
-            periods += model.decode_periods(num_reqs, context, todo)
+        # Up to PRICE_STEPS steps first (most stretches end sooner); if none of them reaches
+        # the horizon, the rest. Periods never shrink along a stretch (the context grows), so
+        # no more than (horizon - t) / the last period + 1 of the rest start before the
+        # horizon: price only those (+1 for rounding), not every step up to a finish far
+        # beyond it. Step j's context is context + num_reqs * j however the steps are split.
+        priced = todo if todo < PRICE_STEPS else PRICE_STEPS
+        if priced > 0:
+            periods += model.decode_periods(num_reqs, context, priced)
         starts = list(accumulate(periods, initial=now))
+        if priced < todo and starts[-1] < horizon:
+            t = starts.pop()
+            rest = todo - priced
+            p = periods[-1]
+            if p > 0 and model.decode_nondecreasing and horizon - t < p * rest:
+                rest = int((horizon - t) / p) + 2
+            more = model.decode_periods(num_reqs, context + num_reqs * priced, rest)
+            periods += more
+            starts += accumulate(more, initial=t)
     # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
     m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
     if m < len(periods):
         del starts[m + 1 :], periods[m:]
-    m = len(periods)
+    else:
+        m = len(periods)
     if first is None and m < MIN_STRETCH:
         return None
 
-    # KV: request b needs a new block at step j when computed + j + 1 > held * bs, i.e. at
-    # j = held*bs - computed and every bs steps after. Events are encoded j * num_reqs + b,
-    # so that sorting them gives the (step, batch) order in which stepping allocates.
-    kv = scheduler.kv
-    bs = kv.block_size
-    held = kv.req_to_blocks
-    stride = bs * num_reqs
-    events: list[int] = []
-    for b, req in enumerate(running):
-        j = len(held.get(req.request_id, ())) * bs - req.num_computed_tokens + 1 - ahead
-        if j < m:
-            events += range((j if j > 0 else 0) * num_reqs + b, m * num_reqs, stride)
+    # KV: request b needs a new block at step needs[b] and every bs steps after. Events are
+    # encoded j * num_reqs + b, so that sorting them gives the (step, batch) order in which
+    # stepping allocates.
     free = kv.num_free_blocks
+    scale = kv.num_blocks - 1
+    events: list[int] = []
+    if min(needs) < m:
+        stride = bs * num_reqs
+        end = m * num_reqs
+        for b, j in enumerate(needs):
+            if j < m:
+                events += range((j if j > 0 else 0) * num_reqs + b, end, stride)
     if events:
         events.sort()
         if len(events) > free:
@@ -187,24 +252,35 @@ def advance_decode_stretch(
             if first is None and m < MIN_STRETCH:
                 return None
             del events[free:], starts[m + 1 :], periods[m:]
-
-    usages, free = usages_by_step(events, num_reqs, m, free, kv.num_blocks - 1)
-
-    # Apply: blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
-    # that fill up are committed when the request releases them (KVCacheManager.free), not
-    # as they fill: their content includes the request's own output tokens, which no other
-    # prompt contains, so no allocation or prefix hit of another request can depend on them.
-    if events:
+        usages, counts, free = usage_runs_by_step(events, num_reqs, m, free, scale)
+        # Blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
+        # that fill up are committed when the request releases them (KVCacheManager.free),
+        # not as they fill: their content includes the request's own output tokens, which
+        # no other prompt contains, so no allocation or prefix hit of another request can
+        # depend on them.
         kv.append_blocks([running[e % num_reqs] for e in events])
-    finishing = []
-    for req, left in zip(running, lefts):
-        req.num_computed_tokens += m - 1 + ahead
-        req.num_output_tokens += m
-        if left == m:
-            finishing.append(req)
+    else:
+        usages, counts = [1.0 - free / scale], [m]  # (as runs: counts[i] steps of usages[i])
+
     if world.noise is not None:
         world.noise.advance(len(periods))  # the draws of the steps that ran, and no more
-    world.emit_stretch(running, starts)  # chunks at starts[1:]
+    # Each request's tokens, and its token times (RequestStateStats): one token a step, the
+    # first at starts[1], the last at the stretch's end.
+    computed = m - 1 + ahead
+    first_token = starts[1]
+    last_token = starts[-1]
+    gaps = []  # from each request's previous token to its first here
+    for req in running:
+        req.num_computed_tokens += computed
+        req.num_output_tokens += m
+        if req.first_token_ts is None:
+            req.first_token_ts = first_token
+        else:
+            gaps.append(first_token - req.last_token_ts)
+        req.last_token_ts = last_token
+    # (m never exceeds the first finish's step: a stretch cut short has no finish)
+    finishing = [req for req, left in zip(running, lefts) if left == m] if m == m_finish else []
+    world.emit_stretch(running, starts, gaps)  # chunks at starts[1:]
     end = starts.pop()  # starts now holds the m steps' start times
     steps = world.steps
     if first is not None:
@@ -215,9 +291,14 @@ def advance_decode_stretch(
             now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, len(first.reqs),
             num_reqs, 0, usages[0], 0,
         )
-        del starts[0], periods[0], usages[0]
-    if starts:
-        steps.extend_decode(starts, periods, usages, num_reqs)
+        if m > 1:
+            if counts[0] == 1:
+                del usages[0], counts[0]
+            else:
+                counts[0] -= 1
+            steps.extend_decode(starts[1:], periods[1:], usages, num_reqs, counts=counts)
+    else:
+        steps.extend_decode(starts, periods, usages, num_reqs, counts=counts)
     if finishing:
         scheduler.finish_requests(finishing)
     return end, finishing

@@ -353,18 +353,12 @@ class _World:
         if self.records is not None:
             self.records[req.request_id].add_chunk(now, num_tokens)
 
-    def emit_stretch(self, reqs: list[Request], times: list[float]) -> None:
+    def emit_stretch(self, reqs: list[Request], times: list[float], gaps: list[float]) -> None:
         """One token per request at each of ``times[1:]`` (a stretch of decode steps; ``times[0]``
-        is its start)."""
-        first = times[1]
-        last = times[-1]
+        is its start); ``gaps``: from the previous token to the first here, for each request
+        that had one (the caller has set the requests' token times)."""
+        self._single_gaps += gaps
         gaps = self._single_gaps
-        for req in reqs:
-            if req.first_token_ts is None:
-                req.first_token_ts = first
-            else:
-                gaps.append(first - req.last_token_ts)
-            req.last_token_ts = last
         m = len(times) - 1
         if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
@@ -429,20 +423,22 @@ class _World:
             self.metrics.add_itl(np.repeat(gaps, sizes), tokens=tokens)
             self._verify_tokens.clear()
 
-    def _session_fields(self, request_id: int) -> dict[str, int]:
-        where = self._session_of.pop(request_id, None) if self._session_of else None
-        return {} if where is None else {"session_id": where[0], "turn": where[1]}
-
     def finish(self, reqs: list[Request], now: float) -> None:
         """Requests that got their last token at ``now``: summarise them, wake their clients."""
+        add_request = self.metrics.add_request
+        sessions = self._session_of
+        waiters = self._on_finish
         for req in reqs:
-            cached = max(req.num_cached_tokens, 0)
-            self.metrics.add_request(
+            cached = req.num_cached_tokens
+            if cached < 0:
+                cached = 0
+            where = sessions.pop(req.request_id, None) if sessions else None
+            add_request(
                 req.request_id, req.arrival_time, first_token_time=req.first_token_ts,
                 finish_time=now, scheduled_time=req.scheduled_ts,
                 num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                 num_preemptions=req.num_preemptions, num_cached_tokens=cached,
-                **self._session_fields(req.request_id),
+                session_id=None if where is None else where[0], turn=None if where is None else where[1],
             )
             if self.records is not None:
                 rec = self.records[req.request_id]
@@ -451,9 +447,10 @@ class _World:
                 rec.scheduled_time = req.scheduled_ts
                 rec.num_preemptions = req.num_preemptions
                 rec.num_cached_tokens = cached
-            notify = self._on_finish.pop(req.request_id, None)
-            if notify is not None:
-                notify(req.num_output_tokens)
+            if waiters:
+                notify = waiters.pop(req.request_id, None)
+                if notify is not None:
+                    notify(req.num_output_tokens)
         if self.fleet is not None:
             self.fleet.responses_ended(self.index, reqs, now)
 
@@ -507,7 +504,7 @@ class _World:
                 continue
             if stop is not None and now >= stop.next_check and stop(self, now):
                 return
-            if not scheduler.has_unfinished_requests():
+            if not (scheduler.running or scheduler.waiting):  # (has_unfinished_requests)
                 if not clients:
                     if next_arrival == math.inf:
                         return
@@ -534,8 +531,10 @@ class _World:
                     if stretch is None:
                         stretch = advance_verify_stretch(self, now, horizon, out)
                 else:
-                    out = schedule_admission(self)
-                    stretch = advance_decode_stretch(self, now, horizon, out)
+                    admitted = schedule_admission(self)
+                    stretch = advance_decode_stretch(self, now, horizon, admitted)
+                    if admitted is not None:
+                        out = admitted.out
             if stretch is not None:
                 now, finishing = stretch
                 self.busy_until = now

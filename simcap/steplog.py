@@ -30,6 +30,9 @@ FLOAT_FIELDS = ("start", "duration", "kv_cache_usage")
 
 
 FOLD_ROWS = 1 << 16  # rows reduced at once: always rows [k*FOLD_ROWS, (k+1)*FOLD_ROWS)
+# Rows gathered in Python lists (extending a list by a stretch's rows copies references; an
+# ``array`` converts them float by float) before they join the compact buffers in bulk.
+SPILL_ROWS = 1 << 12
 
 
 class StepLog:
@@ -40,9 +43,13 @@ class StepLog:
         self._columns = {name: array("d" if name in FLOAT_FIELDS else "q") for name in FIELDS}
         self._num_rows = 0
         # Rows not yet reduced (start times and KV usage), and the reduction so far: each
-        # row's usage holds until the next row's start.
-        self._starts = array("d")  # (8 bytes a row: a fleet has one log per replica)
+        # row's usage holds until the next row's start. The latest rows are in the lists,
+        # the earlier ones in the arrays (8 bytes a row: a fleet has one log per replica).
+        self._starts = array("d")
         self._usages = array("d")
+        self._new_starts: list[float] = []
+        self._new_usages: list[float] = []  # in runs: _new_counts[i] rows of _new_usages[i]
+        self._new_counts: list[int] = []
         self._weighted = 0.0
         self._weight = 0.0
         self._usage_sum = 0.0
@@ -68,12 +75,13 @@ class StepLog:
         kv_cache_usage: float,
         num_preempted: int,
     ) -> None:
-        self._starts.append(start)
-        self._usages.append(kv_cache_usage)
+        self._new_starts.append(start)
+        self._new_usages.append(kv_cache_usage)
+        self._new_counts.append(1)
         self._num_rows += 1
         self.last = (num_running, num_waiting, kv_cache_usage)
-        if len(self._starts) > FOLD_ROWS:
-            self._fold()
+        if len(self._new_starts) > SPILL_ROWS:
+            self._spill()
         if self.keep:
             c = self._columns
             c["start"].append(start)
@@ -88,22 +96,28 @@ class StepLog:
 
     def extend_decode(
         self, starts: list[float], durations: list[float], usages: list[float], num_reqs: int,
-        num_waiting: int = 0,
+        num_waiting: int = 0, counts: list[int] | None = None,
     ) -> None:
         """Rows of pure-decode steps of ``num_reqs`` requests, ``num_waiting`` waiting (none
-        preempted)."""
+        preempted). ``usages``: each row's KV usage or, with ``counts``, runs of rows that
+        share one: ``counts[i]`` rows of ``usages[i]`` in turn (each count >= 1)."""
         n = len(starts)
         self.last = (num_reqs, num_waiting, usages[-1])
-        self._starts.extend(starts)
-        self._usages.extend(usages)
+        self._new_starts += starts
+        self._new_usages += usages
+        self._new_counts += [1] * n if counts is None else counts
         self._num_rows += n
-        while len(self._starts) > FOLD_ROWS:
-            self._fold()
+        if len(self._new_starts) > SPILL_ROWS:
+            self._spill()
         if self.keep:
             c = self._columns
             c["start"].extend(starts)
             c["duration"].extend(durations)
-            c["kv_cache_usage"].extend(usages)
+            if counts is None:
+                c["kv_cache_usage"].extend(usages)
+            else:
+                for usage, count in zip(usages, counts):
+                    c["kv_cache_usage"].extend(array("d", [usage]) * count)
             zeros = array("q", bytes(8 * n))
             c["num_prefill_tokens"].extend(zeros)
             c["num_waiting"].extend(array("q", [num_waiting]) * n if num_waiting else zeros)
@@ -112,6 +126,21 @@ class StepLog:
             c["num_decode_tokens"].extend(batch)
             c["num_reqs"].extend(batch)
             c["num_running"].extend(batch)
+
+    def _spill(self) -> None:
+        """Move the listed rows into the arrays; reduce the arrays' full blocks."""
+        n = len(self._new_starts)
+        self._starts.frombytes(np.fromiter(self._new_starts, np.float64, n).tobytes())
+        runs = len(self._new_usages)
+        usages = np.fromiter(self._new_usages, np.float64, runs)
+        if runs < n:
+            usages = usages.repeat(np.fromiter(self._new_counts, np.int64, runs))
+        self._usages.frombytes(usages.tobytes())
+        self._new_starts.clear()
+        self._new_usages.clear()
+        self._new_counts.clear()
+        while len(self._starts) > FOLD_ROWS:
+            self._fold()
 
     def _fold(self) -> None:
         """Reduce the oldest FOLD_ROWS buffered rows (the next row's start closes the last)."""
@@ -134,6 +163,7 @@ class StepLog:
         """Time-weighted mean and max of KV usage (each step's usage holds until the next step)."""
         if not self._num_rows:
             return {"mean": None, "max": None}
+        self._spill()
         saved = self._weighted, self._weight, self._usage_sum, self._max
         if self._starts:
             self._reduce(np.frombuffer(self._starts, dtype=np.float64),

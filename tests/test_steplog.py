@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,14 +12,21 @@ import simcap.steplog as steplog
 from simcap.steplog import StepLog
 
 
+USAGES = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.5]))  # (repeats: runs)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.tuples(st.floats(1e-4, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=60),
+    st.lists(st.tuples(st.floats(1e-4, 1.0), USAGES), min_size=1, max_size=60),
     st.lists(st.integers(1, 9), min_size=1, max_size=30),
     st.booleans(),
+    st.sampled_from([1, 2, 5, 9]),
 )
-def test_kv_usage_is_the_same_row_by_row_or_in_stretches(steps, cuts, keep):
-    old = steplog.FOLD_ROWS
+def test_kv_usage_is_the_same_row_by_row_or_in_stretches(steps, cuts, keep, spill):
+    """Rows one at a time, listed until the summary, against rows in stretches (every other
+    one with its usages as runs of equal values) that move from the lists to the arrays (and
+    fold) every few rows: the same figures."""
+    old = steplog.FOLD_ROWS, steplog.SPILL_ROWS
     steplog.FOLD_ROWS = 7  # fold often, across stretch boundaries
     try:
         starts, t = [], 0.0
@@ -25,16 +34,23 @@ def test_kv_usage_is_the_same_row_by_row_or_in_stretches(steps, cuts, keep):
             starts.append(t)
             t += period
         usages = [u for _, u in steps]
+        steplog.SPILL_ROWS = 1 << 12  # (more rows than any example has)
         one = StepLog(keep=keep)
         for s, u in zip(starts, usages):
             one.append(s, 0.01, 0, 3, 3, 3, 0, u, 0)
+        steplog.SPILL_ROWS = spill
         many = StepLog(keep=keep)
         i = 0
         for cut in cuts * 60:
             if i >= len(starts):
                 break
             j = min(i + cut, len(starts))
-            many.extend_decode(starts[i:j], [0.01] * (j - i), usages[i:j], 3)
+            if cut % 2:
+                runs = [(u, len(list(g))) for u, g in itertools.groupby(usages[i:j])]
+                many.extend_decode(starts[i:j], [0.01] * (j - i), [u for u, _ in runs], 3,
+                                   counts=[c for _, c in runs])
+            else:
+                many.extend_decode(starts[i:j], [0.01] * (j - i), usages[i:j], 3)
             i = j
         assert one == many and one.kv_usage_summary() == many.kv_usage_summary()
         summary = one.kv_usage_summary()
@@ -44,7 +60,7 @@ def test_kv_usage_is_the_same_row_by_row_or_in_stretches(steps, cuts, keep):
             expected = sum(w * u for w, u in zip(weights, usages)) / sum(weights)
             assert summary["mean"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
     finally:
-        steplog.FOLD_ROWS = old
+        steplog.FOLD_ROWS, steplog.SPILL_ROWS = old
 
 
 def test_rows_kept_only_when_asked():

@@ -34,8 +34,10 @@ class FreeBlockQueue:
     - ``_front``, a stack of blocks pushed at the head (its last item is the queue's head);
     - ``_main[_head:]``, the rest of the queue in order; pushes at the tail append to it.
 
-    Removal from the middle (:meth:`remove`) is immediate in ``_front`` (rare and short) and
-    lazy in ``_main``: the block's entry stays and ``_stale[block]`` counts it. Entries only
+    Only blocks pushed at the tail are ever removed from the middle (:meth:`remove`): the
+    pool pushes at the head only blocks without cached content, and a prefix hit touches only
+    cached ones (``KVCacheManager.check_invariants`` checks that no block in ``_front`` has a
+    hash). Removal is lazy: the block's entry stays and ``_stale[block]`` counts it. Entries only
     join ``_main`` at the tail, and a removed block is off the queue until it is pushed
     again, so a block's stale entries always come before its live one: a pop that meets a
     block with a stale count skips that entry and lowers the count. Consumed entries are
@@ -46,7 +48,6 @@ class FreeBlockQueue:
     def __init__(self, blocks: range) -> None:
         size = blocks.stop
         self._front: list[int] = []
-        self._in_front = bytearray(size)
         self._main: list[int] = list(blocks)
         self._head = 0
         self._stale = [0] * size
@@ -62,9 +63,7 @@ class FreeBlockQueue:
         self.num_free -= 1
         front = self._front
         if front:
-            block = front.pop()
-            self._in_front[block] = 0
-            return block
+            return front.pop()
         main = self._main
         head = self._head
         block = main[head]
@@ -92,16 +91,16 @@ class FreeBlockQueue:
             out = front[-k:]
             del front[-k:]
             out.reverse()
-            in_front = self._in_front
-            for block in out:
-                in_front[block] = 0
             n -= k
             if not n:
                 return out
         main = self._main
         head = self._head
         if not self._num_stale:
-            out += main[head : head + n]
+            if out:
+                out += main[head : head + n]
+            else:
+                out = main[head : head + n]
             head += n
         else:
             stale = self._stale
@@ -126,24 +125,19 @@ class FreeBlockQueue:
         self.num_free += len(blocks)
 
     def extend_head(self, blocks: list[int]) -> None:
-        """Push each of ``blocks`` at the head in turn: the last one pushed is the new head."""
+        """Push each of ``blocks`` at the head in turn: the last one pushed is the new head.
+        :meth:`remove` never takes them off (see the class's doc)."""
         self._front += blocks
-        in_front = self._in_front
-        for block in blocks:
-            in_front[block] = 1
         self.num_free += len(blocks)
 
     def remove(self, block: int) -> None:
-        """Take a free block off the queue wherever it is (a prefix hit touches it)."""
+        """Take a free block off the queue wherever it is (a prefix hit touches it); a block
+        pushed at the tail."""
         self.num_free -= 1
-        if self._in_front[block]:
-            self._front.remove(block)
-            self._in_front[block] = 0
-        else:
-            self._stale[block] += 1
-            self._num_stale += 1
-            if self._num_stale > self.num_free + self.compact_at:
-                self._drop_stale()
+        self._stale[block] += 1
+        self._num_stale += 1
+        if self._num_stale > self.num_free + self.compact_at:
+            self._drop_stale()
 
     def _drop_stale(self) -> None:
         """Rewrite ``_main`` without its consumed and stale entries."""
@@ -323,10 +317,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
-        limit = self._num_registrable(request)
-        if limit < max_blocks:  # private blocks of a request never preempted: nobody holds them
-            max_blocks = limit
+        max_blocks = (request.num_prompt_tokens + request.num_output_tokens - 1) // bs
+        if request.request_id not in self._preempted:  # (_num_registrable, inline)
+            limit = request.num_public_tokens // bs
+            if limit < max_blocks:  # private blocks of a request never preempted: nobody holds them
+                max_blocks = limit
         if max_blocks <= 0:
             return [], 0
         hashes = request.hash_full_blocks(bs, max_blocks)
@@ -456,8 +451,12 @@ class KVCacheManager:
         if num_full <= done:
             return
         self._num_committed[rid] = num_full
-        limit = self._num_registrable(request)
-        self._register(request, done, num_full if num_full < limit else limit)
+        if rid not in self._preempted:  # (_num_registrable, inline: this runs at every fill)
+            limit = request.num_public_tokens // self.block_size
+            if limit < num_full:
+                num_full = limit
+        if num_full > done:
+            self._register(request, done, num_full)
 
     def _register(self, request: Request, start: int, stop: int) -> None:
         """Register the request's blocks ``start .. stop-1`` in the prefix cache."""
@@ -484,18 +483,20 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
+        finished = request.is_finished
         num_cached = 0  # blocks 0 .. num_cached-1 hold committed content; the rest none
         num_tracked = 0  # blocks 0 .. num_tracked-1 are in the prefix cache (with ref counts)
         if blocks and self.enable_caching:
             self.commit_full_blocks(request)  # what the fast path left to commit
             num_cached = self._num_committed.get(rid, 0)
             limit = self._num_registrable(request)
-            if not request.is_finished and rid not in self._preempted:
+            if not finished and rid not in self._preempted:
                 self._register(request, limit, num_cached)  # it may hit them when rescheduled
                 limit = num_cached
             num_tracked = num_cached if num_cached < limit else limit
-        if request.is_finished:
-            self._preempted.discard(rid)
+        if finished:
+            if self._preempted:
+                self._preempted.discard(rid)
         else:
             self._preempted.add(rid)
         self.req_to_blocks.pop(rid, None)
@@ -540,9 +541,10 @@ class KVCacheManager:
         return counts
 
     def check_invariants(self) -> None:
-        """free + held == usable blocks; no held block is on the free queue; a block with a
-        hash has ref_cnt == its holders, one without has a single holder and ref_cnt 0;
-        cache entries point to blocks holding their hash."""
+        """free + held == usable blocks; no held block is on the free queue, no cached one
+        among the blocks pushed at its head; a block with a hash has ref_cnt == its holders,
+        one without has a single holder and ref_cnt 0; cache entries point to blocks holding
+        their hash."""
         free = self.free_queue.blocks()
         assert len(free) == self.free_queue.num_free, "free count differs from the queue"
         assert len(set(free)) == len(free), "block twice on the free queue"
@@ -552,6 +554,8 @@ class KVCacheManager:
         block_hash = self.prefix_cache.block_hash
         for block in free:
             assert counts[block] == 0 and self.ref_cnt[block] == 0, "held block on the free queue"
+        # A prefix hit may take a cached block off the queue: only the tail part supports it.
+        assert all(block_hash[b] is None for b in self.free_queue._front), "cached block at the head"
         for block, count in enumerate(counts):
             if block_hash[block] is not None:
                 assert self.ref_cnt[block] == count, "ref count differs from holders"

@@ -75,19 +75,23 @@ class Request:
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         # Unique content by default: a key no other request uses.
-        self.segments = segments if segments is not None else ((-2 * request_id - 1, num_prompt_tokens),)
-        if sum(length for _, length in self.segments) != num_prompt_tokens:
-            raise ValueError("segments must add up to num_prompt_tokens")
+        if segments is None:
+            segments = ((-2 * request_id - 1, num_prompt_tokens),)
+        self.segments = segments
         self.output_key = output_key if output_key is not None else -2 * request_id - 2
         # Tokens before the first private segment (the output's, if the prompt has none).
-        public = 0
-        for key, length in self.segments:
+        public = total = 0
+        private = False
+        for key, length in segments:
+            total += length
             if key < 0:
-                break
-            public += length
-        else:
-            if self.output_key >= 0:
-                public = ALL_PUBLIC
+                private = True
+            elif not private:
+                public += length
+        if total != num_prompt_tokens:
+            raise ValueError("segments must add up to num_prompt_tokens")
+        if not private and self.output_key >= 0:
+            public = ALL_PUBLIC
         self.num_public_tokens = public
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

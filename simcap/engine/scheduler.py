@@ -215,15 +215,16 @@ class Scheduler:
         out.num_scheduled_tokens.append(n)
         out.num_scheduled_spec_tokens.append(num_spec)
         out.total_num_scheduled_tokens += n
-        out.num_context_tokens += req.num_computed_tokens + n
-        if req.num_computed_tokens + n - num_spec == req.num_tokens and n - num_spec == 1:
+        computed = req.num_computed_tokens
+        out.num_context_tokens += computed + n
+        if n - num_spec == 1 and computed + 1 == req.num_prompt_tokens + req.num_output_tokens:
             out.num_decode_reqs += 1
             out.num_decode_tokens += 1
             out.num_verify_tokens += num_spec
         else:
             out.num_prefill_reqs += 1
             out.num_prefill_tokens += n
-            out.num_prefill_pairs += n * req.num_computed_tokens + n * (n + 1) // 2
+            out.num_prefill_pairs += n * computed + n * (n + 1) // 2
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, threshold: int) -> int:
         running = self.running
@@ -289,29 +290,35 @@ class Scheduler:
         pad = (bool(k) and self.features.pad_waiting_spec_decode
                and not any(r.is_prefill_chunk for r in out.reqs))
         num_running_scheduled = len(out.reqs)
+        features = self.features
+        stats = kv.enable_caching  # counted at admission (0.27+), or at every lookup
+        stats_at_lookup = stats and not features.prefix_stats_at_admission
+        stats_at_admission = stats and features.prefix_stats_at_admission
+        lookahead = self.num_lookahead_tokens
+        max_num_seqs = self.max_num_seqs
+        max_model_len = self.max_model_len
         while waiting and budget > 0:
-            if len(running) >= self.max_num_seqs:
+            if len(running) >= max_num_seqs:
                 break
             req = waiting[0]
             hit_blocks: list[int] = []
             num_hit = 0
+            num_tokens = req.num_prompt_tokens + req.num_output_tokens
             if req.num_computed_tokens == 0:
-                hit_blocks, num_hit = kv.get_computed_blocks(
-                    req, drop_last_block=self.num_lookahead_tokens > 0
-                )
-                if not self.features.prefix_stats_at_admission and kv.enable_caching:
-                    kv.record_prefix_cache_stats(req.num_tokens, num_hit)
+                hit_blocks, num_hit = kv.get_computed_blocks(req, drop_last_block=lookahead > 0)
+                if stats_at_lookup:
+                    kv.record_prefix_cache_stats(num_tokens, num_hit)
             external = 0
             if req.num_external_tokens and req.num_computed_tokens == 0 and not req.num_preemptions:
                 # KV received from a prefill engine (vLLM's connector: WAITING_FOR_REMOTE_KVS,
                 # then scheduled with those tokens computed; the last prompt token is recomputed).
-                external = min(req.num_external_tokens, req.num_tokens - 1) - num_hit
+                external = min(req.num_external_tokens, num_tokens - 1) - num_hit
                 if external < 0:
                     external = 0
-            n = req.num_tokens - num_hit - external
+            n = num_tokens - num_hit - external
             padded = False
             if (pad and n == 1 and (num_running_scheduled or num_hit)
-                    and num_hit + 2 + k <= self.max_model_len):
+                    and num_hit + 2 + k <= max_model_len):
                 if 1 + k > budget:
                     break  # vLLM prefers not to schedule it over scheduling it unpadded
                 n = 1 + k
@@ -323,24 +330,24 @@ class Scheduler:
             if n <= 0:
                 break
             headroom = self.watermark_blocks if running else 0
-            if self.features.reserve_full_isl:
+            if features.reserve_full_isl:
                 # The whole prompt (+ outputs, if resumed) must fit, hits counted as held.
-                full = min(req.num_tokens, self.max_model_len)
-                need = -(-full // bs) - len(hit_blocks)
-                need += sum(1 for b in hit_blocks if kv.ref_cnt[b] == 0)
-                if need + headroom > kv.num_free_blocks:
+                full = num_tokens if num_tokens < max_model_len else max_model_len
+                need = -(-full // bs)
+                if hit_blocks:
+                    ref_cnt = kv.ref_cnt
+                    need -= len(hit_blocks)
+                    need += sum(1 for b in hit_blocks if ref_cnt[b] == 0)
+                if need + headroom > kv.free_queue.num_free:
                     break
             elif headroom:
-                need = -(-(num_hit + external + n + self.num_lookahead_tokens) // bs) - len(hit_blocks)
-                if need + headroom > kv.num_free_blocks:
+                need = -(-(num_hit + external + n + lookahead) // bs) - len(hit_blocks)
+                if need + headroom > kv.free_queue.num_free:
                     break
-            if not kv.allocate_slots(
-                req, external + n, num_hit, hit_blocks,
-                num_lookahead_tokens=self.num_lookahead_tokens,
-            ):
+            if not kv.allocate_slots(req, external + n, num_hit, hit_blocks, lookahead):
                 break
-            if self.features.prefix_stats_at_admission and kv.enable_caching:
-                kv.record_prefix_cache_stats(req.num_tokens, num_hit)
+            if stats_at_admission:
+                kv.record_prefix_cache_stats(num_tokens, num_hit)
             waiting.popleft()
             running.append(req)
             req.status = RequestStatus.RUNNING
