@@ -248,17 +248,42 @@ def _kv_usage(kv_usage: KVUsage) -> dict[str, float | None]:
     return {"mean": mean, "max": float(usages.max())}
 
 
+def _merge_runs(values: np.ndarray, counts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` with each run of equal neighbours made one entry, its counts summed.
+
+    ``counts``: one per value, or one int for all. A stretch of equal steps gives a run of
+    equal gaps (each kept to the nanosecond), so this shrinks a batch of gaps many times over
+    in one linear pass, before anything is sorted.
+    """
+    size = values.size
+    if size < 2:
+        counts = np.full(size, counts, dtype=np.int64) if np.ndim(counts) == 0 else counts
+        return values, counts
+    starts = np.flatnonzero(values[1:] != values[:-1])
+    if np.ndim(counts) == 0:
+        if starts.size + 1 == size:  # no two neighbours equal
+            return values, np.full(size, counts, dtype=np.int64)
+        ends = np.append(starts, size - 1)
+        lengths = np.diff(ends, prepend=-1)
+        return values[ends], lengths * counts if counts != 1 else lengths
+    if starts.size + 1 == size:
+        return values, counts
+    starts = np.concatenate(([0], starts + 1))
+    return values[starts], np.add.reduceat(counts, starts)
+
+
 def _merge_table(
     values: np.ndarray, counts: Any, *, sorted_runs: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """A (value, count) table sorted by value, equal values merged, zero counts dropped.
 
     ``counts``: int64-able, one per value or one for all. ``sorted_runs``: the input is a few
-    sorted runs (tables concatenated). Values that mostly ascend (fewer than one descent in
-    eight: a run's gaps without noise, as periods grow with the context) are ordered by a
-    stable sort, which merges runs in about linear time (2-5x faster there than numpy's
-    default sort, which is faster on shuffled values). -0.0 becomes 0.0, so that equal values
-    merge to the same one whatever order they came in.
+    sorted runs (tables concatenated). Runs of equal neighbours are merged first
+    (:func:`_merge_runs`), so that a sort sees each run once. Values that mostly ascend (fewer
+    than one descent in eight: a run's gaps without noise, as periods grow with the context)
+    are ordered by a stable sort, which merges runs in about linear time (2-5x faster there
+    than numpy's default sort, which is faster on shuffled values). -0.0 becomes 0.0, so
+    that equal values merge to the same one whatever order they came in.
     """
     values = np.asarray(values, dtype=np.float64).ravel() + 0.0
     counts = np.asarray(counts, dtype=np.int64).ravel()
@@ -272,6 +297,8 @@ def _merge_table(
         if not sorted_runs and (counts == 1).all():  # plain samples: np.unique sorts faster
             values, counts = np.unique(values, return_counts=True)
         else:  # equal values merge, so their order does not matter
+            if not sorted_runs:
+                values, counts = _merge_runs(values, counts)
             runs = sorted_runs or np.count_nonzero(values[1:] < values[:-1]) * 8 < values.size
             order = np.argsort(values, kind="stable" if runs else None)
             values, counts = values[order], counts[order]
@@ -311,21 +338,24 @@ def _table_percentiles(
 
 
 class _WeightedSamples:
-    """Samples kept as a sorted (value, count) table. Incoming batches are buffered and merged
-    into the table when the buffer reaches ``compact_at`` samples (or the table's size, so that
-    a table of mostly distinct values is not re-merged too often), and on read."""
+    """Samples kept as a sorted (value, count) table. Each incoming batch is shrunk to its runs
+    of equal values (:func:`_merge_runs`) and buffered; the buffer is merged into the table
+    when it holds ``compact_at`` entries (or the table's size, so that a table of mostly
+    distinct values is not re-merged too often), and on read."""
 
     def __init__(self, compact_at: int) -> None:
         self.compact_at = compact_at
         self.values = np.zeros(0)
         self.counts = np.zeros(0, dtype=np.int64)
         self._values: list[np.ndarray] = []
-        self._weights: list[int | np.ndarray] = []  # per batch: one weight, or one per value
+        self._counts: list[np.ndarray] = []
         self._pending = 0
 
-    def add(self, values: np.ndarray, weight: int | np.ndarray) -> None:
+    def add(self, values: np.ndarray, counts: np.ndarray) -> None:
+        """``values`` (1-D float64), each counted ``counts`` times (int64, one per value; as
+        :func:`_merge_runs` gives them)."""
         self._values.append(values)
-        self._weights.append(weight)
+        self._counts.append(counts)
         self._pending += values.size
         if self._pending >= max(self.compact_at, self.values.size):
             self.compact()
@@ -333,17 +363,13 @@ class _WeightedSamples:
     def compact(self) -> None:
         if not self._values:
             return
-        weights = [
-            np.full(v.size, w, dtype=np.int64) if isinstance(w, int) else w
-            for v, w in zip(self._values, self._weights)
-        ]
-        values, counts = _merge_table(np.concatenate(self._values), np.concatenate(weights))
+        values, counts = _merge_table(np.concatenate(self._values), np.concatenate(self._counts))
         self.values, self.counts = _merge_table(
             np.concatenate((self.values, values)),
             np.concatenate((self.counts, counts)),
             sorted_runs=True,
         )
-        self._values, self._weights, self._pending = [], [], 0
+        self._values, self._counts, self._pending = [], [], 0
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         self.compact()
@@ -395,7 +421,7 @@ class MetricsAccumulator:
             for mine, theirs in ((out._itl, part._itl), (out._itl_token, part._itl_token)):
                 values, counts = theirs.table()
                 if values.size:
-                    mine.add(values.copy(), counts.copy())
+                    mine.add(values.copy(), counts.copy())  # (a table: no runs to merge)
         return out
 
     def add_request(
@@ -445,8 +471,8 @@ class MetricsAccumulator:
         Per chunk, each gap is one sample; per token, a gap ``g`` with ``k > 0`` tokens gives
         ``k`` samples of ``g / k``, and ``k == 0`` none.
         """
-        g = np.array(gaps, dtype=np.float64, ndmin=1).ravel()  # a copy: callers reuse buffers
-        g = np.round(g, ITL_DECIMALS)
+        # (np.round makes a copy: callers reuse their buffers)
+        g = np.round(np.asarray(gaps, dtype=np.float64).ravel(), ITL_DECIMALS)
         if isinstance(weight, np.ndarray):
             weight = weight.astype(np.int64).ravel()
             if weight.shape != g.shape:
@@ -480,9 +506,38 @@ class MetricsAccumulator:
                 per_token = (np.round(g / k, ITL_DECIMALS), weight * k)
         if not g.size:
             return
-        self._itl.add(g, weight)
+        runs = _merge_runs(g, weight)
+        self._itl.add(*runs)
         if per_token is not None and per_token[0].size:
-            self._itl_token.add(*per_token)
+            self._itl_token.add(*(runs if per_token[0] is g else _merge_runs(*per_token)))
+
+    def add_shared_itl(self, gaps: np.ndarray, sizes: np.ndarray, tokens: np.ndarray) -> None:
+        """Chunk gaps each seen by several requests: gap ``j`` by ``sizes[j]`` of them, with
+        ``tokens`` the tokens of each one's later chunk, gap by gap (the ``sizes[0]`` of gap 0
+        first). The samples of ``add_itl(np.repeat(gaps, sizes), 1, tokens)``, counted per
+        distinct (tokens, gap) rather than one by one (the later chunks of a verify stretch's
+        steps carry 1 to k + 1 tokens each)."""
+        g = np.round(np.asarray(gaps, dtype=np.float64).ravel(), ITL_DECIMALS)
+        sizes = np.asarray(sizes, dtype=np.int64).ravel()
+        k = np.asarray(tokens, dtype=np.int64).ravel()
+        if sizes.shape != g.shape:
+            raise ValueError(f"sizes has {sizes.size} entries for {g.size} gaps")
+        m = g.size
+        if not m:
+            return
+        if sizes.min() < 1:
+            raise ValueError("sizes must be >= 1")
+        if k.size != sizes.sum():
+            raise ValueError(f"tokens has {k.size} entries for {sizes.sum()} requests' gaps")
+        if k.min() < 0:
+            raise ValueError("tokens must be >= 0")
+        self._itl.add(*_merge_runs(g, sizes))
+        # Samples per (k, gap) in that order, so that equal gaps in a row stay neighbours.
+        seen = np.bincount(k * m + np.repeat(np.arange(m), sizes))
+        rows = np.flatnonzero(seen[m:] > 0) + m  # (k == 0: no per-token sample)
+        if rows.size:
+            k, j = np.divmod(rows, m)
+            self._itl_token.add(*_merge_runs(np.round(g[j] / k, ITL_DECIMALS), seen[rows] * k))
 
     def add_record(self, record: RequestRecord) -> None:
         """A full record: its scalars, and the gaps between its chunks if it succeeded."""

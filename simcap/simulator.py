@@ -104,6 +104,14 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
 GAP_BUFFER = 1 << 16  # per-chunk ITL samples collected before one bulk add to the metrics
 
 
+def _floats(values: list[float]) -> np.ndarray:
+    return np.fromiter(values, np.float64, len(values))
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    return np.fromiter(values, np.int64, len(values))
+
+
 class _StretchGaps:
     """Buffered stretches of steps in which each of a stretch's requests gets a chunk at every
     step: each stretch's start then its chunk times, and how many requests it had."""
@@ -123,7 +131,7 @@ class _StretchGaps:
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """The gaps between the chunks of the buffered stretches (start -> first chunk is not
         one), and how many requests saw each; the buffer is emptied."""
-        times = np.fromiter(self.times, np.float64, len(self.times))
+        times = _floats(self.times)
         lens = np.array(self.lens)
         starts = np.cumsum(lens) - lens
         keep = np.ones(len(times) - 1, dtype=bool)
@@ -412,11 +420,12 @@ class _World:
                 rec.chunk_tokens.extend(news[b::num_reqs])
 
     def _flush_gaps(self) -> None:
+        """The buffered ITL samples into the metrics; the buffers are emptied."""
         if self._single_gaps:
-            self.metrics.add_itl(np.array(self._single_gaps))
+            self.metrics.add_itl(_floats(self._single_gaps))
             self._single_gaps.clear()
         if self._gaps:
-            self.metrics.add_itl(np.array(self._gaps), tokens=np.array(self._gap_tokens))
+            self.metrics.add_itl(_floats(self._gaps), tokens=_ints(self._gap_tokens))
             self._gaps.clear()
             self._gap_tokens.clear()
         if self._decode_stretches.times:
@@ -426,8 +435,7 @@ class _World:
             # Gap j of a verify stretch, once for each of its requests (in batch order), with
             # that request's tokens at the later step.
             gaps, sizes = self._verify_stretches.take()
-            tokens = np.fromiter(self._verify_tokens, np.int64, len(self._verify_tokens))
-            self.metrics.add_itl(np.repeat(gaps, sizes), tokens=tokens)
+            self.metrics.add_shared_itl(gaps, sizes, _ints(self._verify_tokens))
             self._verify_tokens.clear()
 
     def _session_fields(self, request_id: int) -> dict[str, int]:
