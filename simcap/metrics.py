@@ -9,7 +9,11 @@ batch), keeping the ITL samples as a sorted table of (value, count), so memory g
 number of distinct gaps, not of chunks. ITL samples are kept to the nanosecond
 (:data:`ITL_RESOLUTION_S`): gaps that differ only by float rounding (a run of equal steps
 gives gaps that differ in their last bits) count as one value, which keeps that table small
-over millions of steps. ``summarize(records)`` feeds the records to one.
+over millions of steps. Each batch is shrunk as it comes, in linear time: runs of equal gaps
+merged, and gaps whose chunks carry token counts (``add_itl`` with tokens per gap;
+``add_shared_itl``, gaps every request of a verify stretch sees, each with its own tokens)
+counted per distinct (gap, tokens) pair, so the table is sorted over few entries, not over
+every gap. ``summarize(records)`` feeds the records to one.
 
 Definitions (all times in seconds, per completed request, i.e. ``record.succeeded``):
 
@@ -248,8 +252,8 @@ def _kv_usage(kv_usage: KVUsage) -> dict[str, float | None]:
     return {"mean": mean, "max": float(usages.max())}
 
 
-def _merge_runs(values: np.ndarray, counts: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``values`` with each run of equal neighbours made one entry, its counts summed.
+def _merge_neighbours(values: np.ndarray, counts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` with each run of equal neighbours made one entry, its counts summed (int64).
 
     ``counts``: one per value, or one int for all. A stretch of equal steps gives a run of
     equal gaps (each kept to the nanosecond), so this shrinks a batch of gaps many times over
@@ -264,7 +268,7 @@ def _merge_runs(values: np.ndarray, counts: Any) -> tuple[np.ndarray, np.ndarray
         if starts.size + 1 == size:  # no two neighbours equal
             return values, np.full(size, counts, dtype=np.int64)
         ends = np.append(starts, size - 1)
-        lengths = np.diff(ends, prepend=-1)
+        lengths = np.diff(ends, prepend=-1).astype(np.int64, copy=False)
         return values[ends], lengths * counts if counts != 1 else lengths
     if starts.size + 1 == size:
         return values, counts
@@ -278,10 +282,10 @@ def _merge_table(
     """A (value, count) table sorted by value, equal values merged, zero counts dropped.
 
     ``counts``: int64-able, one per value or one for all. ``sorted_runs``: the input is a few
-    sorted runs (tables concatenated). Runs of equal neighbours are merged first
-    (:func:`_merge_runs`), so that a sort sees each run once. Values that mostly ascend (fewer
-    than one descent in eight: a run's gaps without noise, as periods grow with the context)
-    are ordered by a stable sort, which merges runs in about linear time (2-5x faster there
+    sorted runs (tables concatenated). Otherwise runs of equal neighbours are merged first
+    (:func:`_merge_neighbours`), so that a sort sees each run once. Values that mostly ascend
+    (fewer than one descent in eight: a run's gaps without noise, as periods grow with the
+    context) are ordered by a stable sort, which merges runs in about linear time (2-5x faster there
     than numpy's default sort, which is faster on shuffled values). -0.0 becomes 0.0, so
     that equal values merge to the same one whatever order they came in.
     """
@@ -298,7 +302,7 @@ def _merge_table(
             values, counts = np.unique(values, return_counts=True)
         else:  # equal values merge, so their order does not matter
             if not sorted_runs:
-                values, counts = _merge_runs(values, counts)
+                values, counts = _merge_neighbours(values, counts)
             runs = sorted_runs or np.count_nonzero(values[1:] < values[:-1]) * 8 < values.size
             order = np.argsort(values, kind="stable" if runs else None)
             values, counts = values[order], counts[order]
@@ -338,10 +342,10 @@ def _table_percentiles(
 
 
 class _WeightedSamples:
-    """Samples kept as a sorted (value, count) table. Each incoming batch is shrunk to its runs
-    of equal values (:func:`_merge_runs`) and buffered; the buffer is merged into the table
-    when it holds ``compact_at`` entries (or the table's size, so that a table of mostly
-    distinct values is not re-merged too often), and on read."""
+    """Samples kept as a sorted (value, count) table. Incoming batches come already shrunk
+    (equal neighbours merged, or counted per distinct value) and are buffered; the buffer is
+    merged into the table when it holds ``compact_at`` entries (or the table's size, so that
+    a table of mostly distinct values is not re-merged too often), and on read."""
 
     def __init__(self, compact_at: int) -> None:
         self.compact_at = compact_at
@@ -352,8 +356,7 @@ class _WeightedSamples:
         self._pending = 0
 
     def add(self, values: np.ndarray, counts: np.ndarray) -> None:
-        """``values`` (1-D float64), each counted ``counts`` times (int64, one per value; as
-        :func:`_merge_runs` gives them)."""
+        """``values`` (1-D float64), each counted ``counts`` times (int64, one per value)."""
         self._values.append(values)
         self._counts.append(counts)
         self._pending += values.size
@@ -387,7 +390,8 @@ class MetricsAccumulator:
     ``Summary`` as ``summarize`` over the full records, byte for byte, whatever the order.
     Per-request values are kept as compact arrays (64 bytes a request); ITL samples as
     (value, count) tables, so their memory grows with the number of distinct values only.
-    ``compact_at``: how many buffered ITL samples trigger a merge into the tables.
+    ``compact_at``: how many buffered ITL table entries (a batch's distinct values, or its
+    runs of equal values) trigger a merge into the tables.
     """
 
     def __init__(self, *, compact_at: int = 1 << 20) -> None:
@@ -487,43 +491,34 @@ class MetricsAccumulator:
             k = int(tokens)
             if k < 0:
                 raise ValueError(f"tokens must be >= 0, got {k}")
-            per_token = (
-                (g, weight) if k == 1 else (np.round(g / k, ITL_DECIMALS), weight * k) if k > 1 else None
-            )
-        else:
-            k = np.asarray(tokens, dtype=np.int64).ravel()
-            if k.shape != g.shape:
-                raise ValueError(f"tokens has {k.size} entries for {g.size} gaps")
-            k_min = k.min() if k.size else 1
-            if k_min < 0:
-                raise ValueError("tokens must be >= 0")
-            if k_min == 0:
-                some = k > 0
-                g_tok, k = g[some], k[some]
-                w = weight[some] if isinstance(weight, np.ndarray) else weight
-                per_token = (np.round(g_tok / k, ITL_DECIMALS), w * k)
-            else:
-                per_token = (np.round(g / k, ITL_DECIMALS), weight * k)
-        if not g.size:
+            if not g.size:
+                return
+            runs = _merge_neighbours(g, weight)
+            self._itl.add(*runs)
+            if k == 1:
+                self._itl_token.add(*runs)
+            elif k > 1:
+                self._itl_token.add(*_merge_neighbours(np.round(g / k, ITL_DECIMALS), weight * k))
             return
-        runs = _merge_runs(g, weight)
-        self._itl.add(*runs)
-        if per_token is not None and per_token[0].size:
-            self._itl_token.add(*(runs if per_token[0] is g else _merge_runs(*per_token)))
+        k = np.asarray(tokens, dtype=np.int64).ravel()
+        if k.shape != g.shape:
+            raise ValueError(f"tokens has {k.size} entries for {g.size} gaps")
+        if k.size and k.min() < 0:
+            raise ValueError("tokens must be >= 0")
+        if g.size:
+            self._add_with_tokens(g, None, k, weight)
 
     def add_shared_itl(self, gaps: np.ndarray, sizes: np.ndarray, tokens: np.ndarray) -> None:
         """Chunk gaps each seen by several requests: gap ``j`` by ``sizes[j]`` of them, with
         ``tokens`` the tokens of each one's later chunk, gap by gap (the ``sizes[0]`` of gap 0
-        first). The samples of ``add_itl(np.repeat(gaps, sizes), 1, tokens)``, counted per
-        distinct (tokens, gap) rather than one by one (the later chunks of a verify stretch's
-        steps carry 1 to k + 1 tokens each)."""
+        first). The samples of ``add_itl(np.repeat(gaps, sizes), 1, tokens)``, without
+        repeating the gaps (a verify stretch's requests see the same gaps)."""
         g = np.round(np.asarray(gaps, dtype=np.float64).ravel(), ITL_DECIMALS)
         sizes = np.asarray(sizes, dtype=np.int64).ravel()
         k = np.asarray(tokens, dtype=np.int64).ravel()
         if sizes.shape != g.shape:
             raise ValueError(f"sizes has {sizes.size} entries for {g.size} gaps")
-        m = g.size
-        if not m:
+        if not g.size:
             return
         if sizes.min() < 1:
             raise ValueError("sizes must be >= 1")
@@ -531,13 +526,48 @@ class MetricsAccumulator:
             raise ValueError(f"tokens has {k.size} entries for {sizes.sum()} requests' gaps")
         if k.min() < 0:
             raise ValueError("tokens must be >= 0")
-        self._itl.add(*_merge_runs(g, sizes))
-        # Samples per (k, gap) in that order, so that equal gaps in a row stay neighbours.
-        seen = np.bincount(k * m + np.repeat(np.arange(m), sizes))
-        rows = np.flatnonzero(seen[m:] > 0) + m  # (k == 0: no per-token sample)
-        if rows.size:
-            k, j = np.divmod(rows, m)
-            self._itl_token.add(*_merge_runs(np.round(g[j] / k, ITL_DECIMALS), seen[rows] * k))
+        self._add_with_tokens(g, sizes, k, 1)
+
+    def _add_with_tokens(
+        self, g: np.ndarray, sizes: np.ndarray | None, k: np.ndarray, weight: int | np.ndarray
+    ) -> None:
+        """Samples: gap ``g[j]`` seen ``sizes[j]`` times (once each when None), the s-th of
+        them with ``k[s]`` tokens in its later chunk and counted ``weight`` times (one int, or
+        one per sample). Gaps come from steps of a few distinct periods and chunks carry a few
+        distinct token counts, so the samples are counted per distinct (gap, tokens) pair: a
+        sort of the gaps' runs of equal neighbours, then one linear count."""
+        change = g[1:] != g[:-1]
+        num_runs = int(np.count_nonzero(change)) + 1
+        width = int(k.max()) + 1
+        if width * num_runs > 8 * k.size + 65536:  # too many pairs to count densely
+            if sizes is not None:
+                g = np.repeat(g, sizes)
+            self._itl.add(*_merge_neighbours(g, weight))
+            some = k > 0
+            if not some.all():
+                g, k = g[some], k[some]
+                weight = weight[some] if isinstance(weight, np.ndarray) else weight
+            if k.size:
+                self._itl_token.add(*_merge_neighbours(np.round(g / k, ITL_DECIMALS), weight * k))
+            return
+        starts = np.flatnonzero(np.concatenate(([True], change)))
+        values, which = np.unique(g[starts], return_inverse=True)  # (sorted, distinct)
+        which = which[np.cumsum(np.concatenate(([0], change)))]  # each gap's value
+        if sizes is not None:
+            which = np.repeat(which, sizes)
+        key = k * values.size + which
+        if isinstance(weight, np.ndarray):
+            seen = np.zeros(width * values.size, dtype=np.int64)
+            np.add.at(seen, key, weight)
+        else:
+            seen = np.bincount(key, minlength=width * values.size) * weight
+        # seen[k, i]: the samples of gap values[i] whose later chunk carried k tokens.
+        seen = seen.reshape(width, values.size)
+        self._itl.add(values, seen.sum(axis=0))
+        k, i = np.nonzero(seen[1:])  # (no per-token sample without tokens)
+        if k.size:
+            k += 1
+            self._itl_token.add(np.round(values[i] / k, ITL_DECIMALS), seen[k, i] * k)
 
     def add_record(self, record: RequestRecord) -> None:
         """A full record: its scalars, and the gaps between its chunks if it succeeded."""

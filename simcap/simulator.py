@@ -132,12 +132,12 @@ class _StretchGaps:
         """The gaps between the chunks of the buffered stretches (start -> first chunk is not
         one), and how many requests saw each; the buffer is emptied."""
         times = _floats(self.times)
-        lens = np.array(self.lens)
+        lens = _ints(self.lens)
         starts = np.cumsum(lens) - lens
         keep = np.ones(len(times) - 1, dtype=bool)
         keep[starts] = False  # start -> first chunk
         keep[starts[1:] - 1] = False  # last chunk -> next stretch's start
-        gaps, sizes = (times[1:] - times[:-1])[keep], np.repeat(np.array(self.sizes), lens - 2)
+        gaps, sizes = (times[1:] - times[:-1])[keep], np.repeat(_ints(self.sizes), lens - 2)
         self.times.clear()
         self.lens.clear()
         self.sizes.clear()

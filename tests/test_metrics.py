@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcap.metrics import (
-    _merge_runs,
+    _merge_neighbours,
     _merge_table,
     PERCENTILES,
     Distribution,
@@ -414,10 +414,30 @@ def test_add_shared_itl_is_add_itl_of_the_repeated_gaps(seed):
     shared.add_shared_itl(gaps[: m // 2], sizes[: m // 2], tokens[: sizes[: m // 2].sum()])
     shared.add_shared_itl(gaps[m // 2:], sizes[m // 2:], tokens[sizes[: m // 2].sum():])
     plain.add_itl(np.repeat(gaps, sizes), 1, tokens)
-    for a, b in ((shared._itl, plain._itl), (shared._itl_token, plain._itl_token)):
-        assert [x.tolist() for x in a.table()] == [x.tolist() for x in b.table()]
+    assert tables(shared) == tables(plain)
     assert shared.summary().to_dict() == plain.summary().to_dict()
     assert shared.summary().itl_s.count == sizes.sum()
+
+
+def tables(acc):
+    return [[x.tolist() for x in samples.table()] for samples in (acc._itl, acc._itl_token)]
+
+
+@pytest.mark.parametrize("max_tokens", [4, 2000])  # counted per (gap, tokens) pair, or one by one
+@pytest.mark.parametrize("weighted", [False, True])
+def test_add_itl_with_tokens_per_gap_is_gap_by_gap(max_tokens, weighted):
+    rng = np.random.default_rng(max_tokens)
+    n = 300
+    gaps = rng.choice([0.01, 0.0125, 0.02, 0.0], n) if max_tokens < 10 else rng.random(n) * 0.05
+    gaps[:2] = -0.0, 0.0
+    tokens = rng.integers(0, max_tokens + 1, n)
+    weight = rng.integers(1, 5, n) if weighted else 2
+    acc, one = MetricsAccumulator(), MetricsAccumulator()
+    acc.add_itl(gaps, weight, tokens)
+    for j in range(n):
+        one.add_itl(gaps[j], int(weight[j]) if weighted else weight, int(tokens[j]))
+    assert tables(acc) == tables(one)
+    assert acc.summary().itl_per_token_s.count == (tokens * weight).sum()
 
 
 def test_add_shared_itl_checks_its_input():
@@ -435,17 +455,17 @@ def test_add_shared_itl_checks_its_input():
 
 
 @pytest.mark.parametrize("counts", [1, 3, "array"])
-def test_merge_runs_sums_each_run_of_equal_neighbours(counts):
+def test_merge_neighbours_sums_each_run_of_equal_neighbours(counts):
     rng = np.random.default_rng(3)
     values = np.repeat(rng.choice([0.5, 0.25, 0.125], 200), rng.integers(1, 6, 200))
     c = rng.integers(1, 9, values.size) if counts == "array" else counts
-    got_values, got_counts = _merge_runs(values, c)
+    got_values, got_counts = _merge_neighbours(values, c)
     assert (got_values[1:] != got_values[:-1]).all()  # no two neighbours left equal
     assert got_counts.dtype == np.int64
     expanded = np.repeat(values, c if counts == "array" else np.full(values.size, c))
     assert np.repeat(got_values, got_counts).tolist() == expanded.tolist()
     for few in (values[:0], values[:1], np.array([0.5, 0.25, 0.5])):  # nothing to merge
-        v, n = _merge_runs(few, 2)
+        v, n = _merge_neighbours(few, 2)
         assert v.tolist() == few.tolist() and n.tolist() == [2] * few.size
 
 
