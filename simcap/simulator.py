@@ -112,6 +112,15 @@ def _ints(values: list[int]) -> np.ndarray:
     return np.fromiter(values, np.int64, len(values))
 
 
+def _token_counts(values: list[int]) -> np.ndarray:
+    """Tokens per chunk as int64: through ``bytes`` (twice as fast as ``np.fromiter``) while
+    each is below 256, as they are but for very long drafts."""
+    try:
+        return np.frombuffer(bytes(values), np.uint8).astype(np.int64)
+    except ValueError:
+        return _ints(values)
+
+
 class _StretchGaps:
     """Buffered stretches of steps in which each of a stretch's requests gets a chunk at every
     step: each stretch's start then its chunk times, and how many requests it had."""
@@ -425,7 +434,7 @@ class _World:
             self.metrics.add_itl(_floats(self._single_gaps))
             self._single_gaps.clear()
         if self._gaps:
-            self.metrics.add_itl(_floats(self._gaps), tokens=_ints(self._gap_tokens))
+            self.metrics.add_itl(_floats(self._gaps), tokens=_token_counts(self._gap_tokens))
             self._gaps.clear()
             self._gap_tokens.clear()
         if self._decode_stretches.times:
@@ -435,7 +444,7 @@ class _World:
             # Gap j of a verify stretch, once for each of its requests (in batch order), with
             # that request's tokens at the later step.
             gaps, sizes = self._verify_stretches.take()
-            self.metrics.add_shared_itl(gaps, sizes, _ints(self._verify_tokens))
+            self.metrics.add_shared_itl(gaps, sizes, _token_counts(self._verify_tokens))
             self._verify_tokens.clear()
 
     def _session_fields(self, request_id: int) -> dict[str, int]:

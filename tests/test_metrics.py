@@ -542,3 +542,12 @@ def test_merge_table_of_weighted_values_mostly_ascending_or_shuffled(shuffled, d
     want_values, want_counts = np.unique(np.repeat(values + 0.0, counts), return_counts=True)
     assert got_values.tolist() == want_values.tolist()
     assert got_counts.tolist() == want_counts.tolist()
+
+
+def test_simulator_token_counts_any_size():
+    """The simulator's buffered token counts reach the metrics as int64, whatever their size."""
+    from simcap.simulator import _token_counts
+
+    for counts in ([], [0], [1, 4, 255], [1, 256, 3], [70000, 2]):
+        got = _token_counts(counts)
+        assert got.dtype == np.int64 and got.tolist() == counts
