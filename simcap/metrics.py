@@ -289,9 +289,9 @@ def _merge_table(
     sorted runs (tables concatenated). Otherwise runs of equal neighbours are merged first
     (:func:`_merge_neighbours`), so that a sort sees each run once. Values that mostly ascend
     (fewer than one descent in eight: a run's gaps without noise, as periods grow with the
-    context) are ordered by a stable sort, which merges runs in about linear time (2-5x faster there
-    than numpy's default sort, which is faster on shuffled values). -0.0 becomes 0.0, so
-    that equal values merge to the same one whatever order they came in.
+    context) are ordered by a stable sort, which merges runs in about linear time (2-5x
+    faster there than numpy's default sort, which is faster on shuffled values). -0.0
+    becomes 0.0, so that equal values merge to the same one whatever order they came in.
     """
     values = np.asarray(values, dtype=np.float64).ravel() + 0.0
     counts = np.asarray(counts, dtype=np.int64).ravel()
