@@ -257,11 +257,14 @@ def _kv_usage(kv_usage: KVUsage) -> dict[str, float | None]:
 
 
 def _merge_neighbours(values: np.ndarray, counts: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``values`` with each run of equal neighbours made one entry, its counts summed (int64).
+    """``values`` with each run of equal neighbours made one entry, its counts summed (int64),
+    when that at least halves them; else ``values`` as they are.
 
     ``counts``: one per value, or one int for all. A stretch of equal steps gives a run of
     equal gaps (each kept to the nanosecond), so this shrinks a batch of gaps many times over
-    in one linear pass, before anything is sorted.
+    in one linear pass, before anything is sorted. Mostly distinct values (measured gaps)
+    stay one by one: a few merges would not shorten their sort, and plain samples (counts of
+    one) sort faster (see :func:`_merge_table`).
     """
     size = values.size
     if size < 2:
@@ -269,12 +272,12 @@ def _merge_neighbours(values: np.ndarray, counts: Any) -> tuple[np.ndarray, np.n
         return values, counts
     starts = np.flatnonzero(values[1:] != values[:-1])
     if np.ndim(counts) == 0:
-        if starts.size + 1 == size:  # no two neighbours equal
+        if (starts.size + 1) * 2 > size:
             return values, np.full(size, counts, dtype=np.int64)
         ends = np.append(starts, size - 1)
         lengths = np.diff(ends, prepend=-1).astype(np.int64, copy=False)
         return values[ends], lengths * counts if counts != 1 else lengths
-    if starts.size + 1 == size:
+    if (starts.size + 1) * 2 > size:
         return values, counts
     starts = np.concatenate(([0], starts + 1))
     return values[starts], np.add.reduceat(counts, starts)
@@ -540,13 +543,14 @@ class MetricsAccumulator:
     ) -> None:
         """Samples: gap ``g[j]`` seen ``sizes[j]`` times (once each when None), the s-th of
         them with ``k[s]`` tokens in its later chunk and counted ``weight`` times (one int, or
-        one per sample). Gaps come from steps of a few distinct periods and chunks carry a few
-        distinct token counts, so the samples are counted per distinct (gap, tokens) pair: a
-        sort of the gaps' runs of equal neighbours, then one linear count."""
+        one per sample). Gaps from steps of a few distinct periods (in runs of equal ones), in
+        chunks of a few distinct token counts, are counted per distinct (gap, tokens) pair: a
+        sort of the gaps' runs, then one linear count. Gaps mostly distinct (measured ones)
+        are added sample by sample, to be sorted once when the table is merged."""
         change = g[1:] != g[:-1]
         num_runs = int(np.count_nonzero(change)) + 1
         width = int(k.max()) + 1
-        if width * num_runs > 8 * k.size + 65536:  # too many pairs to count densely
+        if num_runs * 2 > k.size or width * num_runs > 8 * k.size + 65536:
             if sizes is not None:
                 g = np.repeat(g, sizes)
             self._itl.add(*_merge_neighbours(g, weight))

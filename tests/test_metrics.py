@@ -464,7 +464,8 @@ def test_merge_neighbours_sums_each_run_of_equal_neighbours(counts):
     assert got_counts.dtype == np.int64
     expanded = np.repeat(values, c if counts == "array" else np.full(values.size, c))
     assert np.repeat(got_values, got_counts).tolist() == expanded.tolist()
-    for few in (values[:0], values[:1], np.array([0.5, 0.25, 0.5])):  # nothing to merge
+    # Nothing to merge, or too little to halve them: as they are.
+    for few in (values[:0], values[:1], np.array([0.5, 0.25, 0.5]), np.array([0.5, 0.5, 0.25, 0.5])):
         v, n = _merge_neighbours(few, 2)
         assert v.tolist() == few.tolist() and n.tolist() == [2] * few.size
 
