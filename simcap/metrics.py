@@ -9,7 +9,11 @@ batch), keeping the ITL samples as a sorted table of (value, count), so memory g
 number of distinct gaps, not of chunks. ITL samples are kept to the nanosecond
 (:data:`ITL_RESOLUTION_S`): gaps that differ only by float rounding (a run of equal steps
 gives gaps that differ in their last bits) count as one value, which keeps that table small
-over millions of steps. ``summarize(records)`` feeds the records to one.
+over millions of steps. Each batch is shrunk as it comes, in linear time: runs of equal gaps
+merged, and gaps whose chunks carry token counts (``add_itl`` with tokens per gap;
+``add_shared_itl``, gaps every request of a verify stretch sees, each with its own tokens)
+counted per distinct (gap, tokens) pair, so the table is sorted over few entries, not over
+every gap. ``summarize(records)`` feeds the records to one.
 
 Definitions (all times in seconds, per completed request, i.e. ``record.succeeded``):
 
@@ -47,6 +51,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import struct
 from array import array
 from dataclasses import dataclass, field
 from math import nan
@@ -63,6 +68,9 @@ ADEQUACY = {"p90": 0.90, "p95": 0.95, "p99": 0.99}
 SLO_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2e": "e2e_s"}
 SLO_STATS = ("mean", "p50", "p90", "p95", "p99")
 GOODPUT_METRICS = ("ttft", "tpot", "e2e")
+# One request's row of MetricsAccumulator._times (array "d") and ._ints (array "q").
+_PACK_TIMES = struct.Struct("=4d").pack
+_PACK_INTS = struct.Struct("=4q").pack
 
 
 def binomial_cdf(k: int, n: int, p: float) -> float:
@@ -248,17 +256,45 @@ def _kv_usage(kv_usage: KVUsage) -> dict[str, float | None]:
     return {"mean": mean, "max": float(usages.max())}
 
 
+def _merge_neighbours(values: np.ndarray, counts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` with each run of equal neighbours made one entry, its counts summed (int64),
+    when that at least halves them; else ``values`` as they are.
+
+    ``counts``: one per value, or one int for all. A stretch of equal steps gives a run of
+    equal gaps (each kept to the nanosecond), so this shrinks a batch of gaps many times over
+    in one linear pass, before anything is sorted. Mostly distinct values (measured gaps)
+    stay one by one: a few merges would not shorten their sort, and plain samples (counts of
+    one) sort faster (see :func:`_merge_table`).
+    """
+    size = values.size
+    if size < 2:
+        counts = np.full(size, counts, dtype=np.int64) if np.ndim(counts) == 0 else counts
+        return values, counts
+    starts = np.flatnonzero(values[1:] != values[:-1])
+    if np.ndim(counts) == 0:
+        if (starts.size + 1) * 2 > size:
+            return values, np.full(size, counts, dtype=np.int64)
+        ends = np.append(starts, size - 1)
+        lengths = np.diff(ends, prepend=-1).astype(np.int64, copy=False)
+        return values[ends], lengths * counts if counts != 1 else lengths
+    if (starts.size + 1) * 2 > size:
+        return values, counts
+    starts = np.concatenate(([0], starts + 1))
+    return values[starts], np.add.reduceat(counts, starts)
+
+
 def _merge_table(
     values: np.ndarray, counts: Any, *, sorted_runs: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """A (value, count) table sorted by value, equal values merged, zero counts dropped.
 
     ``counts``: int64-able, one per value or one for all. ``sorted_runs``: the input is a few
-    sorted runs (tables concatenated). Values that mostly ascend (fewer than one descent in
-    eight: a run's gaps without noise, as periods grow with the context) are ordered by a
-    stable sort, which merges runs in about linear time (2-5x faster there than numpy's
-    default sort, which is faster on shuffled values). -0.0 becomes 0.0, so that equal values
-    merge to the same one whatever order they came in.
+    sorted runs (tables concatenated). Otherwise runs of equal neighbours are merged first
+    (:func:`_merge_neighbours`), so that a sort sees each run once. Values that mostly ascend
+    (fewer than one descent in eight: a run's gaps without noise, as periods grow with the
+    context) are ordered by a stable sort, which merges runs in about linear time (2-5x
+    faster there than numpy's default sort, which is faster on shuffled values). -0.0
+    becomes 0.0, so that equal values merge to the same one whatever order they came in.
     """
     values = np.asarray(values, dtype=np.float64).ravel() + 0.0
     counts = np.asarray(counts, dtype=np.int64).ravel()
@@ -272,6 +308,8 @@ def _merge_table(
         if not sorted_runs and (counts == 1).all():  # plain samples: np.unique sorts faster
             values, counts = np.unique(values, return_counts=True)
         else:  # equal values merge, so their order does not matter
+            if not sorted_runs:
+                values, counts = _merge_neighbours(values, counts)
             runs = sorted_runs or np.count_nonzero(values[1:] < values[:-1]) * 8 < values.size
             order = np.argsort(values, kind="stable" if runs else None)
             values, counts = values[order], counts[order]
@@ -311,8 +349,9 @@ def _table_percentiles(
 
 
 class _WeightedSamples:
-    """Samples kept as a sorted (value, count) table. Incoming batches are buffered and merged
-    into the table when the buffer reaches ``compact_at`` samples (or the table's size, so that
+    """Samples kept as a sorted (value, count) table. Incoming batches come already shrunk
+    (equal neighbours merged, or counted per distinct value) and are buffered; the buffer is
+    merged into the table when it holds ``compact_at`` entries (or the table's size, so that
     a table of mostly distinct values is not re-merged too often), and on read."""
 
     def __init__(self, compact_at: int) -> None:
@@ -320,12 +359,13 @@ class _WeightedSamples:
         self.values = np.zeros(0)
         self.counts = np.zeros(0, dtype=np.int64)
         self._values: list[np.ndarray] = []
-        self._weights: list[int | np.ndarray] = []  # per batch: one weight, or one per value
+        self._counts: list[np.ndarray] = []
         self._pending = 0
 
-    def add(self, values: np.ndarray, weight: int | np.ndarray) -> None:
+    def add(self, values: np.ndarray, counts: np.ndarray) -> None:
+        """``values`` (1-D float64), each counted ``counts`` times (int64, one per value)."""
         self._values.append(values)
-        self._weights.append(weight)
+        self._counts.append(counts)
         self._pending += values.size
         if self._pending >= max(self.compact_at, self.values.size):
             self.compact()
@@ -333,17 +373,13 @@ class _WeightedSamples:
     def compact(self) -> None:
         if not self._values:
             return
-        weights = [
-            np.full(v.size, w, dtype=np.int64) if isinstance(w, int) else w
-            for v, w in zip(self._values, self._weights)
-        ]
-        values, counts = _merge_table(np.concatenate(self._values), np.concatenate(weights))
+        values, counts = _merge_table(np.concatenate(self._values), np.concatenate(self._counts))
         self.values, self.counts = _merge_table(
             np.concatenate((self.values, values)),
             np.concatenate((self.counts, counts)),
             sorted_runs=True,
         )
-        self._values, self._weights, self._pending = [], [], 0
+        self._values, self._counts, self._pending = [], [], 0
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         self.compact()
@@ -361,7 +397,8 @@ class MetricsAccumulator:
     ``Summary`` as ``summarize`` over the full records, byte for byte, whatever the order.
     Per-request values are kept as compact arrays (64 bytes a request); ITL samples as
     (value, count) tables, so their memory grows with the number of distinct values only.
-    ``compact_at``: how many buffered ITL samples trigger a merge into the tables.
+    ``compact_at``: how many buffered ITL table entries (a batch's distinct values, or its
+    runs of equal values) trigger a merge into the tables.
     """
 
     def __init__(self, *, compact_at: int = 1 << 20) -> None:
@@ -395,7 +432,7 @@ class MetricsAccumulator:
             for mine, theirs in ((out._itl, part._itl), (out._itl_token, part._itl_token)):
                 values, counts = theirs.table()
                 if values.size:
-                    mine.add(values.copy(), counts.copy())
+                    mine.add(values.copy(), counts.copy())  # (a table: no runs to merge)
         return out
 
     def add_request(
@@ -420,15 +457,18 @@ class MetricsAccumulator:
         if succeeded:
             if first_token_time is None or finish_time is None:
                 raise ValueError("a succeeded request needs first_token_time and finish_time")
-        else:
-            self._failed += 1
-        self._times.extend((
+        # (packed, then appended as bytes: a third cheaper than extending by tuples)
+        times = _PACK_TIMES(
             arrival_time,
             nan if first_token_time is None else first_token_time,
             nan if finish_time is None else finish_time,
             nan if scheduled_time is None else scheduled_time,
-        ))
-        self._ints.extend((request_id, num_prompt_tokens, num_output_tokens, 1 if succeeded else 0))
+        )
+        ints = _PACK_INTS(request_id, num_prompt_tokens, num_output_tokens, 1 if succeeded else 0)
+        if not succeeded:
+            self._failed += 1
+        self._times.frombytes(times)
+        self._ints.frombytes(ints)
         self._preemptions += num_preemptions
         self._cached += num_cached_tokens
         if session_id is not None:
@@ -445,8 +485,8 @@ class MetricsAccumulator:
         Per chunk, each gap is one sample; per token, a gap ``g`` with ``k > 0`` tokens gives
         ``k`` samples of ``g / k``, and ``k == 0`` none.
         """
-        g = np.array(gaps, dtype=np.float64, ndmin=1).ravel()  # a copy: callers reuse buffers
-        g = np.round(g, ITL_DECIMALS)
+        # (np.round makes a copy: callers reuse their buffers)
+        g = np.round(np.asarray(gaps, dtype=np.float64).ravel(), ITL_DECIMALS)
         if isinstance(weight, np.ndarray):
             weight = weight.astype(np.int64).ravel()
             if weight.shape != g.shape:
@@ -461,28 +501,84 @@ class MetricsAccumulator:
             k = int(tokens)
             if k < 0:
                 raise ValueError(f"tokens must be >= 0, got {k}")
-            per_token = (
-                (g, weight) if k == 1 else (np.round(g / k, ITL_DECIMALS), weight * k) if k > 1 else None
-            )
-        else:
-            k = np.asarray(tokens, dtype=np.int64).ravel()
-            if k.shape != g.shape:
-                raise ValueError(f"tokens has {k.size} entries for {g.size} gaps")
-            k_min = k.min() if k.size else 1
-            if k_min < 0:
-                raise ValueError("tokens must be >= 0")
-            if k_min == 0:
-                some = k > 0
-                g_tok, k = g[some], k[some]
-                w = weight[some] if isinstance(weight, np.ndarray) else weight
-                per_token = (np.round(g_tok / k, ITL_DECIMALS), w * k)
-            else:
-                per_token = (np.round(g / k, ITL_DECIMALS), weight * k)
+            if not g.size:
+                return
+            runs = _merge_neighbours(g, weight)
+            self._itl.add(*runs)
+            if k == 1:
+                self._itl_token.add(*runs)
+            elif k > 1:
+                self._itl_token.add(*_merge_neighbours(np.round(g / k, ITL_DECIMALS), weight * k))
+            return
+        k = np.asarray(tokens, dtype=np.int64).ravel()
+        if k.shape != g.shape:
+            raise ValueError(f"tokens has {k.size} entries for {g.size} gaps")
+        if k.size and k.min() < 0:
+            raise ValueError("tokens must be >= 0")
+        if g.size:
+            self._add_with_tokens(g, None, k, weight)
+
+    def add_shared_itl(self, gaps: np.ndarray, sizes: np.ndarray, tokens: np.ndarray) -> None:
+        """Chunk gaps each seen by several requests: gap ``j`` by ``sizes[j]`` of them, with
+        ``tokens`` the tokens of each one's later chunk, gap by gap (the ``sizes[0]`` of gap 0
+        first). The samples of ``add_itl(np.repeat(gaps, sizes), 1, tokens)``, without
+        repeating the gaps (a verify stretch's requests see the same gaps)."""
+        g = np.round(np.asarray(gaps, dtype=np.float64).ravel(), ITL_DECIMALS)
+        sizes = np.asarray(sizes, dtype=np.int64).ravel()
+        k = np.asarray(tokens, dtype=np.int64).ravel()
+        if sizes.shape != g.shape:
+            raise ValueError(f"sizes has {sizes.size} entries for {g.size} gaps")
         if not g.size:
             return
-        self._itl.add(g, weight)
-        if per_token is not None and per_token[0].size:
-            self._itl_token.add(*per_token)
+        if sizes.min() < 1:
+            raise ValueError("sizes must be >= 1")
+        if k.size != sizes.sum():
+            raise ValueError(f"tokens has {k.size} entries for {sizes.sum()} requests' gaps")
+        if k.min() < 0:
+            raise ValueError("tokens must be >= 0")
+        self._add_with_tokens(g, sizes, k, 1)
+
+    def _add_with_tokens(
+        self, g: np.ndarray, sizes: np.ndarray | None, k: np.ndarray, weight: int | np.ndarray
+    ) -> None:
+        """Samples: gap ``g[j]`` seen ``sizes[j]`` times (once each when None), the s-th of
+        them with ``k[s]`` tokens in its later chunk and counted ``weight`` times (one int, or
+        one per sample). Gaps from steps of a few distinct periods (in runs of equal ones), in
+        chunks of a few distinct token counts, are counted per distinct (gap, tokens) pair: a
+        sort of the gaps' runs, then one linear count. Gaps mostly distinct (measured ones)
+        are added sample by sample, to be sorted once when the table is merged."""
+        change = g[1:] != g[:-1]
+        num_runs = int(np.count_nonzero(change)) + 1
+        width = int(k.max()) + 1
+        if num_runs * 2 > k.size or width * num_runs > 8 * k.size + 65536:
+            if sizes is not None:
+                g = np.repeat(g, sizes)
+            self._itl.add(*_merge_neighbours(g, weight))
+            some = k > 0
+            if not some.all():
+                g, k = g[some], k[some]
+                weight = weight[some] if isinstance(weight, np.ndarray) else weight
+            if k.size:
+                self._itl_token.add(*_merge_neighbours(np.round(g / k, ITL_DECIMALS), weight * k))
+            return
+        starts = np.flatnonzero(np.concatenate(([True], change)))
+        values, which = np.unique(g[starts], return_inverse=True)  # (sorted, distinct)
+        which = which[np.cumsum(np.concatenate(([0], change)))]  # each gap's value
+        if sizes is not None:
+            which = np.repeat(which, sizes)
+        key = k * values.size + which
+        if isinstance(weight, np.ndarray):
+            seen = np.zeros(width * values.size, dtype=np.int64)
+            np.add.at(seen, key, weight)
+        else:
+            seen = np.bincount(key, minlength=width * values.size) * weight
+        # seen[k, i]: the samples of gap values[i] whose later chunk carried k tokens.
+        seen = seen.reshape(width, values.size)
+        self._itl.add(values, seen.sum(axis=0))
+        k, i = np.nonzero(seen[1:])  # (no per-token sample without tokens)
+        if k.size:
+            k += 1
+            self._itl_token.add(np.round(values[i] / k, ITL_DECIMALS), seen[k, i] * k)
 
     def add_record(self, record: RequestRecord) -> None:
         """A full record: its scalars, and the gaps between its chunks if it succeeded."""

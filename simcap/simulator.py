@@ -103,6 +103,23 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
 GAP_BUFFER = 1 << 16  # per-chunk ITL samples collected before one bulk add to the metrics
 
 
+def _floats(values: list[float]) -> np.ndarray:
+    return np.fromiter(values, np.float64, len(values))
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    return np.fromiter(values, np.int64, len(values))
+
+
+def _token_counts(values: list[int]) -> np.ndarray:
+    """Tokens per chunk as int64: through ``bytes`` (twice as fast as ``np.fromiter``) while
+    each is below 256, as they are but for very long drafts."""
+    try:
+        return np.frombuffer(bytes(values), np.uint8).astype(np.int64)
+    except ValueError:
+        return _ints(values)
+
+
 class _StretchGaps:
     """Buffered stretches of steps in which each of a stretch's requests gets a chunk at every
     step: each stretch's start then its chunk times, and how many requests it had."""
@@ -122,13 +139,13 @@ class _StretchGaps:
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """The gaps between the chunks of the buffered stretches (start -> first chunk is not
         one), and how many requests saw each; the buffer is emptied."""
-        times = np.fromiter(self.times, np.float64, len(self.times))
-        lens = np.array(self.lens)
+        times = _floats(self.times)
+        lens = _ints(self.lens)
         starts = np.cumsum(lens) - lens
         keep = np.ones(len(times) - 1, dtype=bool)
         keep[starts] = False  # start -> first chunk
         keep[starts[1:] - 1] = False  # last chunk -> next stretch's start
-        gaps, sizes = (times[1:] - times[:-1])[keep], np.repeat(np.array(self.sizes), lens - 2)
+        gaps, sizes = (times[1:] - times[:-1])[keep], np.repeat(_ints(self.sizes), lens - 2)
         self.times.clear()
         self.lens.clear()
         self.sizes.clear()
@@ -405,11 +422,12 @@ class _World:
                 rec.chunk_tokens.extend(news[b::num_reqs])
 
     def _flush_gaps(self) -> None:
+        """The buffered ITL samples into the metrics; the buffers are emptied."""
         if self._single_gaps:
-            self.metrics.add_itl(np.array(self._single_gaps))
+            self.metrics.add_itl(_floats(self._single_gaps))
             self._single_gaps.clear()
         if self._gaps:
-            self.metrics.add_itl(np.array(self._gaps), tokens=np.array(self._gap_tokens))
+            self.metrics.add_itl(_floats(self._gaps), tokens=_token_counts(self._gap_tokens))
             self._gaps.clear()
             self._gap_tokens.clear()
         if self._decode_stretches.times:
@@ -419,8 +437,7 @@ class _World:
             # Gap j of a verify stretch, once for each of its requests (in batch order), with
             # that request's tokens at the later step.
             gaps, sizes = self._verify_stretches.take()
-            tokens = np.fromiter(self._verify_tokens, np.int64, len(self._verify_tokens))
-            self.metrics.add_itl(np.repeat(gaps, sizes), tokens=tokens)
+            self.metrics.add_shared_itl(gaps, sizes, _token_counts(self._verify_tokens))
             self._verify_tokens.clear()
 
     def finish(self, reqs: list[Request], now: float) -> None:

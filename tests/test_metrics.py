@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcap.metrics import (
+    _merge_neighbours,
     _merge_table,
     PERCENTILES,
     Distribution,
@@ -399,6 +400,76 @@ def test_add_itl_weights_and_tokens():
     assert acc.summary().itl_s.count == 12 and acc.summary().itl_per_token_s.count == 10
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_add_shared_itl_is_add_itl_of_the_repeated_gaps(seed):
+    """Gaps each seen by several requests, each with its own tokens (0 included), give the
+    tables of the gaps repeated request by request."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(1, 400))
+    gaps = np.repeat(rng.choice([0.0125, 0.0131, 0.02, 0.0133333333333], m), rng.integers(1, 9, m))[:m]
+    gaps = gaps + rng.random(m) * 1e-12  # equal to the nanosecond, not in their last bits
+    sizes = rng.integers(1, 6, m)
+    tokens = rng.integers(0 if seed % 2 else 1, 5, sizes.sum())
+    shared, plain = MetricsAccumulator(compact_at=64), MetricsAccumulator()
+    shared.add_shared_itl(gaps[: m // 2], sizes[: m // 2], tokens[: sizes[: m // 2].sum()])
+    shared.add_shared_itl(gaps[m // 2:], sizes[m // 2:], tokens[sizes[: m // 2].sum():])
+    plain.add_itl(np.repeat(gaps, sizes), 1, tokens)
+    assert tables(shared) == tables(plain)
+    assert shared.summary().to_dict() == plain.summary().to_dict()
+    assert shared.summary().itl_s.count == sizes.sum()
+
+
+def tables(acc):
+    return [[x.tolist() for x in samples.table()] for samples in (acc._itl, acc._itl_token)]
+
+
+@pytest.mark.parametrize("max_tokens", [4, 2000])  # counted per (gap, tokens) pair, or one by one
+@pytest.mark.parametrize("weighted", [False, True])
+def test_add_itl_with_tokens_per_gap_is_gap_by_gap(max_tokens, weighted):
+    rng = np.random.default_rng(max_tokens)
+    n = 300
+    gaps = rng.choice([0.01, 0.0125, 0.02, 0.0], n) if max_tokens < 10 else rng.random(n) * 0.05
+    gaps[:2] = -0.0, 0.0
+    tokens = rng.integers(0, max_tokens + 1, n)
+    weight = rng.integers(1, 5, n) if weighted else 2
+    acc, one = MetricsAccumulator(), MetricsAccumulator()
+    acc.add_itl(gaps, weight, tokens)
+    for j in range(n):
+        one.add_itl(gaps[j], int(weight[j]) if weighted else weight, int(tokens[j]))
+    assert tables(acc) == tables(one)
+    assert acc.summary().itl_per_token_s.count == (tokens * weight).sum()
+
+
+def test_add_shared_itl_checks_its_input():
+    acc = MetricsAccumulator()
+    for bad in (
+        ([0.1, 0.2], [1], [1]),  # one size per gap
+        ([0.1, 0.2], [1, 0], [1]),  # every gap seen by at least one request
+        ([0.1, 0.2], [1, 2], [1, 1]),  # one token count per request and gap
+        ([0.1, 0.2], [1, 1], [1, -1]),
+    ):
+        with pytest.raises(ValueError):
+            acc.add_shared_itl(*(np.array(x) for x in bad))
+    acc.add_shared_itl(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    assert acc.summary().itl_s.count == 0
+
+
+@pytest.mark.parametrize("counts", [1, 3, "array"])
+def test_merge_neighbours_sums_each_run_of_equal_neighbours(counts):
+    rng = np.random.default_rng(3)
+    values = np.repeat(rng.choice([0.5, 0.25, 0.125], 200), rng.integers(1, 6, 200))
+    c = rng.integers(1, 9, values.size) if counts == "array" else counts
+    got_values, got_counts = _merge_neighbours(values, c)
+    assert (got_values[1:] != got_values[:-1]).all()  # no two neighbours left equal
+    assert got_counts.dtype == np.int64
+    expanded = np.repeat(values, c if counts == "array" else np.full(values.size, c))
+    assert np.repeat(got_values, got_counts).tolist() == expanded.tolist()
+    # Nothing to merge, or too little to halve them: as they are.
+    for few in (values[:0], values[:1], np.array([0.5, 0.25, 0.5]), np.array([0.5, 0.5, 0.25, 0.5])):
+        v, n = _merge_neighbours(few, 2)
+        assert v.tolist() == few.tolist() and n.tolist() == [2] * few.size
+
+
 def test_add_itl_copies_its_input():
     acc = MetricsAccumulator()
     buf = np.array([0.1, 0.2])
@@ -456,11 +527,13 @@ def test_itl_samples_kept_to_the_nanosecond():
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
-def test_merge_table_of_weighted_values_mostly_ascending_or_shuffled(shuffled):
+@pytest.mark.parametrize("decimals", [5, 3])
+def test_merge_table_of_weighted_values_mostly_ascending_or_shuffled(shuffled, decimals):
     """Weighted values that mostly ascend (a stretch's gaps: stable sort) or come shuffled
-    (numpy's default sort) give the table of the expanded samples."""
+    (numpy's default sort), with few or many runs of equal neighbours, give the table of the
+    expanded samples."""
     rng = np.random.default_rng(7)
-    runs = [np.sort(np.round(rng.random(rng.integers(1, 400)) * 0.05, 5)) for _ in range(300)]
+    runs = [np.sort(np.round(rng.random(rng.integers(1, 400)) * 0.05, decimals)) for _ in range(300)]
     values = np.concatenate(runs)
     if shuffled:
         values = rng.permutation(values)
@@ -470,3 +543,12 @@ def test_merge_table_of_weighted_values_mostly_ascending_or_shuffled(shuffled):
     want_values, want_counts = np.unique(np.repeat(values + 0.0, counts), return_counts=True)
     assert got_values.tolist() == want_values.tolist()
     assert got_counts.tolist() == want_counts.tolist()
+
+
+def test_simulator_token_counts_any_size():
+    """The simulator's buffered token counts reach the metrics as int64, whatever their size."""
+    from simcap.simulator import _token_counts
+
+    for counts in ([], [0], [1, 4, 255], [1, 256, 3], [70000, 2]):
+        got = _token_counts(counts)
+        assert got.dtype == np.int64 and got.tolist() == counts
