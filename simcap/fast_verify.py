@@ -34,7 +34,7 @@ from operator import sub
 
 from simcap.engine.request import Request
 from simcap.engine.scheduler import SchedulerOutput
-from simcap.fast_forward import usages_by_step
+from simcap.fast_forward import usage_runs_by_step
 
 
 def advance_verify_stretch(
@@ -142,7 +142,7 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
 class VerifyStretch:
     """A stretch of verify steps while it runs: per request (in batch order) its tokens,
     output tokens, blocks and drafts, as plain integers; the steps run so far (periods,
-    start times, KV usages, tokens emitted); the blocks taken and the streams' read
+    start times, KV usages as runs, tokens emitted); the blocks taken and the streams' read
     positions. The scheduled step not yet run is ``ds`` (drafts per request), ``verify``
     (their sum), ``context`` (attended tokens) and ``prefill`` (prompt tokens), and ``out``
     its :class:`SchedulerOutput` (the caller's first step, or made when a step runs one at a
@@ -154,8 +154,8 @@ class VerifyStretch:
         "acceptance", "accept_stream", "tb", "u0", "ui", "propose_stream", "pb", "p0", "pi",
         "neg_rates", "accepted_hist", "num_drafts", "num_draft_tokens", "threshold", "budget",
         "lookahead", "bs", "held", "limits", "free", "scale", "allocs", "model", "noise",
-        "starts", "periods", "usages", "news_all", "t", "finished", "last_accepted", "bulk",
-        "full", "ds", "verify", "context", "prefill", "out", "verify_out",
+        "starts", "periods", "usages", "counts", "news_all", "t", "finished", "last_accepted",
+        "bulk", "full", "ds", "verify", "context", "prefill", "out", "verify_out",
     )
 
     @classmethod
@@ -243,7 +243,9 @@ class VerifyStretch:
         noise = self.noise = world.noise
         self.starts = [now]
         self.periods = []
+        # KV usage after each step's scheduling, as runs: counts[i] steps of usages[i] in turn.
         self.usages = [] if first is None else [kv.usage]
+        self.counts = [] if first is None else [1]
         self.news_all = []  # tokens per request per step (step-major)
         self.t = now
         self.finished = {}  # batch index -> computed tokens after its last step
@@ -316,7 +318,13 @@ class VerifyStretch:
                     held[b] = blocks
                     limits[b] = blocks * bs - lookahead
             self.allocs += step_allocs
-        self.usages.append(1.0 - self.free / self.scale)
+        usage = 1.0 - self.free / self.scale
+        usages = self.usages
+        if usages and usages[-1] == usage:
+            self.counts[-1] += 1
+        else:
+            usages.append(usage)
+            self.counts.append(1)
         self.ds = ds
         self.verify = verify
         self.context = sum(nts) + verify
@@ -470,13 +478,26 @@ class VerifyStretch:
             outs[b] += grown
         self.news_all += news
         del events[bisect_left(events, scheduled * num_reqs) :]
+        usages = self.usages
+        counts = self.counts
         if events:
-            bulk_usages, self.free = usages_by_step(events, num_reqs, scheduled, free, self.scale)
-            self.usages += bulk_usages
+            runs, runs_counts, self.free = usage_runs_by_step(
+                events, num_reqs, scheduled, free, self.scale
+            )
+            if usages and usages[-1] == runs[0]:  # the run before goes on
+                counts[-1] += runs_counts[0]
+                del runs[0], runs_counts[0]
+            usages += runs
+            counts += runs_counts
             reqs = self.reqs
             self.allocs += [reqs[e % num_reqs] for e in events]
-        else:
-            self.usages += [1.0 - free / self.scale] * scheduled
+        elif scheduled:
+            usage = 1.0 - free / self.scale
+            if usages and usages[-1] == usage:
+                counts[-1] += scheduled
+            else:
+                usages.append(usage)
+                counts.append(scheduled)
         self.periods += bulk_periods[:ran]
         self.starts += bulk_starts[1 : ran + 1]
         self.t = bulk_starts[ran]
@@ -629,6 +650,7 @@ class VerifyStretch:
         steps = world.steps
         starts = self.starts
         usages = self.usages
+        counts = self.counts
         num_waiting = self.num_waiting
         if first is not None:
             now = starts[0]
@@ -640,9 +662,15 @@ class VerifyStretch:
                 num_reqs, num_waiting, usages[0], 0,
             )
             if len(periods) > 1:
-                steps.extend_decode(starts[1:-1], periods[1:], usages[1:], num_reqs, num_waiting)
+                if counts[0] == 1:
+                    del usages[0], counts[0]
+                else:
+                    counts[0] -= 1
+                steps.extend_decode(
+                    starts[1:-1], periods[1:], usages, num_reqs, num_waiting, counts=counts
+                )
         else:
-            steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting)
+            steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting, counts=counts)
         world.emit_steps(reqs, starts, self.news_all)
         if not finished:
             return starts[-1], []
