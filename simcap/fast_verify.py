@@ -398,15 +398,17 @@ class VerifyStretch:
         limits = self.limits
         bs = self.bs
         events = []
-        for b in range(num_reqs):
-            cum = cums[b]
-            h = limits[b] - nts[b] - k
-            while True:
-                i = bisect_right(cum, h, 0, plain)
-                if i >= plain:
-                    break
-                events.append(i * num_reqs + b)
-                h += bs
+        if plain:
+            last = plain - 1
+            for b in range(num_reqs):
+                cum = cums[b]
+                top = cum[last]  # its tokens after the last plain step
+                h = limits[b] - nts[b] - k
+                i = 0
+                while h < top:  # the step after the first that takes it past h needs a block
+                    i = bisect_right(cum, h, i, plain)
+                    events.append(i * num_reqs + b)
+                    h += bs
         events.sort()
         kv_stop = m
         free = self.free
