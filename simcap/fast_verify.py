@@ -212,9 +212,13 @@ class VerifyStretch:
         # steps with drafts, read as the tokens each emits (AcceptanceModel.reserve_tokens);
         # proposals (ngram), one per request in every step.
         self.acceptance = acceptance
-        self.accept_stream = acceptance.uniforms
-        self.tb = []
-        self.u0 = self.ui = 0
+        stream = self.accept_stream = acceptance.uniforms
+        if acceptance.tokens_of is stream.buffer:  # the table of the stream's buffer, as is
+            self.tb = acceptance.tokens
+            self.u0 = self.ui = stream.next
+        else:
+            self.tb = []
+            self.u0 = self.ui = 0
         self.propose_stream = proposer.uniforms
         self.pb = []
         self.p0 = self.pi = 0
