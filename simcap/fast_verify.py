@@ -466,22 +466,28 @@ class VerifyStretch:
                     finished[b] = nts[b] + done + news[i] - 1
                     news[i] = room - done
                     cum[fin] = room
-        held = self.held
-        lookahead = self.lookahead
-        last = scheduled - 1  # the last step here that schedules the next
         grown_all = 0
-        for b in range(num_reqs):
-            cum = cums[b]
-            nt = nts[b]
-            if scheduled:  # its blocks for the step after step `last` (its events)
-                blocks = -(-(nt + cum[last] + k + lookahead) // bs)
-                if blocks > held[b]:
-                    held[b] = blocks
-                    limits[b] = blocks * bs - lookahead
-            grown = cum[ran - 1]
-            grown_all += grown
-            nts[b] = nt + grown
-            outs[b] += grown
+        if ends:  # (the blocks held matter only to steps scheduled after these)
+            for b in range(num_reqs):
+                grown = cums[b][ran - 1]
+                nts[b] += grown
+                outs[b] += grown
+        else:
+            held = self.held
+            lookahead = self.lookahead
+            last = scheduled - 1  # the last step here that schedules the next
+            for b in range(num_reqs):
+                cum = cums[b]
+                nt = nts[b]
+                if scheduled:  # its blocks for the step after step `last` (its events)
+                    blocks = -(-(nt + cum[last] + k + lookahead) // bs)
+                    if blocks > held[b]:
+                        held[b] = blocks
+                        limits[b] = blocks * bs - lookahead
+                grown = cum[ran - 1]
+                grown_all += grown
+                nts[b] = nt + grown
+                outs[b] += grown
         self.news_all += news
         del events[bisect_left(events, scheduled * num_reqs) :]
         usages = self.usages
