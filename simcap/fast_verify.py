@@ -154,7 +154,7 @@ class VerifyStretch:
         "acceptance", "accept_stream", "tb", "u0", "ui", "propose_stream", "pb", "p0", "pi",
         "neg_rates", "accepted_hist", "num_drafts", "num_draft_tokens", "threshold", "budget",
         "lookahead", "bs", "held", "limits", "free", "scale", "allocs", "model", "noise",
-        "starts", "periods", "usages", "counts", "news_all", "t", "finished", "last_accepted",
+        "starts", "periods", "usages", "counts", "news_all", "t", "finished", "last_tokens",
         "bulk", "full", "ds", "verify", "context", "prefill", "out", "verify_out",
     )
 
@@ -253,7 +253,7 @@ class VerifyStretch:
         self.news_all = []  # tokens per request per step (step-major)
         self.t = now
         self.finished = {}  # batch index -> computed tokens after its last step
-        self.last_accepted = [0] * num_reqs  # each request's accepted drafts in the last step
+        self.last_tokens = [1] * num_reqs  # each request's accepted drafts + 1 in the last step
         # Plain steps (every request verifies k drafts, none finishes, no draft or block is
         # capped by max_model_len) run in bulk when no noise and no proposal draws are in
         # play; a plain step follows up to `tail` tokens.
@@ -451,7 +451,7 @@ class VerifyStretch:
         accepted_hist = self.accepted_hist
         for a in range(1, k + 1):
             accepted_hist[a] += news.count(a + 1)
-        self.last_accepted = [n - 1 for n in news[size - num_reqs :]]
+        self.last_tokens = news[size - num_reqs : size]  # (before a finish cuts them)
         if ends and stop == fin:
             finished = self.finished
             before = fin - 1
@@ -579,7 +579,7 @@ class VerifyStretch:
                 rate = self.rate
                 proposed = [k if u < rate else 0 for u in ps]
         accepted_hist = self.accepted_hist
-        last_accepted = self.last_accepted
+        last_tokens = self.last_tokens
         outs = self.outs
         nts = self.nts
         maxes = self.maxes
@@ -595,8 +595,8 @@ class VerifyStretch:
                 accepted_hist[a] += 1
             else:
                 a = 0
-            last_accepted[b] = a
             new = a + 1
+            last_tokens[b] = new
             o = outs[b] + new
             nt = nts[b] + new
             if o >= maxes[b] or nt >= max_model_len:  # it finishes: tokens past the end are cut
@@ -631,14 +631,14 @@ class VerifyStretch:
             scheduler.kv.append_blocks(self.allocs)
         outs = self.outs
         nts = self.nts
-        last_accepted = self.last_accepted
+        last_tokens = self.last_tokens
         finished = self.finished
         proposed = self.proposed
         for b, req in enumerate(reqs):
             req.num_output_tokens = outs[b]
             req.is_prefill_chunk = False
             # The last step's accepted drafts: their blocks are cached at the next allocation.
-            req.num_accepted_uncommitted = last_accepted[b]
+            req.num_accepted_uncommitted = last_tokens[b] - 1
             if b in finished:
                 req.num_computed_tokens = finished[b]
                 req.num_spec_tokens = 0
