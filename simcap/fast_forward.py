@@ -120,17 +120,6 @@ def usage_runs_by_step(
     return usages, counts, free
 
 
-def usages_by_step(
-    events: list[int], num_reqs: int, num_steps: int, free: int, scale: int
-) -> tuple[list[float], int]:
-    """:func:`usage_runs_by_step`, one usage per step."""
-    runs, counts, free = usage_runs_by_step(events, num_reqs, num_steps, free, scale)
-    usages: list[float] = []
-    for usage, count in zip(runs, counts):
-        usages += [usage] * count
-    return usages, free
-
-
 def advance_decode_stretch(
     world, now: float, horizon: float, admitted: Admission | None = None
 ) -> tuple[float, list[Request]] | None:

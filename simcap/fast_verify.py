@@ -34,7 +34,7 @@ from operator import sub
 
 from simcap.engine.request import Request
 from simcap.engine.scheduler import SchedulerOutput
-from simcap.fast_forward import usages_by_step
+from simcap.fast_forward import usage_runs_by_step
 
 
 def advance_verify_stretch(
@@ -142,7 +142,7 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
 class VerifyStretch:
     """A stretch of verify steps while it runs: per request (in batch order) its tokens,
     output tokens, blocks and drafts, as plain integers; the steps run so far (periods,
-    start times, KV usages, tokens emitted); the blocks taken and the streams' read
+    start times, KV usages as runs, tokens emitted); the blocks taken and the streams' read
     positions. The scheduled step not yet run is ``ds`` (drafts per request), ``verify``
     (their sum), ``context`` (attended tokens) and ``prefill`` (prompt tokens), and ``out``
     its :class:`SchedulerOutput` (the caller's first step, or made when a step runs one at a
@@ -154,8 +154,8 @@ class VerifyStretch:
         "acceptance", "accept_stream", "tb", "u0", "ui", "propose_stream", "pb", "p0", "pi",
         "neg_rates", "accepted_hist", "num_drafts", "num_draft_tokens", "threshold", "budget",
         "lookahead", "bs", "held", "limits", "free", "scale", "allocs", "model", "noise",
-        "starts", "periods", "usages", "news_all", "t", "finished", "last_accepted", "bulk",
-        "full", "ds", "verify", "context", "prefill", "out", "verify_out",
+        "starts", "periods", "usages", "counts", "news_all", "t", "finished", "last_tokens",
+        "bulk", "full", "ds", "verify", "context", "prefill", "out", "verify_out",
     )
 
     @classmethod
@@ -212,9 +212,13 @@ class VerifyStretch:
         # steps with drafts, read as the tokens each emits (AcceptanceModel.reserve_tokens);
         # proposals (ngram), one per request in every step.
         self.acceptance = acceptance
-        self.accept_stream = acceptance.uniforms
-        self.tb = []
-        self.u0 = self.ui = 0
+        stream = self.accept_stream = acceptance.uniforms
+        if acceptance.tokens_of is stream.buffer:  # the table of the stream's buffer, as is
+            self.tb = acceptance.tokens
+            self.u0 = self.ui = stream.next
+        else:
+            self.tb = []
+            self.u0 = self.ui = 0
         self.propose_stream = proposer.uniforms
         self.pb = []
         self.p0 = self.pi = 0
@@ -243,11 +247,13 @@ class VerifyStretch:
         noise = self.noise = world.noise
         self.starts = [now]
         self.periods = []
+        # KV usage after each step's scheduling, as runs: counts[i] steps of usages[i] in turn.
         self.usages = [] if first is None else [kv.usage]
+        self.counts = [] if first is None else [1]
         self.news_all = []  # tokens per request per step (step-major)
         self.t = now
         self.finished = {}  # batch index -> computed tokens after its last step
-        self.last_accepted = [0] * num_reqs  # each request's accepted drafts in the last step
+        self.last_tokens = [1] * num_reqs  # each request's accepted drafts + 1 in the last step
         # Plain steps (every request verifies k drafts, none finishes, no draft or block is
         # capped by max_model_len) run in bulk when no noise and no proposal draws are in
         # play; a plain step follows up to `tail` tokens.
@@ -316,7 +322,13 @@ class VerifyStretch:
                     held[b] = blocks
                     limits[b] = blocks * bs - lookahead
             self.allocs += step_allocs
-        self.usages.append(1.0 - self.free / self.scale)
+        usage = 1.0 - self.free / self.scale
+        usages = self.usages
+        if usages and usages[-1] == usage:
+            self.counts[-1] += 1
+        else:
+            usages.append(usage)
+            self.counts.append(1)
         self.ds = ds
         self.verify = verify
         self.context = sum(nts) + verify
@@ -390,15 +402,17 @@ class VerifyStretch:
         limits = self.limits
         bs = self.bs
         events = []
-        for b in range(num_reqs):
-            cum = cums[b]
-            h = limits[b] - nts[b] - k
-            while True:
-                i = bisect_right(cum, h, 0, plain)
-                if i >= plain:
-                    break
-                events.append(i * num_reqs + b)
-                h += bs
+        if plain:
+            last = plain - 1
+            for b in range(num_reqs):
+                cum = cums[b]
+                top = cum[last]  # its tokens after the last plain step
+                h = limits[b] - nts[b] - k
+                i = 0
+                while h < top:  # the step after the first that takes it past h needs a block
+                    i = bisect_right(cum, h, i, plain)
+                    events.append(i * num_reqs + b)
+                    h += bs
         events.sort()
         kv_stop = m
         free = self.free
@@ -437,7 +451,7 @@ class VerifyStretch:
         accepted_hist = self.accepted_hist
         for a in range(1, k + 1):
             accepted_hist[a] += news.count(a + 1)
-        self.last_accepted = [n - 1 for n in news[size - num_reqs :]]
+        self.last_tokens = news[size - num_reqs : size]  # (before a finish cuts them)
         if ends and stop == fin:
             finished = self.finished
             before = fin - 1
@@ -452,31 +466,50 @@ class VerifyStretch:
                     finished[b] = nts[b] + done + news[i] - 1
                     news[i] = room - done
                     cum[fin] = room
-        held = self.held
-        lookahead = self.lookahead
-        last = scheduled - 1  # the last step here that schedules the next
         grown_all = 0
-        for b in range(num_reqs):
-            cum = cums[b]
-            nt = nts[b]
-            if scheduled:  # its blocks for the step after step `last` (its events)
-                blocks = -(-(nt + cum[last] + k + lookahead) // bs)
-                if blocks > held[b]:
-                    held[b] = blocks
-                    limits[b] = blocks * bs - lookahead
-            grown = cum[ran - 1]
-            grown_all += grown
-            nts[b] = nt + grown
-            outs[b] += grown
+        if ends:  # (the blocks held matter only to steps scheduled after these)
+            for b in range(num_reqs):
+                grown = cums[b][ran - 1]
+                nts[b] += grown
+                outs[b] += grown
+        else:
+            held = self.held
+            lookahead = self.lookahead
+            last = scheduled - 1  # the last step here that schedules the next
+            for b in range(num_reqs):
+                cum = cums[b]
+                nt = nts[b]
+                if scheduled:  # its blocks for the step after step `last` (its events)
+                    blocks = -(-(nt + cum[last] + k + lookahead) // bs)
+                    if blocks > held[b]:
+                        held[b] = blocks
+                        limits[b] = blocks * bs - lookahead
+                grown = cum[ran - 1]
+                grown_all += grown
+                nts[b] = nt + grown
+                outs[b] += grown
         self.news_all += news
         del events[bisect_left(events, scheduled * num_reqs) :]
+        usages = self.usages
+        counts = self.counts
         if events:
-            bulk_usages, self.free = usages_by_step(events, num_reqs, scheduled, free, self.scale)
-            self.usages += bulk_usages
+            runs, runs_counts, self.free = usage_runs_by_step(
+                events, num_reqs, scheduled, free, self.scale
+            )
+            if usages and usages[-1] == runs[0]:  # the run before goes on
+                counts[-1] += runs_counts[0]
+                del runs[0], runs_counts[0]
+            usages += runs
+            counts += runs_counts
             reqs = self.reqs
             self.allocs += [reqs[e % num_reqs] for e in events]
-        else:
-            self.usages += [1.0 - free / self.scale] * scheduled
+        elif scheduled:
+            usage = 1.0 - free / self.scale
+            if usages and usages[-1] == usage:
+                counts[-1] += scheduled
+            else:
+                usages.append(usage)
+                counts.append(scheduled)
         self.periods += bulk_periods[:ran]
         self.starts += bulk_starts[1 : ran + 1]
         self.t = bulk_starts[ran]
@@ -546,7 +579,7 @@ class VerifyStretch:
                 rate = self.rate
                 proposed = [k if u < rate else 0 for u in ps]
         accepted_hist = self.accepted_hist
-        last_accepted = self.last_accepted
+        last_tokens = self.last_tokens
         outs = self.outs
         nts = self.nts
         maxes = self.maxes
@@ -562,8 +595,8 @@ class VerifyStretch:
                 accepted_hist[a] += 1
             else:
                 a = 0
-            last_accepted[b] = a
             new = a + 1
+            last_tokens[b] = new
             o = outs[b] + new
             nt = nts[b] + new
             if o >= maxes[b] or nt >= max_model_len:  # it finishes: tokens past the end are cut
@@ -598,14 +631,14 @@ class VerifyStretch:
             scheduler.kv.append_blocks(self.allocs)
         outs = self.outs
         nts = self.nts
-        last_accepted = self.last_accepted
+        last_tokens = self.last_tokens
         finished = self.finished
         proposed = self.proposed
         for b, req in enumerate(reqs):
             req.num_output_tokens = outs[b]
             req.is_prefill_chunk = False
             # The last step's accepted drafts: their blocks are cached at the next allocation.
-            req.num_accepted_uncommitted = last_accepted[b]
+            req.num_accepted_uncommitted = last_tokens[b] - 1
             if b in finished:
                 req.num_computed_tokens = finished[b]
                 req.num_spec_tokens = 0
@@ -629,6 +662,7 @@ class VerifyStretch:
         steps = world.steps
         starts = self.starts
         usages = self.usages
+        counts = self.counts
         num_waiting = self.num_waiting
         if first is not None:
             now = starts[0]
@@ -640,9 +674,15 @@ class VerifyStretch:
                 num_reqs, num_waiting, usages[0], 0,
             )
             if len(periods) > 1:
-                steps.extend_decode(starts[1:-1], periods[1:], usages[1:], num_reqs, num_waiting)
+                if counts[0] == 1:
+                    del usages[0], counts[0]
+                else:
+                    counts[0] -= 1
+                steps.extend_decode(
+                    starts[1:-1], periods[1:], usages, num_reqs, num_waiting, counts=counts
+                )
         else:
-            steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting)
+            steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting, counts=counts)
         world.emit_steps(reqs, starts, self.news_all)
         if not finished:
             return starts[-1], []

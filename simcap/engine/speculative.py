@@ -64,30 +64,30 @@ class UniformStream:
     def __init__(self, rng: np.random.Generator, block: int = 4096) -> None:
         self.rng = rng
         self.block = block  # uniforms drawn at once
-        self._buffer: list[float] = []
+        self.buffer: list[float] = []
         self.array = np.zeros(0)  # the buffer's values, as float64
-        self._next = 0  # the next unused uniform
+        self.next = 0  # the next unused uniform
 
     def take(self, n: int) -> tuple[list[float], int]:
         """Use up the next ``n`` uniforms: they are ``buffer[start : start + n]`` of the
         returned ``(buffer, start)`` (a list the caller only reads)."""
         buffer, start = self.reserve(n)
-        self._next = start + n
+        self.next = start + n
         return buffer, start
 
     def reserve(self, n: int) -> tuple[list[float], int]:
         """``(buffer, start)`` with at least ``n`` unused uniforms from ``buffer[start]`` on,
         none used up (:meth:`advance` does that): a caller reads as many as it needs."""
-        buffer, start = self._buffer, self._next
+        buffer, start = self.buffer, self.next
         if start + n > len(buffer):
             self.array = np.concatenate((self.array[start:], self.rng.random(max(self.block, n))))
-            buffer = self._buffer = self.array.tolist()
-            self._next = start = 0
+            buffer = self.buffer = self.array.tolist()
+            self.next = start = 0
         return buffer, start
 
     def advance(self, n: int) -> None:
         """Use up the next ``n`` uniforms (reserved before)."""
-        self._next += n
+        self.next += n
 
 
 class AcceptanceModel:
@@ -109,8 +109,8 @@ class AcceptanceModel:
         self.neg_rates = [-x for x in r]
         self.rates_ascending = self.rates[::-1].copy()
         self.mean_tokens = 1.0 + sum(r)  # mean accepted + 1 with every draft verified
-        self._tokens: list[int] = []  # reserve_tokens' table, for the buffer _tokens_of
-        self._tokens_of: list[float] | None = None
+        self.tokens: list[int] = []  # reserve_tokens' table, for the buffer tokens_of
+        self.tokens_of: list[float] | None = None
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
@@ -129,11 +129,11 @@ class AcceptanceModel:
         buffer the stream draws (numpy's comparisons of the same floats: the counts
         :meth:`sample` takes, one uniform at a time)."""
         buffer, start = self.uniforms.reserve(n)
-        if buffer is not self._tokens_of:
-            self._tokens_of = buffer
+        if buffer is not self.tokens_of:
+            self.tokens_of = buffer
             rejected = self.rates_ascending.searchsorted(self.uniforms.array, side="right")
-            self._tokens = (len(self.rate_list) + 1 - rejected).tolist()
-        return self._tokens, start
+            self.tokens = (len(self.rate_list) + 1 - rejected).tolist()
+        return self.tokens, start
 
     def sample(self, num_drafts: Sequence[int]) -> list[int]:
         """Accepted count for each request that verifies ``num_drafts[i]`` drafts (may be 0)."""
