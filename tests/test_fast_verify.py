@@ -24,8 +24,9 @@ from tests.test_fast_forward import (
 def scheduled(out, scheduler):
     """What a step schedules and the engine state it leaves (by request id): every
     SchedulerOutput field, the requests' counters, the queues, the blocks each holds and the
-    free queue's order. (Not the prefix cache's commits: the fast path makes a running
-    request's at its next allocation or release.)"""
+    free queue's order. (Not the prefix cache's commits of output blocks: the fast path
+    makes a running request's at its next allocation or release. A prompt's last block is
+    committed in the step: admitted requests' num_cached_tokens show it.)"""
     ids = lambda reqs: [r.request_id for r in reqs]  # noqa: E731
     kv = scheduler.kv
     reqs = list(scheduler.running) + list(scheduler.waiting)
