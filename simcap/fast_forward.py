@@ -165,13 +165,17 @@ def advance_decode_stretch(
         first, lefts, needs, context = admitted
         ahead = 0
         unread = first.new_reqs
+    prompt_ends = []  # requests whose first step computes their prompt's last token
     for req in unread:
-        num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        out = req.num_output_tokens
+        num_tokens = req.num_prompt_tokens + out
         computed = req.num_computed_tokens
         if computed != num_tokens - ahead or req.num_spec_tokens:
             return None
+        if not out and ahead:
+            prompt_ends.append(req)
         context += computed
-        left = req.max_tokens - req.num_output_tokens
+        left = req.max_tokens - out
         lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
         # Request b needs a new block at step j when computed + j + 1 > held * bs.
         needs.append(len(held[req.request_id]) * bs - computed + 1 - ahead)
@@ -243,13 +247,18 @@ def advance_decode_stretch(
             del events[free:], starts[m + 1 :], periods[m:]
         usages, counts, free = usage_runs_by_step(events, num_reqs, m, free, scale)
         # Blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
-        # that fill up are committed when the request releases them (KVCacheManager.free),
-        # not as they fill: their content includes the request's own output tokens, which
-        # no other prompt contains, so no allocation or prefix hit of another request can
-        # depend on them.
+        # that fill up after the prompt's last one are committed when the request next
+        # allocates or releases them (KVCacheManager.free), not as they fill: their content
+        # includes the request's own output tokens, which no other prompt holds while it
+        # runs, so no allocation or prefix hit of another request can depend on them.
         kv.append_blocks([running[e % num_reqs] for e in events])
     else:
         usages, counts = [1.0 - free / scale], [m]  # (as runs: counts[i] steps of usages[i])
+    for req in prompt_ends:
+        # Its first step fills its prompt's last block (when the prompt ends on a block
+        # boundary): committed at once, as that step's allocate_slots does, for a request
+        # that arrives after it may hit it. (A scheduled first step made that call already.)
+        kv.cache_blocks(req, req.num_prompt_tokens)
 
     if world.noise is not None:
         world.noise.advance(len(periods))  # the draws of the steps that ran, and no more

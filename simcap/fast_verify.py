@@ -89,7 +89,10 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
     tokens do not fit as stepping schedules them in full (the budget, the prefill threshold,
     or a block the pool cannot give: a preemption), the reference path's business. The
     running requests' newly full blocks are committed when they next allocate or are
-    released, as along a stretch (:meth:`VerifyStretch.apply`): no other request can hit them.
+    released, as along a stretch (:meth:`VerifyStretch.apply`): no other request can hit them,
+    their content being the requests' own output. The exception, a prompt's last block that
+    this step fills (its chunk stopped one token short), is committed here, before admission,
+    as ``allocate_slots`` would: an admitted request sharing the prompt hits it.
     """
     scheduler = world.scheduler
     if not scheduler.waiting:
@@ -103,12 +106,16 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
     threshold = scheduler.prefill_threshold()
     ds = []  # drafts to verify, per request (capped by max_model_len)
     allocs: list[Request] = []  # new blocks, by holder, in batch order
+    prompt_ends = []  # requests that compute their prompt's last token in this step
     total = context = 0
     for req in running:
         computed = req.num_computed_tokens
-        nt = req.num_prompt_tokens + req.num_output_tokens
+        out = req.num_output_tokens
+        nt = req.num_prompt_tokens + out
         if computed != nt - 1:
             return None
+        if not out:
+            prompt_ends.append(req)
         d = req.num_spec_tokens
         if d > max_model_len - nt - 1:
             d = max_model_len - nt - 1
@@ -128,6 +135,8 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
         return None
     if allocs:
         kv.append_blocks(allocs)
+    for req in prompt_ends:  # its prompt's last block, full: an admitted request may hit it
+        kv.cache_blocks(req, req.num_prompt_tokens)
     for req, d in zip(running, ds):
         if d < req.num_spec_tokens:
             req.num_spec_tokens = d  # drafts past max_model_len are dropped
@@ -155,7 +164,7 @@ class VerifyStretch:
         "neg_rates", "accepted_hist", "num_drafts", "num_draft_tokens", "threshold", "budget",
         "lookahead", "bs", "held", "limits", "free", "scale", "allocs", "model", "noise",
         "starts", "periods", "usages", "counts", "news_all", "t", "finished", "last_tokens",
-        "bulk", "full", "ds", "verify", "context", "prefill", "out", "verify_out",
+        "bulk", "full", "ds", "verify", "context", "prefill", "out", "verify_out", "prompt_ends",
     )
 
     @classmethod
@@ -195,7 +204,9 @@ class VerifyStretch:
         self.num_reqs = num_reqs
         self.num_waiting = num_waiting
         self.nts = nts
-        self.outs = [req.num_output_tokens for req in reqs]
+        outs = self.outs = [req.num_output_tokens for req in reqs]
+        # Whether a request's first step here computes its prompt's last token (see apply).
+        self.prompt_ends = first is None and 0 in outs
         self.maxes = [req.max_tokens for req in reqs]
         max_model_len = self.max_model_len = scheduler.max_model_len
 
@@ -627,8 +638,18 @@ class VerifyStretch:
         scheduler = world.scheduler
         reqs = self.reqs
         num_reqs = self.num_reqs
+        kv = scheduler.kv
         if self.allocs:
-            scheduler.kv.append_blocks(self.allocs)
+            kv.append_blocks(self.allocs)
+        if self.prompt_ends:
+            # A request whose first step computed its prompt's last token: that step's
+            # allocate_slots commits the prompt's last block if it filled (a scheduled first
+            # step made that call already). Blocks filled later hold its own output tokens:
+            # committed when it next allocates or is released, as no other request can hit
+            # them while it runs.
+            for req in reqs:
+                if not req.num_output_tokens:
+                    kv.cache_blocks(req, req.num_prompt_tokens)
         outs = self.outs
         nts = self.nts
         last_tokens = self.last_tokens

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from simcap.metrics import summarize
 from simcap.report import to_json
 from simcap.simulator import _World, simulate
+from simcap.workload import RequestSpec
 from tests.conftest import make_scenario
 
 
@@ -167,25 +168,25 @@ def test_fast_path_equals_reference_path_with_speculation_and_noise(scenario):
     check_fast_equals_reference(scenario)
 
 
-def final_pool(scenario, fast):
+def final_pool(scenario, fast, trace=None):
     """The KV pool a run leaves: the free queue's order (what later allocations take, and
     which cached blocks they evict) and the cached content of each block."""
     world = _World(scenario, fast)
-    world.run()
+    world.run(trace)
     kv = world.scheduler.kv
     return kv.free_block_ids(), kv.prefix_cache.block_hash
 
 
-def check_fast_equals_reference(scenario):
-    reference = simulate(scenario, fast=False, records=True, steps=True)
-    fast = simulate(scenario, fast=True, records=True, steps=True)
-    assert final_pool(scenario, True) == final_pool(scenario, False)
+def check_fast_equals_reference(scenario, trace=None):
+    reference = simulate(scenario, trace, fast=False, records=True, steps=True)
+    fast = simulate(scenario, trace, fast=True, records=True, steps=True)
+    assert final_pool(scenario, True, trace) == final_pool(scenario, False, trace)
     assert fast.records == reference.records
     assert fast.steps == reference.steps
     assert to_json(fast.to_dict()) == to_json(reference.to_dict())
     # Summarised as requests finish (no records kept), the run gives the same figures, and
     # they equal the summary of the full records: the streaming ITL path loses nothing.
-    streaming = simulate(scenario)
+    streaming = simulate(scenario, trace)
     assert to_json(streaming.to_dict()) == to_json(fast.to_dict())
     assert streaming.records is None and streaming.steps == fast.steps
     from_records = summarize(
@@ -193,6 +194,89 @@ def check_fast_equals_reference(scenario):
         kv_usage=reference.steps.kv_usage_summary(), spec_decode=reference.summary.spec_decode,
     )
     assert to_json(from_records.to_dict()) == to_json(fast.summary.to_dict())
+    return reference
+
+
+# ---------------------------------------------------------------- a prompt's last block
+
+
+def prompt_end_case(spec, arrival):
+    """Request 0's 64-token public prompt (block 16) is chunked at 63 tokens (the budget),
+    so the step after computes its last token and fills its 4th block; request 1 opens with
+    the same 64 tokens, has 32 more of its own, and arrives at ``arrival``: during the first
+    chunk (admitted in that step) or after it (while request 0 decodes)."""
+    scenario = make_scenario(
+        engine=dict(max_num_seqs=8, max_num_batched_tokens=63, block_size=16, num_gpu_blocks=64,
+                    max_model_len=256),
+        step_time=dict(base=0.001, per_prefill_token=1e-5, per_decode_token=1e-4),
+        speculative=spec,
+        workload=dict(num_requests=2, input_len=64, output_len=20),
+    )
+    trace = [(0.0, RequestSpec(0, 64, 20, ((7, 64),))),
+             (arrival, RequestSpec(1, 96, 20, ((7, 64), (-2, 32))))]
+    return scenario, trace
+
+
+@pytest.mark.parametrize("arrival", [0.001, 0.003, 0.01])
+def test_prompt_last_block_is_cached_when_its_token_is_computed(arrival):
+    """The step that computes a prompt's last token caches the block it fills at once, as
+    allocate_slots does: request 1 then hits all 4 blocks of the shared prompt (its hit is
+    capped at 95 tokens and at the 64 public ones: 4 full blocks), on both paths."""
+    reference = check_fast_equals_reference(*prompt_end_case(None, arrival))
+    assert [r.num_cached_tokens for r in reference.records] == [0, 64]
+
+
+@st.composite
+def shared_prompt_traces(draw, speculative=False):
+    """A scenario and an open-loop trace of prompts that open with the same public content
+    (whole blocks of it, some with more of their own after), under budgets that often stop a
+    chunk one token short of a prompt's end: the step that computes that token fills the
+    prompt's last block, which a later, longer prompt may hit. Arrivals come during steps,
+    between them and at once; pools are tight enough to evict."""
+    bs = draw(st.sampled_from([4, 16, 16]))
+    num_requests = draw(st.integers(2, 6))
+    blocks = draw(st.integers(1, 4))
+    publics = []  # blocks of public content, per request: mostly growing
+    for _ in range(num_requests):
+        publics.append(blocks)
+        blocks += draw(st.sampled_from([1, 1, 0, 2]))
+    if not draw(st.integers(0, 3)):
+        publics = draw(st.permutations(publics))
+    trace = []
+    t = 0.0
+    for i, blocks in enumerate(publics):
+        segments = ((draw(st.sampled_from([7, 7, 7, 8])), bs * blocks),)
+        tail = draw(st.sampled_from([0, 0, 0, 1, bs])) if i else 0  # the first: all public
+        if tail:
+            segments += ((-1 - i, tail),)
+        t += draw(st.sampled_from([0.0, 0.001, 0.003, 0.005, 0.008, 0.012, 0.05]))
+        trace.append((t, RequestSpec(i, bs * blocks + tail, draw(st.integers(1, 40)), segments)))
+    lengths = [spec.num_prompt_tokens for _, spec in trace]
+    # Mostly a chunk that stops one token short of a prompt's end (the first prompt's: it
+    # arrives alone), else budgets of a block and more.
+    budget = draw(st.sampled_from([lengths[0] - 1] * 2 + [n - 1 for n in lengths[1:]]
+                                  + [bs + 1, 2 * bs, 64]))
+    budget = budget if budget > 0 else bs
+    spec = draw(speculative_configs()) if speculative else None
+    need = max(lengths) + 40 + 5  # + drafts' lookahead
+    scenario = make_scenario(
+        engine=dict(max_num_seqs=draw(st.integers(2, 8)), max_num_batched_tokens=budget,
+                    block_size=bs, max_model_len=need,
+                    num_gpu_blocks=-(-need // bs) + 1 + draw(st.sampled_from([0, 8, 40])),
+                    vllm_version=draw(st.sampled_from(["0.11", "0.32"]))),
+        step_time=dict(base=0.001, per_prefill_token=1e-5, per_decode_token=1e-4,
+                       per_context_token=draw(st.sampled_from([0.0, 1e-7]))),
+        speculative=spec,
+        workload=dict(num_requests=num_requests, input_len=max(lengths), output_len=40),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return scenario, trace
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared_prompt_traces())
+def test_fast_path_equals_reference_path_on_shared_prompts(case):
+    check_fast_equals_reference(*case)
 
 
 @pytest.mark.parametrize("roofline", [False, True])

@@ -16,15 +16,17 @@ import simcap.simulator as sim
 from simcap.engine.speculative import AcceptanceModel
 from tests.conftest import make_scenario
 from tests.test_fast_forward import (
-    ROOFLINE_HW, ROOFLINE_MODEL, check_fast_equals_reference, scenarios,
+    ROOFLINE_HW, ROOFLINE_MODEL, check_fast_equals_reference, prompt_end_case, scenarios,
+    shared_prompt_traces,
 )
 
 
 def scheduled(out, scheduler):
     """What a step schedules and the engine state it leaves (by request id): every
     SchedulerOutput field, the requests' counters, the queues, the blocks each holds and the
-    free queue's order. (Not the prefix cache's commits: the fast path makes a running
-    request's at its next allocation or release.)"""
+    free queue's order. (Not the prefix cache's commits of output blocks: the fast path
+    makes a running request's at its next allocation or release. A prompt's last block is
+    committed in the step: admitted requests' num_cached_tokens show it.)"""
     ids = lambda reqs: [r.request_id for r in reqs]  # noqa: E731
     kv = scheduler.kv
     reqs = list(scheduler.running) + list(scheduler.waiting)
@@ -42,10 +44,10 @@ def scheduled(out, scheduler):
     )
 
 
-def check_admissions(scenario) -> tuple[int, int]:
-    """Run ``scenario``, holding each admission step the shortcut schedules to
-    Scheduler.schedule on a copy of the engine. Returns the shortcut's steps, and the drafts
-    it capped at max_model_len."""
+def check_admissions(scenario, trace=None) -> tuple[int, int]:
+    """Run ``scenario`` (on ``trace``, if given), holding each admission step the shortcut
+    schedules to Scheduler.schedule on a copy of the engine. Returns the shortcut's steps,
+    and the drafts it capped at max_model_len."""
     original = sim.schedule_verify_admission
     taken = capped = 0
 
@@ -62,7 +64,7 @@ def check_admissions(scenario) -> tuple[int, int]:
 
     sim.schedule_verify_admission = checked
     try:
-        sim.simulate(scenario)
+        sim.simulate(scenario, trace)
     finally:
         sim.schedule_verify_admission = original
     return taken, capped
@@ -116,6 +118,33 @@ def test_verify_admission_is_taken():
         sim.schedule_verify_admission = original
     # Steps that admit (some admit several arrivals at once), nearly all of them shortcut.
     assert len(results) > 150 and sum(results) > 0.9 * len(results)
+
+
+EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 2, "acceptance_length": 2.0}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "acceptance_length": 2.0}
+
+
+@pytest.mark.parametrize("arrival", [0.001, 0.003, 0.01])
+@pytest.mark.parametrize("spec, hit", [(EAGLE3, 48), (NGRAM, 64)])
+def test_prompt_last_block_is_cached_when_its_token_is_computed(spec, arrival, hit):
+    """The step that computes a prompt's last token caches the block it fills at once, as
+    allocate_slots does, whether it admits request 1 (arrival 0.001: the admission
+    shortcut) or runs in a verify stretch before request 1 arrives: request 1's hit is all 4
+    blocks of the shared prompt (capped at 95 tokens and at the 64 public ones), less the
+    last hit block that EAGLE drops (48), on both paths."""
+    scenario, trace = prompt_end_case(spec, arrival)
+    reference = check_fast_equals_reference(scenario, trace)
+    assert [r.num_cached_tokens for r in reference.records] == [0, hit]
+    check_admissions(scenario, trace)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared_prompt_traces(speculative=True))
+def test_verify_paths_equal_reference_path_on_shared_prompts(case):
+    """Prompts chunked one token short of their end, whose last block later, longer prompts
+    share: verify stretches and admission steps cache it when stepping does."""
+    check_fast_equals_reference(*case)
+    check_admissions(*case)
 
 
 @settings(max_examples=50, deadline=None)

@@ -1,11 +1,12 @@
 """The KV pool and block hashing against the reference model in ``tests/kv_oracle.py``.
 
 Random operation sequences (admissions with prefix hits, EAGLE's dropped last hit, chunked
-prefill, decode with drafts and lookahead, the fast path's append_block/commit_full_blocks,
-finishing, preemption and readmission) drive the pool and the reference model side by side
-on tiny pools, where eviction and allocation failure are common. After every operation both
-must agree on return values, every request's blocks, the free queue's order, ref counts,
-usage and the prefix-cache counters. Hash values may differ; which blocks hash alike may not.
+prefill, decode with drafts and lookahead, the fast path's append_block, cache_blocks and
+commit_full_blocks, finishing, preemption and readmission) drive the pool and the reference
+model side by side on tiny pools, where eviction and allocation failure are common. After
+every operation both must agree on return values, every request's blocks, the free queue's
+order, ref counts, usage and the prefix-cache counters. Hash values may differ; which blocks
+hash alike may not.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def test_pool_matches_reference_model(data):
                     if req.num_computed_tokens >= req.num_tokens:
                         req.num_output_tokens += 1
         elif op == "stretch" and i in running and req.num_computed_tokens == req.num_tokens - 1:
-            # The fast path: new blocks as decode tokens need them, then one commit.
+            # The fast path: new blocks as decode tokens need them, then one commit; the
+            # prompt's last token (a chunk stopped one short) commits its block at once.
             for _ in range(draw(st.integers(1, 3 * bs), label="decode tokens")):
                 if req.num_tokens + 1 > max_model_len - 1:
                     break
@@ -136,6 +138,9 @@ def test_pool_matches_reference_model(data):
                         break
                     pool.append_block(req)
                     oracle.append_block(req)
+                if not req.num_output_tokens:
+                    pool.cache_blocks(req, req.num_computed_tokens + 1)
+                    assert oracle.allocate_slots(req, 1)  # (the held blocks have room)
                 req.num_computed_tokens += 1
                 req.num_output_tokens += 1
             pool.commit_full_blocks(req)

@@ -416,6 +416,13 @@ class KVCacheManager:
         for block, request in zip(new, requests):
             req_to_blocks[request.request_id].append(block)
 
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Commit the request's full blocks of its first ``num_tokens`` tokens to the prefix
+        cache: what :meth:`allocate_slots` does for a step that computes up to there, for a
+        fast path that takes the step's blocks otherwise (vLLM's ``cache_blocks``)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_tokens)
+
     def commit_full_blocks(self, request: Request) -> None:
         """Commit every full block of the request's computed tokens to the prefix cache
         (those of drafts accepted in its last step wait for its next allocation)."""
