@@ -25,9 +25,8 @@ and noisy: compare medians of runs measured side by side, never a lone figure. s
 bytecode (``__pycache__``) is compiled first, as a user's install has it (pip compiles an
 installed package; an editable one writes it on first import unless PYTHONDONTWRITEBYTECODE
 is set): without it every process compiles simcap again, some 0.1-0.15 s.
-``--num-requests 1000000`` is the million-request run: on the reference workload, 246 MiB peak
-RSS (whole process, 44.3M engine steps; shared 2-core x86-64 machine, Python 3.11.7, numpy 2.4;
-``simcap simulate`` of the same scenario from the command line peaks at 246 MiB too).
+``--num-requests 1000000`` is the million-request run: on the reference workload, 267 MiB peak
+RSS (whole process, 44.3M engine steps; shared 2-core x86-64 machine, Python 3.11.7, numpy 2.4).
 """
 
 from __future__ import annotations
