@@ -97,9 +97,10 @@ def _without_pydantic_plugins() -> Iterator[None]:
             os.environ["PYDANTIC_DISABLE_PLUGINS"] = previous
 
 
-def _load_scenario(path: Path, overrides: Optional[List[str]], **kwargs: Any) -> Any:
+def load_command_scenario(path: Path, overrides: Optional[List[str]], **kwargs: Any) -> Any:
     """:func:`simcap.scenario.load_scenario` with the scenario models built without pydantic
-    plugins (:func:`_without_pydantic_plugins`)."""
+    plugins (:func:`_without_pydantic_plugins`): how every command, ``simcap live ...``
+    included, loads its scenario."""
     with _without_pydantic_plugins():  # the import too: it builds the models' default instances
         from simcap.scenario import load_scenario
 
@@ -174,8 +175,8 @@ def simulate_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot", directory=True)
-        loaded = _load_scenario(scenario, set_)
-        from simcap.simulator import simulate  # after the scenario's models (_load_scenario)
+        loaded = load_command_scenario(scenario, set_)
+        from simcap.simulator import simulate  # after the scenario's models (load_command_scenario)
 
         if compare_router is not None:
             from simcap.fleet_sizing import parse_routers, with_fleet
@@ -220,7 +221,7 @@ def kv_cmd(
 ) -> None:
     """Size the KV pool from card memory, model shape and flags, as vLLM does at start-up."""
     try:
-        loaded = _load_scenario(scenario, set_, check=False)
+        loaded = load_command_scenario(scenario, set_, check=False)
     except SimcapError as exc:
         _fail(str(exc))
     plan = loaded.engine.kv_plan
@@ -259,7 +260,7 @@ def crossover_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        loaded = _load_scenario(scenario, set_)
+        loaded = load_command_scenario(scenario, set_)
         result = xo.find_crossover(
             loaded,
             concurrencies=None if concurrency is None else xo.parse_load_list(concurrency, "--concurrency", integer=True),
@@ -314,7 +315,7 @@ def capacity_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        loaded = _load_scenario(scenario, set_)
+        loaded = load_command_scenario(scenario, set_)
         if router is not None and replicas is None:
             _fail("--router: give --replicas N with it (or a deployment in the scenario)")
         if replicas is not None:
@@ -373,7 +374,7 @@ def fleet_cmd(
                 _fail(f"{name}: not with --disaggregated (the scenario's router serves both pools)")
         with user_errors():
             pools = fs.size_pools(
-                _load_scenario(scenario, set_), target_rate, fs.parse_slo(slo) if slo else None,
+                load_command_scenario(scenario, set_), target_rate, fs.parse_slo(slo) if slo else None,
                 duration_s=duration, replicates=replicates, max_replicas=max_replicas,
                 workers=workers, backend=backend,
             )
@@ -387,7 +388,7 @@ def fleet_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        loaded = _load_scenario(scenario, set_)
+        loaded = load_command_scenario(scenario, set_)
         routers = fs.parse_routers(router, loaded)
         result = fs.size_fleet(
             loaded, target_rate, fs.parse_slo(slo) if slo else None, routers,

@@ -91,13 +91,13 @@ def run_cmd(
 ) -> None:
     """Send the scenario's workload to a live server and summarise what it measured."""
     from simcap.live.client import ENDPOINTS, run_live
-    from simcap.scenario import load_scenario
+    from simcap.cli import load_command_scenario
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
     key = _api_key(api_key, api_key_env)
     try:
-        sc = load_scenario(scenario, set_ or [])
+        sc = load_command_scenario(scenario, set_)
         run = run_live(sc, _urls(base_url), model, endpoint=endpoint, out_path=out, progress=progress and not json_out,
                        api_key=key, request_timeout_s=request_timeout)  # type: ignore[arg-type]
     except SimcapError as exc:
@@ -226,7 +226,7 @@ def validate_cmd(
         validation_table,
     )
     from simcap.plots import check_figure_path
-    from simcap.scenario import load_scenario
+    from simcap.cli import load_command_scenario
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
@@ -250,7 +250,7 @@ def validate_cmd(
 
     key = _api_key(api_key, api_key_env)
     try:
-        sc = load_scenario(scenario, set_ or [])
+        sc = load_command_scenario(scenario, set_)
         starter = None
         if launch is not None:
             config, base_dir = load_server_config(launch)
@@ -448,7 +448,7 @@ def capacity_cmd(
     from simcap.capacity import parse_rates, parse_slo
     from simcap.live.capacity import live_capacity, render_live_capacity
     from simcap.live.client import ENDPOINTS
-    from simcap.scenario import load_scenario
+    from simcap.cli import load_command_scenario
 
     if endpoint not in ENDPOINTS:
         _fail(f"--endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
@@ -462,8 +462,8 @@ def capacity_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        sc = load_scenario(scenario, set_ or [])
-        predicted = load_scenario(scenario, set_ or [], profile=predict) if predict is not None else None
+        sc = load_command_scenario(scenario, set_)
+        predicted = load_command_scenario(scenario, set_, profile=predict) if predict is not None else None
         result = live_capacity(
             sc, base_url, out_dir, slo=parse_slo(slo) if slo else None,
             rates=parse_rates(rates) if rates is not None else None, duration_s=duration,
@@ -533,13 +533,13 @@ def crossover_cmd(
     from simcap.live.crossover import comparison_lines, live_crossover
     from simcap.live.launch import load_server_config, startup_failure_line
     from simcap.live.server import VllmServerError
-    from simcap.scenario import load_scenario
+    from simcap.cli import load_command_scenario
 
     say = None if json_out else (lambda msg: typer.echo(f"live crossover: {msg}", err=True))
     try:
         loads = parse_load_list(concurrency, "--concurrency", integer=True)
         config, base_dir = load_server_config(launch)
-        sc = load_scenario(scenario, set_ or [])
+        sc = load_command_scenario(scenario, set_)
         result = live_crossover(
             sc, config, loads, base_dir=base_dir, calibrate_up_to=calibrate_up_to,
             calibration_requests=calibration_requests, requests_per_client=requests_per_client,
