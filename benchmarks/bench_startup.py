@@ -18,8 +18,8 @@ the top-level imports' cumulative times, including those made lazily while the c
 Then the reference case stage by stage (``--stages``: only that), each arm's median of fresh
 processes: the interpreter's start, importing ``simcap.cli``, parsing the command line,
 loading the scenario, importing the simulator, simulating, rendering the tables, and the
-interpreter's exit (a tree that predates ``simcap.cli._load_scenario`` counts parsing to
-simulating as one stage).
+interpreter's exit (a tree that predates ``simcap.cli._load_scenario``, the earlier name of
+``load_command_scenario``, counts parsing to simulating as one stage).
 
 Measured with ``--before`` the commit preceding the lazy imports (9 rounds; shared 2-core x86-64
 machine, Python 3.11.7, numpy 2.4, scipy 1.17, typer 0.29, rich help formatting; load average
@@ -85,7 +85,8 @@ CASES = ("import", "help", "chat", "reference")
 
 # One ``simcap simulate FILE`` run (tables to a pipe) timed stage by stage in its own process:
 # the command's own functions are wrapped to note when each stage ends (a tree without
-# ``simcap.cli._load_scenario`` counts parsing, loading and simulating as one stage). It prints
+# ``simcap.cli.load_command_scenario`` (or its earlier name ``_load_scenario``) counts parsing,
+# loading and simulating as one stage). It prints
 # the stages' seconds and the wall-clock times its work began and ended, from which the parent
 # reads the interpreter's start (before the first line) and shutdown (after the last).
 _STAGES_CHILD = r"""
@@ -96,7 +97,9 @@ ends = {}
 import simcap.cli as cli
 from simcap import report
 ends["import simcap.cli (typer)"] = time.perf_counter()
-load, console, render = getattr(cli, "_load_scenario", None), report.wide_console, report.render_summary
+load = getattr(cli, "load_command_scenario", None) or getattr(cli, "_load_scenario", None)
+load_name = "load_command_scenario" if hasattr(cli, "load_command_scenario") else "_load_scenario"
+console, render = report.wide_console, report.render_summary
 
 def timed_load(*args, **kwargs):
     ends["parse the command line (pydantic)"] = time.perf_counter()
@@ -115,7 +118,7 @@ def timed_render(*args, **kwargs):
     ends["render the tables (rich)"] = time.perf_counter()
 
 if load is not None:
-    cli._load_scenario = timed_load
+    setattr(cli, load_name, timed_load)
 report.wide_console, report.render_summary = timed_console, timed_render
 try:
     cli.app(["simulate", sys.argv[1]], prog_name="simcap")
