@@ -92,6 +92,18 @@ def test_simulate_command_loads_no_scipy_plots_or_live_stack():
                                        "--set", "workload.num_requests=20")
 
 
+def test_tables_print_emoji_codes_as_written():
+    """A scenario name with an emoji code prints as given, and rich's emoji table stays
+    unloaded."""
+    done = subprocess.run([sys.executable, "-c", _RUN_CLI, json.dumps(
+        ["simulate", "examples/chat.yaml", "--set", "workload.num_requests=20", "--set", "name=a:fire:b"])],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    last = json.loads(done.stderr.strip().splitlines()[-1])
+    assert last["code"] in (0, None), done.stderr
+    assert "scenario a:fire:b sha256" in " ".join(done.stdout.split())
+    assert "rich._emoji_codes" not in last["modules"]
+
+
 def profiled_scenario(tmp_path: Path, arrival: str) -> str:
     """A small scenario on a shipped profile with bootstrap coefficient sets."""
     profile = ROOT / "calibration" / "profiles" / "ascend910b4-minimax-m2.7.yaml"
