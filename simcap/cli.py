@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import typer
 from typer.core import TyperGroup
 
-from simcap import report
+from simcap import report, startup
 from simcap._version import __version__
 from simcap.errors import SimcapError, SimulationError
 
@@ -23,7 +23,7 @@ class _OneLineUsageErrors(TyperGroup):
 
     def main(self, *args, **kwargs):
         _exit_without_collecting()
-        with _few_collections_while_starting():
+        with startup.command():  # few collections while it starts (simcap.startup)
             return super().main(*args, **kwargs)
 
     def make_context(self, *args, **kwargs):
@@ -44,48 +44,6 @@ def _exit_without_collecting() -> None:
     there at exit goes unfreed, which the interpreter does not promise to finalize either."""
     atexit.unregister(gc.freeze)  # once, however often the command runs in one process
     atexit.register(gc.freeze)
-
-
-# While a command starts, the cyclic garbage collector runs once per this many new objects
-# (instead of every 700): rarely, yet a command that never says its start-up is over still
-# collects.
-STARTUP_COLLECT_EVERY = 1 << 17
-# The collector's thresholds while a command starts (None: not starting), and whether the
-# command froze what its start-up loaded.
-_starting: dict[str, Any] = {"thresholds": None, "froze": False}
-
-
-@contextmanager
-def _few_collections_while_starting() -> Iterator[None]:
-    """Hardly any garbage collection while the command starts: importing typer, pydantic,
-    numpy and rich, and building the scenario's models, makes tens of thousands of objects
-    that live until exit and little garbage, and some 30 collections (15-25 ms of a
-    ``simcap simulate``) would go over them. Once the command's work begins
-    (:func:`_start_collecting`) they move to the permanent generation (``gc.freeze``) and
-    collections resume as usual, over what the work makes. When the command ends the
-    collector is as it found it (thresholds, and what it froze unfrozen)."""
-    saved = gc.get_threshold()
-    _starting.update(thresholds=saved, froze=False)
-    gc.set_threshold(max(STARTUP_COLLECT_EVERY, saved[0]), *saved[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*saved)
-        if _starting["froze"]:
-            gc.unfreeze()
-        _starting.update(thresholds=None, froze=False)
-
-
-def _start_collecting() -> None:
-    """The command's start-up is over: collections resume as usual, not over what it loaded
-    (frozen, unless the process froze objects of its own already)."""
-    thresholds = _starting["thresholds"]
-    if thresholds is not None:
-        if not gc.get_freeze_count():
-            gc.freeze()
-            _starting["froze"] = True
-        gc.set_threshold(*thresholds)
-        _starting["thresholds"] = None
 
 
 # Click's usage errors, from the click typer runs on (some typer releases carry their own).
@@ -145,7 +103,7 @@ def load_command_scenario(path: Path, overrides: Optional[List[str]], *, collect
     """:func:`simcap.scenario.load_scenario` with the scenario models built without pydantic
     plugins (:func:`_without_pydantic_plugins`): how every command, ``simcap live ...``
     included, loads its scenario. Then the command's start-up is over and the garbage
-    collector resumes (:func:`_start_collecting`); ``collect=False``: the caller resumes it,
+    collector resumes (:func:`simcap.startup.end`); ``collect=False``: the caller resumes it,
     when what it imports next is imported."""
     try:
         with _without_pydantic_plugins():  # the import too: it builds the models' default instances
@@ -154,7 +112,7 @@ def load_command_scenario(path: Path, overrides: Optional[List[str]], *, collect
             return load_scenario(path, overrides or [], **kwargs)
     finally:
         if collect:
-            _start_collecting()
+            startup.end()
 
 
 @contextmanager
@@ -228,7 +186,7 @@ def simulate_cmd(
         loaded = load_command_scenario(scenario, set_, collect=False)
         from simcap.simulator import simulate  # after the scenario's models (load_command_scenario)
 
-        _start_collecting()
+        startup.end()
 
         if compare_router is not None:
             from simcap.fleet_sizing import parse_routers, with_fleet

@@ -226,7 +226,7 @@ def test_command_collects_rarely_while_starting_then_as_usual():
     """Start-up (imports, the scenario's models) runs with rare collections; the simulation
     with the collector's own thresholds, what start-up loaded frozen; after the command, good
     or bad input, the collector is as it was."""
-    from simcap.cli import STARTUP_COLLECT_EVERY
+    from simcap.startup import COLLECT_EVERY
 
     argvs = [["simulate", "examples/chat.yaml", "--set", "workload.num_requests=20", "--json"],
              ["simulate", "examples/chat.yaml", "--set", "workload.num_requests=-1"]]
@@ -234,7 +234,7 @@ def test_command_collects_rarely_while_starting_then_as_usual():
                           capture_output=True, text=True, timeout=300)
     seen = json.loads(done.stderr.strip().splitlines()[-1])
     assert seen["codes"] == [0, 2]
-    assert seen["load"]["threshold"] >= STARTUP_COLLECT_EVERY
-    assert seen["run"]["threshold"] == seen["before"][0] < STARTUP_COLLECT_EVERY
+    assert seen["load"]["threshold"] >= COLLECT_EVERY
+    assert seen["run"]["threshold"] == seen["before"][0] < COLLECT_EVERY
     assert seen["run"]["frozen"] > 10_000  # typer, pydantic, numpy, the scenario's models
     assert seen["after"] == seen["before"] and seen["frozen_after"] == 0
