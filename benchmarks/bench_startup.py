@@ -18,8 +18,8 @@ the top-level imports' cumulative times, including those made lazily while the c
 Then the reference case stage by stage (``--stages``: only that), each arm's median of fresh
 processes: the interpreter's start, importing ``simcap.cli``, parsing the command line,
 loading the scenario, importing the simulator, simulating, rendering the tables, and the
-interpreter's exit (a tree that predates ``simcap.cli._load_scenario`` counts parsing to
-simulating as one stage).
+interpreter's exit (a tree that predates ``simcap.cli._load_scenario``, the earlier name of
+``load_command_scenario``, counts parsing to simulating as one stage).
 
 Measured with ``--before`` the commit preceding the lazy imports (9 rounds; shared 2-core x86-64
 machine, Python 3.11.7, numpy 2.4, scipy 1.17, typer 0.29, rich help formatting; load average
@@ -60,6 +60,17 @@ every parameter's string annotation, twice per run), ``python -c "import simcap.
 Whole ``simcap simulate`` of the reference workload, 11 interleaved rounds against the
 compiled peer's whole process (``bench_simulate.py --peer``): 2.19 s wall, 1.20 CPU s (before
 2.48, 1.36; peer 2.26, 1.12).
+
+Then, against ``--before b5291c6`` (load average about 2 from other jobs: instruction counts
+are the stable figure). The command collects garbage rarely while it starts and freezes what
+start-up loaded once the scenario is loaded (``simcap.startup``): a ``simcap simulate`` of
+the reference workload runs 11 collections taking 1.7 ms, before 103 taking 29.9 ms. The
+step log and the stretch gaps take each stretch's floats into arrays as it comes
+(``array.fromlist``) instead of converting lists of them later. By cachegrind, two runs
+each: the whole ``simcap simulate`` process of the reference workload 4,861M and 4,859M
+instructions with tables (before 4,957M and 4,968M), 4,744M and 4,757M with ``--json``
+(4,825M, 4,819M); ``simulate()`` in a script, 4,682M (4,758M). Wall medians of 21
+interleaved whole processes (tables to a pipe): 1.183 s (before 1.269 s).
 """
 
 from __future__ import annotations
@@ -85,7 +96,8 @@ CASES = ("import", "help", "chat", "reference")
 
 # One ``simcap simulate FILE`` run (tables to a pipe) timed stage by stage in its own process:
 # the command's own functions are wrapped to note when each stage ends (a tree without
-# ``simcap.cli._load_scenario`` counts parsing, loading and simulating as one stage). It prints
+# ``simcap.cli.load_command_scenario`` (or its earlier name ``_load_scenario``) counts parsing,
+# loading and simulating as one stage). It prints
 # the stages' seconds and the wall-clock times its work began and ended, from which the parent
 # reads the interpreter's start (before the first line) and shutdown (after the last).
 _STAGES_CHILD = r"""
@@ -96,7 +108,9 @@ ends = {}
 import simcap.cli as cli
 from simcap import report
 ends["import simcap.cli (typer)"] = time.perf_counter()
-load, console, render = getattr(cli, "_load_scenario", None), report.wide_console, report.render_summary
+load = getattr(cli, "load_command_scenario", None) or getattr(cli, "_load_scenario", None)
+load_name = "load_command_scenario" if hasattr(cli, "load_command_scenario") else "_load_scenario"
+console, render = report.wide_console, report.render_summary
 
 def timed_load(*args, **kwargs):
     ends["parse the command line (pydantic)"] = time.perf_counter()
@@ -115,7 +129,7 @@ def timed_render(*args, **kwargs):
     ends["render the tables (rich)"] = time.perf_counter()
 
 if load is not None:
-    cli._load_scenario = timed_load
+    setattr(cli, load_name, timed_load)
 report.wide_console, report.render_summary = timed_console, timed_render
 try:
     cli.app(["simulate", sys.argv[1]], prog_name="simcap")

@@ -16,7 +16,8 @@ Reading guide, in the order data flows:
 5. :mod:`simcap.records` and :mod:`simcap.metrics` -- per-request records (the same type
    for simulated and live runs) and the one path from records, or requests streamed as they
    finish, to a :class:`Summary`.
-6. :mod:`simcap.report` and :mod:`simcap.cli` -- tables, JSON and the ``simcap`` command.
+6. :mod:`simcap.report` and :mod:`simcap.cli` -- tables, JSON and the ``simcap`` command
+   (:mod:`simcap.startup`: hardly any garbage collection while a command starts).
 
 Around that core:
 

@@ -1,5 +1,9 @@
 """``python -m simcap`` runs the CLI."""
 
-from simcap.cli import app
+from simcap import startup
+
+startup.begin()  # few garbage collections while the command's modules import (simcap.startup)
+
+from simcap.cli import app  # noqa: E402
 
 app(prog_name="simcap")

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import typer
 from typer.core import TyperGroup
 
-from simcap import report
+from simcap import report, startup
 from simcap._version import __version__
 from simcap.errors import SimcapError, SimulationError
 
@@ -23,7 +23,8 @@ class _OneLineUsageErrors(TyperGroup):
 
     def main(self, *args, **kwargs):
         _exit_without_collecting()
-        return super().main(*args, **kwargs)
+        with startup.command():  # few collections while it starts (simcap.startup)
+            return super().main(*args, **kwargs)
 
     def make_context(self, *args, **kwargs):
         with _usage_errors():
@@ -97,14 +98,21 @@ def _without_pydantic_plugins() -> Iterator[None]:
             os.environ["PYDANTIC_DISABLE_PLUGINS"] = previous
 
 
-def load_command_scenario(path: Path, overrides: Optional[List[str]], **kwargs: Any) -> Any:
+def load_command_scenario(path: Path, overrides: Optional[List[str]], *, collect: bool = True,
+                          **kwargs: Any) -> Any:
     """:func:`simcap.scenario.load_scenario` with the scenario models built without pydantic
     plugins (:func:`_without_pydantic_plugins`): how every command, ``simcap live ...``
-    included, loads its scenario."""
-    with _without_pydantic_plugins():  # the import too: it builds the models' default instances
-        from simcap.scenario import load_scenario
+    included, loads its scenario. Then the command's start-up is over and the garbage
+    collector resumes (:func:`simcap.startup.end`); ``collect=False``: the caller resumes it,
+    when what it imports next is imported."""
+    try:
+        with _without_pydantic_plugins():  # the import too: it builds the models' default instances
+            from simcap.scenario import load_scenario
 
-        return load_scenario(path, overrides or [], **kwargs)
+            return load_scenario(path, overrides or [], **kwargs)
+    finally:
+        if collect:
+            startup.end()
 
 
 @contextmanager
@@ -175,8 +183,10 @@ def simulate_cmd(
             from simcap.plots import check_figure_path
 
             check_figure_path(plot, "--plot", directory=True)
-        loaded = load_command_scenario(scenario, set_)
+        loaded = load_command_scenario(scenario, set_, collect=False)
         from simcap.simulator import simulate  # after the scenario's models (load_command_scenario)
+
+        startup.end()
 
         if compare_router is not None:
             from simcap.fleet_sizing import parse_routers, with_fleet

@@ -122,31 +122,33 @@ def _token_counts(values: list[int]) -> np.ndarray:
 
 class _StretchGaps:
     """Buffered stretches of steps in which each of a stretch's requests gets a chunk at every
-    step: each stretch's start then its chunk times, and how many requests it had."""
+    step: each stretch's start then its chunk times, and how many requests it had. The times
+    join a float array as each stretch comes (``array.fromlist``, while they are fresh: about
+    half the time of keeping the floats in a list and converting them when taken)."""
 
     __slots__ = ("times", "lens", "sizes")
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.times = array("d")
         self.lens: list[int] = []
         self.sizes: list[int] = []
 
     def add(self, times: list[float], num_reqs: int) -> None:
-        self.times += times
+        self.times.fromlist(times)
         self.lens.append(len(times))
         self.sizes.append(num_reqs)
 
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """The gaps between the chunks of the buffered stretches (start -> first chunk is not
         one), and how many requests saw each; the buffer is emptied."""
-        times = _floats(self.times)
+        times = np.frombuffer(self.times, dtype=np.float64)
         lens = _ints(self.lens)
         starts = np.cumsum(lens) - lens
         keep = np.ones(len(times) - 1, dtype=bool)
         keep[starts] = False  # start -> first chunk
         keep[starts[1:] - 1] = False  # last chunk -> next stretch's start
         gaps, sizes = (times[1:] - times[:-1])[keep], np.repeat(_ints(self.sizes), lens - 2)
-        self.times.clear()
+        self.times = array("d")  # (a new one: ``times`` still views the old)
         self.lens.clear()
         self.sizes.clear()
         return gaps, sizes

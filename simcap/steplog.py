@@ -27,12 +27,10 @@ FIELDS = (
     "num_preempted",
 )
 FLOAT_FIELDS = ("start", "duration", "kv_cache_usage")
+_ONE = array("q", [1])
 
 
 FOLD_ROWS = 1 << 16  # rows reduced at once: always rows [k*FOLD_ROWS, (k+1)*FOLD_ROWS)
-# Rows gathered in Python lists (extending a list by a stretch's rows copies references; an
-# ``array`` converts them float by float) before they join the compact buffers in bulk.
-SPILL_ROWS = 1 << 12
 
 
 class StepLog:
@@ -42,14 +40,16 @@ class StepLog:
         self.keep = keep
         self._columns = {name: array("d" if name in FLOAT_FIELDS else "q") for name in FIELDS}
         self._num_rows = 0
-        # Rows not yet reduced (start times and KV usage), and the reduction so far: each
-        # row's usage holds until the next row's start. The latest rows are in the lists,
-        # the earlier ones in the arrays (8 bytes a row: a fleet has one log per replica).
+        # Rows not yet reduced: their start times, and their KV usages, each row's holding
+        # until the next row's start; then the reduction so far. Rows join the arrays as they
+        # come (8 bytes a row: a fleet has one log per replica), a stretch's at once
+        # (``array.fromlist``: twice as fast as converting a list of the stretch's floats
+        # later, and the floats need not be kept). Usages come as runs: ``_run_counts[i]``
+        # rows of ``_run_usages[i]`` in turn, expanded into ``_usages`` before a fold.
         self._starts = array("d")
         self._usages = array("d")
-        self._new_starts: list[float] = []
-        self._new_usages: list[float] = []  # in runs: _new_counts[i] rows of _new_usages[i]
-        self._new_counts: list[int] = []
+        self._run_usages = array("d")
+        self._run_counts = array("q")
         self._weighted = 0.0
         self._weight = 0.0
         self._usage_sum = 0.0
@@ -75,13 +75,13 @@ class StepLog:
         kv_cache_usage: float,
         num_preempted: int,
     ) -> None:
-        self._new_starts.append(start)
-        self._new_usages.append(kv_cache_usage)
-        self._new_counts.append(1)
+        self._starts.append(start)
+        self._run_usages.append(kv_cache_usage)
+        self._run_counts.append(1)
         self._num_rows += 1
         self.last = (num_running, num_waiting, kv_cache_usage)
-        if len(self._new_starts) > SPILL_ROWS:
-            self._spill()
+        if len(self._starts) > FOLD_ROWS:
+            self._fold_full_blocks()
         if self.keep:
             c = self._columns
             c["start"].append(start)
@@ -100,21 +100,24 @@ class StepLog:
     ) -> None:
         """Rows of pure-decode steps of ``num_reqs`` requests, ``num_waiting`` waiting (none
         preempted). ``usages``: each row's KV usage or, with ``counts``, runs of rows that
-        share one: ``counts[i]`` rows of ``usages[i]`` in turn (each count >= 1)."""
+        share one: ``counts[i]`` rows of ``usages[i]`` in turn (each count >= 1). Lists."""
         n = len(starts)
         self.last = (num_reqs, num_waiting, usages[-1])
-        self._new_starts += starts
-        self._new_usages += usages
-        self._new_counts += [1] * n if counts is None else counts
+        self._starts.fromlist(starts)
+        self._run_usages.fromlist(usages)
+        if counts is None:
+            self._run_counts += _ONE * n
+        else:
+            self._run_counts.fromlist(counts)
         self._num_rows += n
-        if len(self._new_starts) > SPILL_ROWS:
-            self._spill()
+        if len(self._starts) > FOLD_ROWS:
+            self._fold_full_blocks()
         if self.keep:
             c = self._columns
-            c["start"].extend(starts)
-            c["duration"].extend(durations)
+            c["start"].fromlist(starts)
+            c["duration"].fromlist(durations)
             if counts is None:
-                c["kv_cache_usage"].extend(usages)
+                c["kv_cache_usage"].fromlist(usages)
             else:
                 for usage, count in zip(usages, counts):
                     c["kv_cache_usage"].extend(array("d", [usage]) * count)
@@ -127,26 +130,28 @@ class StepLog:
             c["num_reqs"].extend(batch)
             c["num_running"].extend(batch)
 
-    def _spill(self) -> None:
-        """Move the listed rows into the arrays; reduce the arrays' full blocks."""
-        n = len(self._new_starts)
-        self._starts.frombytes(np.fromiter(self._new_starts, np.float64, n).tobytes())
-        runs = len(self._new_usages)
-        usages = np.fromiter(self._new_usages, np.float64, runs)
-        if runs < n:
-            usages = usages.repeat(np.fromiter(self._new_counts, np.int64, runs))
-        self._usages.frombytes(usages.tobytes())
-        self._new_starts.clear()
-        self._new_usages.clear()
-        self._new_counts.clear()
+    def _expand_runs(self) -> None:
+        """Every row's usage into ``_usages`` (the runs expanded)."""
+        if not self._run_usages:
+            return
+        usages = np.frombuffer(self._run_usages, dtype=np.float64)
+        counts = np.frombuffer(self._run_counts, dtype=np.int64)
+        expanded = usages if len(usages) == len(self._starts) - len(self._usages) else usages.repeat(counts)
+        self._usages.frombytes(expanded.tobytes())
+        del usages, counts, expanded  # (no view of the arrays left: they may be emptied)
+        self._run_usages = array("d")
+        self._run_counts = array("q")
+
+    def _fold_full_blocks(self) -> None:
+        """Reduce every full block of FOLD_ROWS rows whose next row has come."""
+        self._expand_runs()
         while len(self._starts) > FOLD_ROWS:
             self._fold()
 
     def _fold(self) -> None:
         """Reduce the oldest FOLD_ROWS buffered rows (the next row's start closes the last)."""
-        starts = np.frombuffer(self._starts[: FOLD_ROWS + 1], dtype=np.float64)
-        usages = np.frombuffer(self._usages[:FOLD_ROWS], dtype=np.float64)
-        self._reduce(starts, usages)
+        self._reduce(np.frombuffer(self._starts, dtype=np.float64, count=FOLD_ROWS + 1),
+                     np.frombuffer(self._usages, dtype=np.float64, count=FOLD_ROWS))
         del self._starts[:FOLD_ROWS], self._usages[:FOLD_ROWS]
 
     def _reduce(self, starts: np.ndarray, usages: np.ndarray) -> None:
@@ -163,7 +168,7 @@ class StepLog:
         """Time-weighted mean and max of KV usage (each step's usage holds until the next step)."""
         if not self._num_rows:
             return {"mean": None, "max": None}
-        self._spill()
+        self._expand_runs()
         saved = self._weighted, self._weight, self._usage_sum, self._max
         if self._starts:
             self._reduce(np.frombuffer(self._starts, dtype=np.float64),

@@ -92,6 +92,18 @@ def test_simulate_command_loads_no_scipy_plots_or_live_stack():
                                        "--set", "workload.num_requests=20")
 
 
+def test_tables_print_emoji_codes_as_written():
+    """A scenario name with an emoji code prints as given, and rich's emoji table stays
+    unloaded."""
+    done = subprocess.run([sys.executable, "-c", _RUN_CLI, json.dumps(
+        ["simulate", "examples/chat.yaml", "--set", "workload.num_requests=20", "--set", "name=a:fire:b"])],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    last = json.loads(done.stderr.strip().splitlines()[-1])
+    assert last["code"] in (0, None), done.stderr
+    assert "scenario a:fire:b sha256" in " ".join(done.stdout.split())
+    assert "rich._emoji_codes" not in last["modules"]
+
+
 def profiled_scenario(tmp_path: Path, arrival: str) -> str:
     """A small scenario on a shipped profile with bootstrap coefficient sets."""
     profile = ROOT / "calibration" / "profiles" / "ascend910b4-minimax-m2.7.yaml"
@@ -183,3 +195,46 @@ def test_command_builds_scenario_models_without_pydantic_plugins(tmp_path):
     assert "completed 20 requests" in done.stdout
     assert done.stderr.strip().splitlines()[-1] == "False"  # restored once the scenario loaded
     assert log.read_text() == ""
+
+
+# Run the command in-process, noting the garbage collector's state while the scenario loads
+# and while the simulation runs, and after the command.
+_GC_PROBE = """
+import gc, json, sys
+import simcap.scenario, simcap.simulator
+seen = {}
+def noting(stage, function):
+    def noted(*args, **kwargs):
+        seen[stage] = {"threshold": gc.get_threshold()[0], "frozen": gc.get_freeze_count()}
+        return function(*args, **kwargs)
+    return noted
+simcap.scenario.load_scenario = noting("load", simcap.scenario.load_scenario)
+simcap.simulator._World.run = noting("run", simcap.simulator._World.run)
+before = gc.get_threshold()
+from simcap.cli import app
+for argv in json.loads(sys.argv[1]):
+    try:
+        app(argv)
+    except SystemExit as exc:
+        seen.setdefault("codes", []).append(exc.code)
+print(json.dumps({"before": before, "after": gc.get_threshold(), "frozen_after": gc.get_freeze_count(),
+                  **seen}), file=sys.stderr)
+"""
+
+
+def test_command_collects_rarely_while_starting_then_as_usual():
+    """Start-up (imports, the scenario's models) runs with rare collections; the simulation
+    with the collector's own thresholds, what start-up loaded frozen; after the command, good
+    or bad input, the collector is as it was."""
+    from simcap.startup import COLLECT_EVERY
+
+    argvs = [["simulate", "examples/chat.yaml", "--set", "workload.num_requests=20", "--json"],
+             ["simulate", "examples/chat.yaml", "--set", "workload.num_requests=-1"]]
+    done = subprocess.run([sys.executable, "-c", _GC_PROBE, json.dumps(argvs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    seen = json.loads(done.stderr.strip().splitlines()[-1])
+    assert seen["codes"] == [0, 2]
+    assert seen["load"]["threshold"] >= COLLECT_EVERY
+    assert seen["run"]["threshold"] == seen["before"][0] < COLLECT_EVERY
+    assert seen["run"]["frozen"] > 10_000  # typer, pydantic, numpy, the scenario's models
+    assert seen["after"] == seen["before"] and seen["frozen_after"] == 0
