@@ -21,7 +21,9 @@ Invariant (checked by the tests): free blocks + held blocks == num_blocks - 1.
 
 from __future__ import annotations
 
-from simcap.engine.request import Request
+from simcap.engine.request import Request, RequestStatus
+
+_FINISHED = RequestStatus.FINISHED_LENGTH_CAPPED  # (Request.is_finished: status >= this)
 
 
 class FreeBlockQueue:
@@ -490,26 +492,41 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
-        finished = request.is_finished
+        finished = request.status >= _FINISHED  # (request.is_finished, inline)
+        preempted = self._preempted
         num_cached = 0  # blocks 0 .. num_cached-1 hold committed content; the rest none
         num_tracked = 0  # blocks 0 .. num_tracked-1 are in the prefix cache (with ref counts)
         if blocks and self.enable_caching:
-            self.commit_full_blocks(request)  # what the fast path left to commit
+            # What the fast path left to commit (commit_full_blocks, inline: this runs at
+            # every release).
             num_cached = self._num_committed.get(rid, 0)
-            limit = self._num_registrable(request)
-            if not finished and rid not in self._preempted:
-                self._register(request, limit, num_cached)  # it may hit them when rescheduled
-                limit = num_cached
-            num_tracked = num_cached if num_cached < limit else limit
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens
+            computed = request.num_computed_tokens - request.num_accepted_uncommitted
+            if computed > num_tokens:
+                computed = num_tokens
+            if computed // self.block_size > num_cached:
+                self._cache_full_blocks(request, computed)
+                num_cached = computed // self.block_size
+            if rid in preempted:  # every committed block is registered (_num_registrable)
+                num_tracked = num_cached
+            elif not finished:  # it may hit them when rescheduled
+                self._register(request, request.num_public_tokens // self.block_size, num_cached)
+                num_tracked = num_cached
+            else:
+                limit = request.num_public_tokens // self.block_size  # (_num_registrable)
+                num_tracked = num_cached if num_cached < limit else limit
         if finished:
-            if self._preempted:
-                self._preempted.discard(rid)
+            if preempted:
+                preempted.discard(rid)
         else:
-            self._preempted.add(rid)
-        self.req_to_blocks.pop(rid, None)
-        self._num_committed.pop(rid, None)
+            preempted.add(rid)
         if not blocks:
+            self.req_to_blocks.pop(rid, None)
+            self._num_committed.pop(rid, None)
             return
+        del self.req_to_blocks[rid]
+        if self._num_committed:
+            self._num_committed.pop(rid, None)
         # Tail first. Blocks outside the prefix cache had this request as their only holder.
         ref_cnt = self.ref_cnt
         if not self._num_shared:  # nor do the others
