@@ -84,13 +84,13 @@ def schedule_admission(world) -> Admission | None:
             touched.append(req)
             num_new += 1
             room += bs
-        elif (computed + 1) % bs == 0:  # its token fills its last block
+        elif num_tokens % bs == 0:  # its token (the last of num_tokens) fills its last block
             touched.append(req)
         left = req.max_tokens - num_output
         cap = max_model_len - num_tokens
         lefts.append(left if left < cap else cap)
         needs.append(room)  # its blocks after this step's allocation
-    if num_new > kv.num_free_blocks:
+    if num_new > kv.free_queue.num_free:
         return None
     for req in touched:  # in batch order, as the reference path's allocate_slots calls
         kv.allocate_slots(req, 1)
