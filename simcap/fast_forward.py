@@ -72,23 +72,25 @@ def schedule_admission(world) -> Admission | None:
     num_new = 0
     lefts = []
     needs = []
-    for req in running:
+    for req in running:  # (no drafts: without a proposer num_spec_tokens stays 0)
         computed = req.num_computed_tokens
-        num_tokens = req.num_prompt_tokens + req.num_output_tokens
-        if computed != num_tokens - 1 or req.num_spec_tokens:
+        num_output = req.num_output_tokens
+        num_tokens = req.num_prompt_tokens + num_output
+        if computed + 1 != num_tokens:
             return None
         context += computed
-        num_held = len(held[req.request_id])
-        if computed >= num_held * bs:
+        room = len(held[req.request_id]) * bs - computed  # slots left in its blocks
+        if room <= 0:  # its token needs a new block
             touched.append(req)
             num_new += 1
-            num_held += 1
-        elif (computed + 1) % bs == 0:
+            room += bs
+        elif num_tokens % bs == 0:  # its token (the last of num_tokens) fills its last block
             touched.append(req)
-        left = req.max_tokens - req.num_output_tokens
-        lefts.append(left if left < max_model_len - num_tokens else max_model_len - num_tokens)
-        needs.append(num_held * bs - computed)  # its blocks after this step's allocation
-    if num_new > kv.num_free_blocks:
+        left = req.max_tokens - num_output
+        cap = max_model_len - num_tokens
+        lefts.append(left if left < cap else cap)
+        needs.append(room)  # its blocks after this step's allocation
+    if num_new > kv.free_queue.num_free:
         return None
     for req in touched:  # in batch order, as the reference path's allocate_slots calls
         kv.allocate_slots(req, 1)

@@ -262,18 +262,17 @@ class _World:
         decode replica gets a request its client ``sent`` earlier, with ``external`` prompt
         tokens' KV computed by a prefill replica."""
         sent = now if sent is None else sent
+        request_id, num_prompt_tokens, max_tokens, segments, output_key, session_id, turn = spec
         if self.records is not None:
-            self.records[spec.request_id] = RequestRecord(
-                spec.request_id, sent, spec.num_prompt_tokens, spec.max_tokens, client_id=client_id,
-                session_id=spec.session_id, turn=spec.turn,
+            self.records[request_id] = RequestRecord(
+                request_id, sent, num_prompt_tokens, max_tokens, client_id=client_id,
+                session_id=session_id, turn=turn,
             )
-        if spec.session_id is not None:
-            self._session_of[spec.request_id] = (spec.session_id, spec.turn)
-        request = Request(
-            spec.request_id, sent, spec.num_prompt_tokens, spec.max_tokens, spec.segments,
-            spec.output_key,
-        )
-        request.num_external_tokens = external
+        if session_id is not None:
+            self._session_of[request_id] = (session_id, turn)
+        request = Request(request_id, sent, num_prompt_tokens, max_tokens, segments, output_key)
+        if external:
+            request.num_external_tokens = external
         self.scheduler.add_request(request)
         if self._wakeup is not None:
             self._wakeup.succeed()

@@ -202,17 +202,20 @@ class Workload:
         if trace is not None:
             num_prompt = int(trace.input_lens[i])
             return RequestSpec(i, num_prompt, int(trace.output_lens[i]), trace.segments(i, unique_key))
-        num_prompt = self._input[i]
-        max_tokens = self._output[i]
+        try:  # (the lengths drawn so far, read in place: this runs for every request)
+            num_prompt = self._input.drawn[i]
+            max_tokens = self._output.drawn[i]
+        except IndexError:
+            num_prompt = self._input[i]
+            max_tokens = self._output[i]
         prefix = self.config.prefix
         if prefix is None:
-            segments = ((unique_key, num_prompt),)
-        else:
-            while i >= len(self._prefix_groups):
-                draw = self._prefix_rng.integers(0, prefix.num_prefixes, size=_CHUNK)
-                self._prefix_groups = np.concatenate([self._prefix_groups, draw])
-            group = int(self._prefix_groups[i])
-            segments = ((group, prefix.shared_tokens), (unique_key, num_prompt - prefix.shared_tokens))
+            return RequestSpec(i, num_prompt, max_tokens, ((unique_key, num_prompt),))
+        while i >= len(self._prefix_groups):
+            draw = self._prefix_rng.integers(0, prefix.num_prefixes, size=_CHUNK)
+            self._prefix_groups = np.concatenate([self._prefix_groups, draw])
+        group = int(self._prefix_groups[i])
+        segments = ((group, prefix.shared_tokens), (unique_key, num_prompt - prefix.shared_tokens))
         return RequestSpec(i, num_prompt, max_tokens, segments)
 
     def arrival_times(self) -> np.ndarray:

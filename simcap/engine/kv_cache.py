@@ -21,7 +21,9 @@ Invariant (checked by the tests): free blocks + held blocks == num_blocks - 1.
 
 from __future__ import annotations
 
-from simcap.engine.request import Request
+from simcap.engine.request import Request, RequestStatus
+
+_FINISHED = RequestStatus.FINISHED_LENGTH_CAPPED  # (Request.is_finished: status >= this)
 
 
 class FreeBlockQueue:
@@ -381,16 +383,22 @@ class KVCacheManager:
                 ref_cnt[block] += 1
         elif num_new_blocks > free_queue.num_free:
             return False
-        if held is None:
-            held = self.req_to_blocks[rid] = []
-        held += new_computed_blocks
         if num_new_blocks > 0:
             if num_new_blocks == 1:
                 new = [free_queue.popleft()]
             else:
                 new = free_queue.popleft_many(num_new_blocks)
-            self.prefix_cache.evict(new)  # the LRU blocks lose their cached content
-            held += new
+            if self.prefix_cache.num_hashed:
+                self.prefix_cache.evict(new)  # the LRU blocks lose their cached content
+            if held is None:  # its first blocks
+                self.req_to_blocks[rid] = [*new_computed_blocks, *new] if new_computed_blocks else new
+            else:
+                held += new_computed_blocks
+                held += new
+        elif held is None:
+            self.req_to_blocks[rid] = list(new_computed_blocks)
+        else:
+            held += new_computed_blocks
         if self.enable_caching:
             if new_computed_blocks and rid not in self._num_committed:
                 self._num_committed[rid] = len(new_computed_blocks)
@@ -465,12 +473,14 @@ class KVCacheManager:
         if num_full > done:
             self._register(request, done, num_full)
 
-    def _register(self, request: Request, start: int, stop: int) -> None:
-        """Register the request's blocks ``start .. stop-1`` in the prefix cache."""
+    def _register(self, request: Request, start: int, stop: int, blocks: list[int] | None = None) -> None:
+        """Register the request's blocks ``start .. stop-1`` in the prefix cache (``blocks``:
+        those it holds, when not in ``req_to_blocks``)."""
         if stop <= start:
             return
         hashes = request.hash_full_blocks(self.block_size, stop)
-        blocks = self.req_to_blocks[request.request_id]
+        if blocks is None:
+            blocks = self.req_to_blocks[request.request_id]
         ref_cnt = self.ref_cnt
         if stop == start + 1:
             self.prefix_cache.register_one(blocks[start], hashes[start])
@@ -489,32 +499,48 @@ class KVCacheManager:
         which it may hit when it is scheduled again.
         """
         rid = request.request_id
-        blocks = self.req_to_blocks.get(rid)
-        finished = request.is_finished
-        num_cached = 0  # blocks 0 .. num_cached-1 hold committed content; the rest none
-        num_tracked = 0  # blocks 0 .. num_tracked-1 are in the prefix cache (with ref counts)
-        if blocks and self.enable_caching:
-            self.commit_full_blocks(request)  # what the fast path left to commit
-            num_cached = self._num_committed.get(rid, 0)
-            limit = self._num_registrable(request)
-            if not finished and rid not in self._preempted:
-                self._register(request, limit, num_cached)  # it may hit them when rescheduled
-                limit = num_cached
-            num_tracked = num_cached if num_cached < limit else limit
+        blocks = self.req_to_blocks.pop(rid, None)
+        num_committed = self._num_committed.pop(rid, 0) if self._num_committed else 0
+        finished = request.status >= _FINISHED  # (request.is_finished, inline)
+        preempted = self._preempted
+        was_preempted = rid in preempted
         if finished:
-            if self._preempted:
-                self._preempted.discard(rid)
+            if was_preempted:
+                preempted.discard(rid)
         else:
-            self._preempted.add(rid)
-        self.req_to_blocks.pop(rid, None)
-        self._num_committed.pop(rid, None)
+            preempted.add(rid)
         if not blocks:
             return
+        num_cached = 0  # blocks 0 .. num_cached-1 hold committed content; the rest none
+        num_tracked = 0  # blocks 0 .. num_tracked-1 are in the prefix cache (with ref counts)
+        if self.enable_caching:
+            bs = self.block_size
+            # Commit what the fast path left to commit (commit_full_blocks).
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens
+            computed = request.num_computed_tokens - request.num_accepted_uncommitted
+            if computed > num_tokens:
+                computed = num_tokens
+            num_cached = computed // bs
+            if num_cached < num_committed:
+                num_cached = num_committed
+            # In the prefix cache: the committed blocks as far as _num_registrable goes (all of
+            # them when it was preempted before), and all of them when it is preempted now (it
+            # may hit them when rescheduled). Register those not registered yet, in order.
+            if was_preempted:
+                num_registered = num_committed
+                num_tracked = num_cached
+            else:
+                limit = request.num_public_tokens // bs
+                num_registered = num_committed if num_committed < limit else limit
+                num_tracked = num_cached if not finished or num_cached < limit else limit
+            if num_tracked > num_registered:
+                self._register(request, num_registered, num_tracked, blocks)
         # Tail first. Blocks outside the prefix cache had this request as their only holder.
         ref_cnt = self.ref_cnt
         if not self._num_shared:  # nor do the others
-            for block in blocks[:num_tracked]:
-                ref_cnt[block] = 0
+            if num_tracked:
+                for block in blocks[:num_tracked]:
+                    ref_cnt[block] = 0
             cached = blocks[:num_cached]
             cached.reverse()
         else:

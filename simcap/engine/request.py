@@ -30,6 +30,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 3  # max_tokens or max_model_len reached
 
 
+_WAITING = RequestStatus.WAITING  # (read through the class at every request, it costs more)
+
+
 class Request:
     """Engine-side state of one request (``vllm/v1/request.py``)."""
 
@@ -93,7 +96,7 @@ class Request:
         if not private and self.output_key >= 0:
             public = ALL_PUBLIC
         self.num_public_tokens = public
-        self.status = RequestStatus.WAITING
+        self.status = _WAITING
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.num_spec_tokens = 0  # len(spec_token_ids): drafts awaiting verification

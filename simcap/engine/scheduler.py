@@ -32,6 +32,12 @@ from simcap.engine.kv_cache import KVCacheManager
 from simcap.engine.request import Request, RequestStatus
 from simcap.scenario import EngineConfig
 
+# (module constants: an enum member read through its class costs more than the rest of a
+# status change)
+_WAITING = RequestStatus.WAITING
+_RUNNING = RequestStatus.RUNNING
+_FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+
 
 @dataclass(frozen=True)
 class SchedulerFeatures:
@@ -148,11 +154,17 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Fixed for the run, read at every admission: when the prefix-cache counters count
+        # (at admission, 0.27+, or at every lookup), and whether admitted drafts may be padded.
+        caching = self.kv.enable_caching
+        self._stats_at_lookup = caching and not self.features.prefix_stats_at_admission
+        self._stats_at_admission = caching and self.features.prefix_stats_at_admission
+        self._may_pad = bool(num_speculative_tokens) and self.features.pad_waiting_spec_decode
 
     # ------------------------------------------------------------------ queue
 
     def add_request(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING
+        request.status = _WAITING
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -175,10 +187,8 @@ class Scheduler:
         (``num_context_tokens``: the sum of their computed tokens). Admits from WAITING."""
         running = self.running
         n = len(running)
-        out = SchedulerOutput(
-            reqs=list(running), num_scheduled_tokens=[1] * n, num_scheduled_spec_tokens=[0] * n,
-            total_num_scheduled_tokens=n, num_decode_reqs=n, num_decode_tokens=n,
-            num_context_tokens=num_context_tokens + n,
+        out = SchedulerOutput(  # (positional, in field order: this runs at every admission)
+            list(running), [1] * n, [0] * n, n, 0, 0, n, n, 0, num_context_tokens + n, 0, [], [], [],
         )
         self._schedule_waiting(out, self.max_num_batched_tokens - n, self.prefill_threshold())
         self._advance(out)
@@ -287,13 +297,11 @@ class Scheduler:
         # drafts that no verification accepts, so that the step stays a uniform decode batch.
         # Only when no running request is prefilling in this step and either a running
         # request was scheduled or the admitted one hit the cache.
-        pad = (bool(k) and self.features.pad_waiting_spec_decode
-               and not any(r.is_prefill_chunk for r in out.reqs))
+        pad = self._may_pad and not any(r.is_prefill_chunk for r in out.reqs)
         num_running_scheduled = len(out.reqs)
-        features = self.features
-        stats = kv.enable_caching  # counted at admission (0.27+), or at every lookup
-        stats_at_lookup = stats and not features.prefix_stats_at_admission
-        stats_at_admission = stats and features.prefix_stats_at_admission
+        reserve_full_isl = self.features.reserve_full_isl
+        stats_at_lookup = self._stats_at_lookup
+        stats_at_admission = self._stats_at_admission
         lookahead = self.num_lookahead_tokens
         max_num_seqs = self.max_num_seqs
         max_model_len = self.max_model_len
@@ -305,7 +313,7 @@ class Scheduler:
             num_hit = 0
             num_tokens = req.num_prompt_tokens + req.num_output_tokens
             if req.num_computed_tokens == 0:
-                hit_blocks, num_hit = kv.get_computed_blocks(req, drop_last_block=lookahead > 0)
+                hit_blocks, num_hit = kv.get_computed_blocks(req, lookahead > 0)  # (drop_last_block)
                 if stats_at_lookup:
                     kv.record_prefix_cache_stats(num_tokens, num_hit)
             external = 0
@@ -330,7 +338,7 @@ class Scheduler:
             if n <= 0:
                 break
             headroom = self.watermark_blocks if running else 0
-            if features.reserve_full_isl:
+            if reserve_full_isl:
                 # The whole prompt (+ outputs, if resumed) must fit, hits counted as held.
                 full = num_tokens if num_tokens < max_model_len else max_model_len
                 need = -(-full // bs)
@@ -350,7 +358,7 @@ class Scheduler:
                 kv.record_prefix_cache_stats(num_tokens, num_hit)
             waiting.popleft()
             running.append(req)
-            req.status = RequestStatus.RUNNING
+            req.status = _RUNNING
             req.num_computed_tokens = num_hit + external
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -413,7 +421,8 @@ class Scheduler:
     def finish_requests(self, finished: list[Request]) -> None:
         """Release finished requests' blocks (in batch order) and drop them from RUNNING."""
         running = self.running
+        free = self.kv.free
         for req in finished:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            self.kv.free(req)
+            req.status = _FINISHED_LENGTH_CAPPED
+            free(req)
             running.remove(req)  # (by identity: Request defines no equality)
