@@ -6,7 +6,10 @@ batch cannot change until (a) a request finishes, (b) the horizon: the next arri
 closed-loop client's next event (its think time over), or (c) the KV pool runs out. Until
 then the steps differ only in their attended context, so their durations, the requests'
 chunk times, the step log and the KV pool's block allocations (every ``block_size``
-tokens) can be computed in bulk (:func:`advance_decode_stretch`). A step that admits waiting
+tokens) can be computed in bulk (:func:`advance_decode_stretch`). With open-loop or
+replayed arrivals nothing but the engine acts before the next arrival, so a stretch goes on
+past (a) as a span of such segments: at each finish the finished requests leave the batch
+as stepping releases them, and the smaller batch runs on. A step that admits waiting
 requests into such a batch is scheduled without walking the decoders one by one
 (:func:`schedule_admission`) and, when every admitted prompt completes in it, runs as the
 first step of the following stretch.
@@ -198,6 +201,7 @@ def advance_decode_stretch(
     stop = world.stop
     steps = world.steps
     scale = kv.num_blocks - 1
+    free_queue = kv.free_queue
     t = now  # the segment's start
     done = 0  # steps of the span before the segment
     first_token = 0.0  # the span's first step's end
@@ -249,7 +253,7 @@ def advance_decode_stretch(
         # KV: request b needs a new block at step needs[b] and every bs steps after. Events
         # are encoded j * num_reqs + b, so that sorting them gives the (step, batch) order in
         # which stepping allocates.
-        free = kv.num_free_blocks
+        free = free_queue.num_free  # (kv.num_free_blocks)
         events: list[int] = []
         if min(needs) < m:
             stride = bs * num_reqs
