@@ -6,7 +6,10 @@ batch cannot change until (a) a request finishes, (b) the horizon: the next arri
 closed-loop client's next event (its think time over), or (c) the KV pool runs out. Until
 then the steps differ only in their attended context, so their durations, the requests'
 chunk times, the step log and the KV pool's block allocations (every ``block_size``
-tokens) can be computed in bulk (:func:`advance_decode_stretch`). A step that admits waiting
+tokens) can be computed in bulk (:func:`advance_decode_stretch`). With open-loop or
+replayed arrivals nothing but the engine acts before the next arrival, so a stretch goes on
+past (a) as a span of such segments: at each finish the finished requests leave the batch
+as stepping releases them, and the smaller batch runs on. A step that admits waiting
 requests into such a batch is scheduled without walking the decoders one by one
 (:func:`schedule_admission`) and, when every admitted prompt completes in it, runs as the
 first step of the following stretch.
@@ -123,7 +126,7 @@ def usage_runs_by_step(
 
 
 def advance_decode_stretch(
-    world, now: float, horizon: float, admitted: Admission | None = None
+    world, now: float, horizon: float, admitted: Admission | None = None, span: bool = False
 ) -> tuple[float, list[Request]] | None:
     """Run the pure-decode steps that can run at once from ``now``; None if none can.
 
@@ -133,6 +136,15 @@ def advance_decode_stretch(
     its last step (already released from the scheduler; the caller reports them at that
     time).
 
+    ``span``: nothing but the engine itself acts before the horizon (open-loop or replayed
+    arrivals, no closed-loop client, no fleet), so the stretch goes on past finishes that
+    end before the horizon, as a span of segments, each up to the next finish: the
+    finished requests leave the batch (``Scheduler.finish_requests``, which frees their
+    blocks after the segment's allocations and before the next one's) and are reported
+    (``world.finish``) at their finish, and the next segment runs the smaller batch. A span
+    stops at a finish when a stop rule is due to be checked then (``world.stop``), so that
+    it sees the engine as stepping would.
+
     ``admitted``: an already scheduled step (from :func:`schedule_admission`) to run as the
     stretch's first step, when after it every running request decodes and nothing waits;
     otherwise None is returned and the caller runs that step the reference way.
@@ -140,8 +152,9 @@ def advance_decode_stretch(
     Plain Python floats throughout: a stretch is typically tens of steps of a few requests,
     where numpy's per-call cost exceeds the arithmetic, and float operations are the
     step-time model's own, in its order, so every time equals the reference path's. The
-    running batch is read once (what each request has left, and when it next needs a block)
-    and written once (its tokens and stream chunks).
+    running batch is read once per span (what each request has left, and when it next
+    needs a block, carried from segment to segment) and written once (its tokens; a
+    finished request's at its finish).
     """
     scheduler = world.scheduler
     running: list[Request] = scheduler.running
@@ -185,123 +198,169 @@ def advance_decode_stretch(
     if first is None and (m_finish < MIN_STRETCH or now >= horizon):
         return None
 
-    # Step periods (the step-time model's decode_periods: step_period's float operations on
-    # integers) and start times, up to the first finish; then cut after the last step that
-    # starts before the horizon. Times are accumulated one step at a time
-    # (itertools.accumulate: the same additions, in C).
     model = world.step_model
-    if world.noise is not None:  # per-step factors on the forward time: simcap.engine.noise
-        periods, starts = world.noise.price_stretch(
-            model, first, running, context, now, horizon, m_finish
-        )
-    else:
-        periods = []
-        todo = m_finish
-        if first is not None:
-            periods.append(model.step_period(first))
-            todo -= 1
-        # Up to PRICE_STEPS steps first (most stretches end sooner); if none of them reaches
-        # the horizon, the rest. Periods never shrink along a stretch (the context grows), so
-        # no more than (horizon - t) / the last period + 1 of the rest start before the
-        # horizon: price only those (+1 for rounding), not every step up to a finish far
-        # beyond it. Step j's context is context + num_reqs * j however the steps are split.
-        priced = todo if todo < PRICE_STEPS else PRICE_STEPS
-        if priced > 0:
-            periods += model.decode_periods(num_reqs, context, priced)
-        starts = list(accumulate(periods, initial=now))
-        if priced < todo and starts[-1] < horizon:
-            t = starts.pop()
-            rest = todo - priced
-            p = periods[-1]
-            if p > 0 and model.decode_nondecreasing and horizon - t < p * rest:
-                rest = int((horizon - t) / p) + 2
-            more = model.decode_periods(num_reqs, context + num_reqs * priced, rest)
-            periods += more
-            starts += accumulate(more, initial=t)
-    # Step j (0-based) runs only if it starts before the horizon; a scheduled first step runs.
-    m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
-    if m < len(periods):
-        del starts[m + 1 :], periods[m:]
-    else:
-        m = len(periods)
-    if first is None and m < MIN_STRETCH:
-        return None
-
-    # KV: request b needs a new block at step needs[b] and every bs steps after. Events are
-    # encoded j * num_reqs + b, so that sorting them gives the (step, batch) order in which
-    # stepping allocates.
-    free = kv.num_free_blocks
+    noise = world.noise
+    stop = world.stop
+    steps = world.steps
     scale = kv.num_blocks - 1
-    events: list[int] = []
-    if min(needs) < m:
-        stride = bs * num_reqs
-        end = m * num_reqs
-        for b, j in enumerate(needs):
-            if j < m:
-                events += range((j if j > 0 else 0) * num_reqs + b, end, stride)
-    if events:
-        events.sort()
-        if len(events) > free:
-            # The (free+1)-th new block fails: stop before the step that asks for it.
-            m = events[free] // num_reqs
-            if first is None and m < MIN_STRETCH:
-                return None
-            del events[free:], starts[m + 1 :], periods[m:]
-        usages, counts, free = usage_runs_by_step(events, num_reqs, m, free, scale)
-        # Blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
-        # that fill up after the prompt's last one are committed when the request next
-        # allocates or releases them (KVCacheManager.free), not as they fill: their content
-        # includes the request's own output tokens, which no other prompt holds while it
-        # runs, so no allocation or prefix hit of another request can depend on them.
-        kv.append_blocks([running[e % num_reqs] for e in events])
-    else:
-        usages, counts = [1.0 - free / scale], [m]  # (as runs: counts[i] steps of usages[i])
-    for req in prompt_ends:
-        # Its first step fills its prompt's last block (when the prompt ends on a block
-        # boundary): committed at once, as that step's allocate_slots does, for a request
-        # that arrives after it may hit it. (A scheduled first step made that call already.)
-        kv.cache_blocks(req, req.num_prompt_tokens)
+    free_queue = kv.free_queue
+    t = now  # the segment's start
+    done = 0  # steps of the span before the segment
+    first_token = 0.0  # the span's first step's end
+    finishing: list[Request] = []  # those of the span's last segment
+    while True:
+        # Step periods (the step-time model's decode_periods: step_period's float operations
+        # on integers) and start times, up to the segment's first finish; then cut after the
+        # last step that starts before the horizon. Times are accumulated one step at a time
+        # (itertools.accumulate: the same additions, in C).
+        if noise is not None:  # per-step factors on the forward time: simcap.engine.noise
+            periods, starts = noise.price_stretch(
+                model, first, running, context, t, horizon, m_finish
+            )
+        else:
+            periods = []
+            todo = m_finish
+            if first is not None:
+                periods.append(model.step_period(first))
+                todo -= 1
+            # Up to PRICE_STEPS steps first (most segments end sooner); if none of them
+            # reaches the horizon, the rest. Periods never shrink along a segment (the
+            # context grows), so no more than (horizon - t) / the last period + 1 of the rest
+            # start before the horizon: price only those (+1 for rounding), not every step up
+            # to a finish far beyond it. Step j's context is context + num_reqs * j however
+            # the steps are split.
+            priced = todo if todo < PRICE_STEPS else PRICE_STEPS
+            if priced > 0:
+                periods += model.decode_periods(num_reqs, context, priced)
+            starts = list(accumulate(periods, initial=t))
+            if priced < todo and starts[-1] < horizon:
+                s = starts.pop()
+                rest = todo - priced
+                p = periods[-1]
+                if p > 0 and model.decode_nondecreasing and horizon - s < p * rest:
+                    rest = int((horizon - s) / p) + 2
+                more = model.decode_periods(num_reqs, context + num_reqs * priced, rest)
+                periods += more
+                starts += accumulate(more, initial=s)
+        # Step j (0-based) runs only if it starts before the horizon; a scheduled first step
+        # runs. (A later segment starts before the horizon: its first step runs.)
+        m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
+        if m < len(periods):
+            del starts[m + 1 :], periods[m:]
+        else:
+            m = len(periods)
+        if not done and first is None and m < MIN_STRETCH:
+            return None
 
-    if world.noise is not None:
-        world.noise.advance(len(periods))  # the draws of the steps that ran, and no more
-    # Each request's tokens, and its token times (RequestStateStats): one token a step, the
-    # first at starts[1], the last at the stretch's end.
-    computed = m - 1 + ahead
-    first_token = starts[1]
-    last_token = starts[-1]
-    gaps = []  # from each request's previous token to its first here
+        # KV: request b needs a new block at step needs[b] and every bs steps after. Events
+        # are encoded j * num_reqs + b, so that sorting them gives the (step, batch) order in
+        # which stepping allocates.
+        free = free_queue.num_free  # (kv.num_free_blocks)
+        events: list[int] = []
+        if min(needs) < m:
+            stride = bs * num_reqs
+            end = m * num_reqs
+            for b, j in enumerate(needs):
+                if j < m:
+                    events += range((j if j > 0 else 0) * num_reqs + b, end, stride)
+        if events:
+            events.sort()
+            if len(events) > free:
+                # The (free+1)-th new block fails: stop before the step that asks for it.
+                m = events[free] // num_reqs
+                if not done and first is None and m < MIN_STRETCH:
+                    return None
+                if not m:  # (a later segment: the span ends at the previous finish)
+                    break
+                del events[free:], starts[m + 1 :], periods[m:]
+            usages, counts, free = usage_runs_by_step(events, num_reqs, m, free, scale)
+            # Blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
+            # that fill up after the prompt's last one are committed when the request next
+            # allocates or releases them (KVCacheManager.free), not as they fill: their
+            # content includes the request's own output tokens, which no other prompt holds
+            # while it runs, so no allocation or prefix hit of another request can depend on
+            # them.
+            kv.append_blocks([running[e % num_reqs] for e in events])
+        else:
+            usages, counts = [1.0 - free / scale], [m]  # (as runs: counts[i] steps of usages[i])
+        if not done:
+            first_token = starts[1]
+            for req in prompt_ends:
+                # Its first step fills its prompt's last block (when the prompt ends on a
+                # block boundary): committed at once, as that step's allocate_slots does, for
+                # a request that arrives after it may hit it. (A scheduled first step made
+                # that call already.)
+                kv.cache_blocks(req, req.num_prompt_tokens)
+            # Chunks at starts[1:]; the gaps from each request's previous token to its first
+            # here. (The requests' token times are written when they finish or the span
+            # ends.)
+            world.emit_stretch(running, starts, [
+                first_token - req.last_token_ts for req in running
+                if req.first_token_ts is not None
+            ])
+        else:  # every request's previous token came at the segment's start
+            world.emit_stretch(running, starts, [starts[1] - t] * num_reqs)
+        if noise is not None:
+            noise.advance(len(periods))  # the draws of the steps that ran, and no more
+        t = starts.pop()  # starts now holds the m steps' start times
+        if first is not None:
+            for req in first.new_reqs:
+                if req.scheduled_ts is None:
+                    req.scheduled_ts = starts[0]
+            steps.append(
+                starts[0], periods[0], first.num_prefill_tokens, first.num_decode_tokens,
+                len(first.reqs), num_reqs, 0, usages[0], 0,
+            )
+            if m > 1:
+                if counts[0] == 1:
+                    del usages[0], counts[0]
+                else:
+                    counts[0] -= 1
+                steps.extend_decode(starts[1:], periods[1:], usages, num_reqs, counts=counts)
+        else:
+            steps.extend_decode(starts, periods, usages, num_reqs, counts=counts)
+        done += m
+        if m < m_finish:  # cut short (the horizon, or the KV pool): no finish
+            break
+        # The requests that finish in the segment's last step, with their tokens and token
+        # times (RequestStateStats): one token a step, the first at the span's first step's
+        # end, the last now.
+        kept_lefts = []
+        kept_needs = []
+        for req, left, j in zip(running, lefts, needs):
+            if left == m:
+                req.num_computed_tokens += done - 1 + ahead
+                req.num_output_tokens += done
+                if req.first_token_ts is None:
+                    req.first_token_ts = first_token
+                req.last_token_ts = t
+                context -= req.num_computed_tokens
+                finishing.append(req)
+            else:
+                kept_lefts.append(left - m)
+                kept_needs.append(j - m if j >= m else (j - m) % bs)
+        scheduler.finish_requests(finishing)
+        if (not span or t >= horizon or len(finishing) == num_reqs
+                or (stop is not None and t >= stop.next_check)):
+            break  # the caller reports them: the engine's loop goes on from t
+        world.finish(finishing, t)
+        # The next segment: the survivors (still in batch order in ``running``), from t.
+        context += num_reqs * (m - 1 if first is not None else m)
+        num_reqs -= len(finishing)
+        lefts = kept_lefts
+        needs = kept_needs
+        m_finish = min(lefts)
+        first = None
+        finishing = []
+    # The span ends: the tokens and token times of the requests still running.
+    computed = done - 1 + ahead
     for req in running:
         req.num_computed_tokens += computed
-        req.num_output_tokens += m
+        req.num_output_tokens += done
         if req.first_token_ts is None:
             req.first_token_ts = first_token
-        else:
-            gaps.append(first_token - req.last_token_ts)
-        req.last_token_ts = last_token
-    # (m never exceeds the first finish's step: a stretch cut short has no finish)
-    finishing = [req for req, left in zip(running, lefts) if left == m] if m == m_finish else []
-    world.emit_stretch(running, starts, gaps)  # chunks at starts[1:]
-    end = starts.pop()  # starts now holds the m steps' start times
-    steps = world.steps
-    if first is not None:
-        for req in first.new_reqs:
-            if req.scheduled_ts is None:
-                req.scheduled_ts = now
-        steps.append(
-            now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, len(first.reqs),
-            num_reqs, 0, usages[0], 0,
-        )
-        if m > 1:
-            if counts[0] == 1:
-                del usages[0], counts[0]
-            else:
-                counts[0] -= 1
-            steps.extend_decode(starts[1:], periods[1:], usages, num_reqs, counts=counts)
-    else:
-        steps.extend_decode(starts, periods, usages, num_reqs, counts=counts)
-    if finishing:
-        scheduler.finish_requests(finishing)
-    return end, finishing
+        req.last_token_ts = t
+    return t, finishing
 
 
 class Clock(simpy.Environment):

@@ -550,7 +550,7 @@ class _World:
                         stretch = advance_verify_stretch(self, now, horizon, out)
                 else:
                     admitted = schedule_admission(self)
-                    stretch = advance_decode_stretch(self, now, horizon, admitted)
+                    stretch = advance_decode_stretch(self, now, horizon, admitted, not clients)
                     if admitted is not None:
                         out = admitted.out
             if stretch is not None:

@@ -292,9 +292,9 @@ def test_fast_path_is_taken_on_long_decodes(roofline):
     calls = []
     original = sim.advance_decode_stretch
 
-    def spy(world, now, horizon, first=None):
+    def spy(world, now, horizon, first=None, span=False):
         before = len(world.steps)
-        out = original(world, now, horizon, first)
+        out = original(world, now, horizon, first, span)
         calls.append(len(world.steps) - before)
         return out
 
