@@ -680,7 +680,7 @@ class VerifyStretch:
         lookahead = self.lookahead
         self.limits = [h * bs - lookahead for h in held]
         self.free = kv.num_free_blocks  # (theirs are back)
-        self.threshold = scheduler.prefill_threshold()  # (it may exempt a lone request)
+        self.threshold = scheduler.prefill_threshold()  # (a lone request may be exempt)
         return True
 
     def flush(self) -> list[Request]:
