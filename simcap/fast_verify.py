@@ -16,7 +16,10 @@ while it runs, in three parts:
   admits, one that is capped), as stepping runs it;
 
 then :meth:`VerifyStretch.apply` hands out the blocks and writes the requests' state, the
-counters, the step log and the stream chunks.
+counters, the step log and the stream chunks. With open-loop or replayed arrivals a stretch
+goes on past finishes before the next arrival while nothing waits, as a span of segments
+(:meth:`VerifyStretch.go_on`): at each finish the segment is written, the finished requests
+are released and reported, and the smaller batch runs on.
 
 The result is the same, float for float, as stepping one by one (``simulate(...,
 fast=False)``; the tests hold the two to each other on random scenarios): step periods come
