@@ -16,7 +16,10 @@ while it runs, in three parts:
   admits, one that is capped), as stepping runs it;
 
 then :meth:`VerifyStretch.apply` hands out the blocks and writes the requests' state, the
-counters, the step log and the stream chunks.
+counters, the step log and the stream chunks. With open-loop or replayed arrivals a stretch
+goes on past finishes before the next arrival while nothing waits, as a span of segments
+(:meth:`VerifyStretch.go_on`): at each finish the segment is written, the finished requests
+are released and reported, and the smaller batch runs on.
 
 The result is the same, float for float, as stepping one by one (``simulate(...,
 fast=False)``; the tests hold the two to each other on random scenarios): step periods come
@@ -38,7 +41,7 @@ from simcap.fast_forward import usage_runs_by_step
 
 
 def advance_verify_stretch(
-    world, now: float, horizon: float, first: SchedulerOutput | None = None
+    world, now: float, horizon: float, first: SchedulerOutput | None = None, span: bool = False
 ) -> tuple[float, list[Request]] | None:
     """With speculative decoding: run the verify steps from ``now`` while the batch cannot
     change; None (nothing changed) if none can run.
@@ -63,6 +66,16 @@ def advance_verify_stretch(
 
     Returns the stretch's end time and the requests that finished in its last step
     (released; the caller reports them at that time).
+
+    ``span``: nothing but the engine itself acts before the horizon (open-loop or replayed
+    arrivals, no closed-loop client, no fleet), so the stretch goes on past finishes that
+    end before the horizon while nothing waits, as a span of segments, each up to the next
+    finish (:meth:`VerifyStretch.go_on`): the finished requests leave the batch
+    (``Scheduler.finish_requests``, which frees their blocks after the segment's
+    allocations and before the next one's) and are reported (``world.finish``) at their
+    finish, and the next segment runs the smaller batch, its draws taken from the same
+    streams in the same order. A span stops at a finish when a stop rule is due to be
+    checked then (``world.stop``), so that it sees the engine as stepping would.
     """
     stretch = VerifyStretch.begin(world, now, first)
     if stretch is None:
@@ -71,13 +84,17 @@ def advance_verify_stretch(
     while True:
         if not pending and not stretch.schedule():
             break  # the next step does not fit as a verify step: stepping's business
+        pending = False
         if stretch.bulk and stretch.verify == stretch.full and not stretch.prefill:
             if stretch.run_bulk(horizon):
+                if span and stretch.go_on(horizon):
+                    continue
                 break
         if stretch.run_step(horizon):
+            if span and stretch.go_on(horizon):
+                continue
             break
-        pending = False
-    return stretch.apply(first)
+    return stretch.apply()
 
 
 def schedule_verify_admission(world) -> SchedulerOutput | None:
@@ -165,6 +182,7 @@ class VerifyStretch:
         "lookahead", "bs", "held", "limits", "free", "scale", "allocs", "model", "noise",
         "starts", "periods", "usages", "counts", "news_all", "t", "finished", "last_tokens",
         "bulk", "full", "ds", "verify", "context", "prefill", "out", "verify_out", "prompt_ends",
+        "first", "flushed",
     )
 
     @classmethod
@@ -272,7 +290,8 @@ class VerifyStretch:
         self.full = num_reqs * k
         self.tail = min(max_model_len - 1 - k, max_model_len - k - self.lookahead)
         self.verify_out = None
-        self.out = first
+        self.out = self.first = first
+        self.flushed = False  # a span's segment has been written (see go_on)
         if first is None:
             self.proposed = [req.num_spec_tokens for req in reqs]  # drafts, before any cap
         else:
@@ -624,48 +643,156 @@ class VerifyStretch:
         self.proposed = proposed
         return bool(finished) or t >= horizon
 
-    def apply(self, first: SchedulerOutput | None) -> tuple[float, list[Request]] | None:
-        """Hand out the blocks, write the requests' state, the counters, the step log, the
-        stream chunks and the finishes; the stretch's end time and the requests that
-        finished in its last step. None (nothing changed) when no step ran."""
-        periods = self.periods
-        if not periods:
-            return None  # the first step could not be scheduled here: nothing changed
-        self.accept_stream.advance(self.ui - self.u0)
-        if not self.drafts_all:
-            self.propose_stream.advance(self.pi - self.p0)
+    def go_on(self, horizon: float) -> bool:
+        """In a span (see :func:`advance_verify_stretch`), after a step in which requests
+        finished: when the engine would go on stepping the batch without them (the step
+        ends before ``horizon``, nothing waits, some request still runs, no stop rule is due
+        to be checked), write the segment (:meth:`flush`), report the finished requests at
+        its end and carry the survivors on as the next segment's batch; True then. False
+        (nothing changed) otherwise: the stretch ends with this step."""
+        finished = self.finished
+        t = self.t
+        if not finished or t >= horizon or self.num_waiting or len(finished) == self.num_reqs:
+            return False
+        world = self.world
+        stop = world.stop
+        if stop is not None and t >= stop.next_check:
+            return False
+        finishing = self.flush()
+        self.flushed = True
+        world.finish(finishing, t)
+        # The survivors, in batch order (as Scheduler.running holds them now).
+        gone = sorted(finished, reverse=True)
+        self.reqs = [req for b, req in enumerate(self.reqs) if b not in finished]
+        lists = [self.nts, self.outs, self.maxes, self.last_tokens, self.proposed]
+        if self.per_request:
+            lists.append(self.matches)
+        for values in lists:
+            for b in gone:
+                del values[b]
+        num_reqs = self.num_reqs = len(self.reqs)
+        self.full = num_reqs * self.k
+        self.finished = {}
+        self.verify_out = None
+        scheduler = world.scheduler
+        kv = scheduler.kv
+        # The blocks each holds, now handed out (a bulk that ends at a finish leaves them).
+        held_map = kv.req_to_blocks
+        held = self.held = [len(held_map[req.request_id]) for req in self.reqs]
+        bs = self.bs
+        lookahead = self.lookahead
+        self.limits = [h * bs - lookahead for h in held]
+        self.free = kv.num_free_blocks  # (theirs are back)
+        self.threshold = scheduler.prefill_threshold()  # (a lone request may be exempt)
+        return True
+
+    def flush(self) -> list[Request]:
+        """Hand out the blocks taken so far; write the steps run since the last flush into
+        the step log and the stream chunks, and the requests that finished in the last of
+        them; release those (``Scheduler.finish_requests``) and return them, in batch order.
+        The steps' lists are emptied for a next segment from the last step's end."""
         world = self.world
         scheduler = world.scheduler
         reqs = self.reqs
-        num_reqs = self.num_reqs
-        kv = scheduler.kv
+        self.hand_out()
+        periods = self.periods
+        if periods:
+            steps = world.steps
+            starts = self.starts
+            usages = self.usages
+            counts = self.counts
+            num_reqs = self.num_reqs
+            num_waiting = self.num_waiting
+            first = self.first
+            if first is not None:
+                now = starts[0]
+                for req in first.new_reqs:
+                    if req.scheduled_ts is None:
+                        req.scheduled_ts = now
+                steps.append(
+                    now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, num_reqs,
+                    num_reqs, num_waiting, usages[0], 0,
+                )
+                if len(periods) > 1:
+                    if counts[0] == 1:
+                        del usages[0], counts[0]
+                    else:
+                        counts[0] -= 1
+                    steps.extend_decode(
+                        starts[1:-1], periods[1:], usages, num_reqs, num_waiting, counts=counts
+                    )
+                self.first = None
+            else:
+                steps.extend_decode(
+                    starts[:-1], periods, usages, num_reqs, num_waiting, counts=counts
+                )
+            world.emit_steps(reqs, starts, self.news_all)
+            self.starts = [self.t]
+            self.periods = []
+            self.usages = []
+            self.counts = []
+            self.news_all = []
+        finished = self.finished
+        if not finished:
+            return []
+        outs = self.outs
+        last_tokens = self.last_tokens
+        finishing = []
+        for b in sorted(finished):
+            req = reqs[b]
+            req.num_output_tokens = outs[b]
+            req.is_prefill_chunk = False
+            # The last step's accepted drafts: their blocks are cached at the next allocation.
+            req.num_accepted_uncommitted = last_tokens[b] - 1
+            req.num_computed_tokens = finished[b]
+            req.num_spec_tokens = 0
+            finishing.append(req)
+        scheduler.finish_requests(finishing)
+        return finishing
+
+    def hand_out(self) -> None:
+        """Hand out the blocks the stretch has taken so far, in the order taken. (Before the
+        requests' state is written.)"""
+        kv = self.world.scheduler.kv
         if self.allocs:
             kv.append_blocks(self.allocs)
+            self.allocs = []
         if self.prompt_ends:
             # A request whose first step computed its prompt's last token: that step's
             # allocate_slots commits the prompt's last block if it filled (a scheduled first
             # step made that call already). Blocks filled later hold its own output tokens:
             # committed when it next allocates or is released, as no other request can hit
             # them while it runs.
-            for req in reqs:
+            for req in self.reqs:
                 if not req.num_output_tokens:
                     kv.cache_blocks(req, req.num_prompt_tokens)
+            self.prompt_ends = False
+
+    def apply(self) -> tuple[float, list[Request]] | None:
+        """Hand out the blocks, write the requests' state, the counters, the step log, the
+        stream chunks and the finishes; the stretch's end time and the requests that
+        finished in its last step. None (nothing changed) when no step ran."""
+        if not self.periods and not self.flushed:
+            return None  # the first step could not be scheduled here: nothing changed
+        self.accept_stream.advance(self.ui - self.u0)
+        if not self.drafts_all:
+            self.propose_stream.advance(self.pi - self.p0)
+        self.hand_out()
+        world = self.world
         outs = self.outs
         nts = self.nts
         last_tokens = self.last_tokens
         finished = self.finished
         proposed = self.proposed
-        for b, req in enumerate(reqs):
+        for b, req in enumerate(self.reqs):
+            if b in finished:  # (written by flush)
+                continue
             req.num_output_tokens = outs[b]
             req.is_prefill_chunk = False
             # The last step's accepted drafts: their blocks are cached at the next allocation.
             req.num_accepted_uncommitted = last_tokens[b] - 1
-            if b in finished:
-                req.num_computed_tokens = finished[b]
-                req.num_spec_tokens = 0
-            else:
-                req.num_computed_tokens = nts[b] - 1
-                req.num_spec_tokens = proposed[b]  # (a step scheduled later caps them)
+            req.num_computed_tokens = nts[b] - 1
+            req.num_spec_tokens = proposed[b]  # (a step scheduled later caps them)
         if self.num_drafts:
             counters = world.spec_counters
             counters.num_drafts += self.num_drafts
@@ -680,33 +807,4 @@ class VerifyStretch:
             for i, count in enumerate(accepted_past):
                 per_pos[i] += count
             counters.num_accepted_tokens += sum(accepted_past)
-        steps = world.steps
-        starts = self.starts
-        usages = self.usages
-        counts = self.counts
-        num_waiting = self.num_waiting
-        if first is not None:
-            now = starts[0]
-            for req in first.new_reqs:
-                if req.scheduled_ts is None:
-                    req.scheduled_ts = now
-            steps.append(
-                now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, num_reqs,
-                num_reqs, num_waiting, usages[0], 0,
-            )
-            if len(periods) > 1:
-                if counts[0] == 1:
-                    del usages[0], counts[0]
-                else:
-                    counts[0] -= 1
-                steps.extend_decode(
-                    starts[1:-1], periods[1:], usages, num_reqs, num_waiting, counts=counts
-                )
-        else:
-            steps.extend_decode(starts[:-1], periods, usages, num_reqs, num_waiting, counts=counts)
-        world.emit_steps(reqs, starts, self.news_all)
-        if not finished:
-            return starts[-1], []
-        finishing = [reqs[b] for b in sorted(finished)]
-        scheduler.finish_requests(finishing)
-        return starts[-1], finishing
+        return self.t, self.flush()

@@ -543,11 +543,11 @@ class _World:
                 if speculative:  # scheduled here, or by the scheduler, then run in bulk
                     out = schedule_verify_admission(self)
                     if out is None:
-                        stretch = advance_verify_stretch(self, now, horizon)
+                        stretch = advance_verify_stretch(self, now, horizon, None, not clients)
                         if stretch is None:
                             out = scheduler.schedule()
                     if stretch is None:
-                        stretch = advance_verify_stretch(self, now, horizon, out)
+                        stretch = advance_verify_stretch(self, now, horizon, out, not clients)
                 else:
                     admitted = schedule_admission(self)
                     stretch = advance_decode_stretch(self, now, horizon, admitted, not clients)

@@ -1,0 +1,240 @@
+"""Verify spans: with open-loop or replayed arrivals, a fast-path verify stretch (speculative
+decoding) goes on past finishes that end before the next arrival. Each finish inside a span
+must leave the run as stepping leaves it: the finished requests' blocks freed between the
+allocations before and after it, their summaries recorded at that time, the smaller batch
+scheduled and priced from there, its acceptance and proposal draws read from the same
+streams in the same order."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import simcap.simulator as sim
+from simcap.early_stop import SloStop
+from simcap.report import to_json
+from simcap.simulator import simulate
+from simcap.workload import RequestSpec
+from tests.conftest import make_scenario
+from tests.test_fast_forward import NOISES, check_fast_equals_reference, speculative_configs
+from tests.test_fast_forward_span import burst_trace
+
+EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 2.4,
+         "proposal_rate": 0.5, "proposal_concentration": 4.0}
+
+
+class VerifySpanSpy:
+    """Counts, while installed, the finishes reported inside verify spans (from a segment
+    that the span went on after) and the spans that had them; ``span=False`` runs every
+    verify stretch as one segment (a span stops at its first finish)."""
+
+    def __init__(self, span: bool = True) -> None:
+        self.span = span
+        self.calls = 0  # verify stretches (spans) asked for
+        self.finishes_inside = 0  # requests reported inside spans
+        self.finish_steps_inside = 0  # the steps with finishes a span went on after
+        self.most_finishes = 0  # the most finishes (steps with some) one span went on past
+
+    def __enter__(self) -> VerifySpanSpy:
+        self.original_stretch = sim.advance_verify_stretch
+        self.original_finish = sim._World.finish
+        inside = []
+
+        def finish(world, reqs, now):
+            if inside:
+                inside[-1] += 1
+                self.finishes_inside += len(reqs)
+            return self.original_finish(world, reqs, now)
+
+        def stretch(world, now, horizon, first=None, span=False):
+            self.calls += 1
+            inside.append(0)
+            try:
+                return self.original_stretch(world, now, horizon, first, span and self.span)
+            finally:
+                n = inside.pop()
+                self.finish_steps_inside += n
+                self.most_finishes = max(self.most_finishes, n)
+
+        sim.advance_verify_stretch = stretch
+        sim._World.finish = finish
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sim.advance_verify_stretch = self.original_stretch
+        sim._World.finish = self.original_finish
+
+
+def lookahead(spec: dict) -> int:
+    return spec["num_speculative_tokens"] if spec["method"] != "ngram" else 0
+
+
+@st.composite
+def burst_cases(draw, noise: bool = False):
+    """A replayed trace of bursts with speculative decoding (EAGLE, EAGLE3, ngram), under
+    pools from one request's worth of blocks (requests run out mid-span and are preempted)
+    to plenty, with prefix caching on or off and a prefill threshold that a lone request
+    may be exempt from."""
+    bs = draw(st.sampled_from([4, 16]))
+    shared = draw(st.booleans())
+    trace, longest, num_requests = burst_trace(draw, bs, shared)
+    spec = draw(speculative_configs())
+    need = longest + 120 + draw(st.sampled_from([0, 8]))
+    step_time = dict(
+        base=0.004, per_prefill_token=1e-5, per_decode_token=draw(st.sampled_from([1e-4, 3e-3])),
+        per_context_token=draw(st.sampled_from([0.0, 1e-7])),
+        host_overhead=draw(st.sampled_from([0.0, 0.0013])),
+        draft_per_pass=draw(st.sampled_from([0.0, 5e-4])),
+        draft_per_request=draw(st.sampled_from([0.0, 1e-5])),
+    )
+    if noise:
+        step_time["noise"] = draw(NOISES)
+    scenario = make_scenario(
+        engine=dict(
+            vllm_version=draw(st.sampled_from(["0.11", "0.32"])),
+            block_size=bs, max_model_len=need,
+            num_gpu_blocks=-(-(need + lookahead(spec)) // bs) + 1
+            + draw(st.sampled_from([0, 3, 12, 200])),
+            max_num_seqs=draw(st.integers(2, 16)),
+            max_num_batched_tokens=draw(st.sampled_from([64, 512])),
+            long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])),
+            enable_prefix_caching=shared or draw(st.booleans()),
+            async_scheduling=draw(st.sampled_from([None, False, True])),
+        ),
+        step_time=step_time,
+        speculative=spec,
+        workload=dict(num_requests=num_requests, input_len=longest, output_len=120),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return scenario, trace
+
+
+@st.composite
+def poisson_cases(draw):
+    """The scenario's own open-loop arrivals, slow against long and varied outputs: several
+    requests finish between two arrivals."""
+    max_out = draw(st.integers(20, 400))
+    bs = draw(st.sampled_from([4, 16]))
+    spec = draw(speculative_configs())
+    need = 300 + max_out
+    scenario = make_scenario(
+        engine=dict(block_size=bs, max_model_len=need,
+                    num_gpu_blocks=-(-(need + lookahead(spec)) // bs) + 1
+                    + draw(st.sampled_from([0, 20, 2000])),
+                    max_num_seqs=16, max_num_batched_tokens=256,
+                    enable_prefix_caching=draw(st.booleans())),
+        step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
+                       per_context_token=draw(st.sampled_from([0.0, 1e-7])),
+                       draft_per_pass=5e-4),
+        speculative=spec,
+        workload=dict(
+            arrival=draw(st.sampled_from([{"process": "poisson", "rate": 2.0},
+                                          {"process": "gamma", "rate": 5.0, "burstiness": 0.2}])),
+            num_requests=draw(st.integers(2, 30)),
+            input_len={"dist": "uniform", "low": 40, "high": 300},
+            output_len={"dist": "uniform", "low": 1, "high": max_out},
+            prefix={"shared_tokens": 32, "num_prefixes": 2},
+        ),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return scenario, None
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(burst_cases())
+def test_verify_spans_equal_reference_path_on_bursts(case):
+    check_fast_equals_reference(*case)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(burst_cases(noise=True))
+def test_verify_spans_equal_reference_path_with_noise(case):
+    check_fast_equals_reference(*case)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(poisson_cases())
+def test_verify_spans_equal_reference_path_on_slow_arrivals(case):
+    check_fast_equals_reference(*case)
+
+
+@pytest.mark.parametrize("spec", [EAGLE3, NGRAM], ids=["eagle3", "ngram"])
+@pytest.mark.parametrize("blocks, expect_preemptions", [(400, False), (30, True)])
+def test_verify_spans_go_on_past_many_finishes_and_equal_the_reference_path(
+    spec, blocks, expect_preemptions
+):
+    """Fixed cases that must run spans through many finishes: a burst of 12 with outputs
+    1..120 in plenty of blocks, and in a pool that runs out mid-span (preemptions), each with
+    shared prompts whose freed blocks later prompts hit."""
+    trace = []
+    for i in range(24):
+        t = 0.0 if i < 12 else 2.0 + 0.001 * i
+        trace.append((t, RequestSpec(i, 48, 1 + (i * 37) % 120, ((7, 32), (-1 - i, 16)))))
+    scenario = make_scenario(
+        engine=dict(block_size=16, max_model_len=256, num_gpu_blocks=blocks, max_num_seqs=16,
+                    max_num_batched_tokens=512),
+        step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
+                       per_context_token=1e-7, draft_per_pass=5e-4),
+        speculative=spec,
+        workload=dict(num_requests=24, input_len=48, output_len=120),
+    )
+    with VerifySpanSpy() as spy:
+        reference = check_fast_equals_reference(scenario, trace)
+    assert spy.most_finishes >= 3 and spy.finishes_inside >= 10
+    assert (reference.summary.preemptions > 0) == expect_preemptions
+    assert sum(r.num_cached_tokens for r in reference.records) > 0
+    assert reference.summary.spec_decode is not None
+
+
+def spanless(scenario, trace=None, **kwargs):
+    with VerifySpanSpy(span=False) as spy:
+        result = simulate(scenario, trace, **kwargs)
+    assert spy.finishes_inside == 0
+    return result
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(burst_cases(), st.sampled_from([0.01, 0.05, 0.3]), st.sampled_from([0.0, 0.02]))
+def test_a_stop_rule_sees_verify_spans_as_stretches(case, period, not_before):
+    """A stop rule is checked where the engine's loop comes between stretches; a span stops
+    at a finish when a check is due then, so a run with spans stops where one without them
+    does, with the same figures."""
+    scenario, trace = case
+    scenario = scenario.model_copy(update={"slo": {"ttft_p90": 0.05, "e2e_p50": 0.3}})
+
+    def run(span):
+        stop = SloStop(scenario.slo, not_before=not_before, period=period)
+        if span:
+            return simulate(scenario, trace, records=True, steps=True, stop=stop)
+        return spanless(scenario, trace, records=True, steps=True, stop=stop)
+
+    with_spans, without = run(True), run(False)
+    assert with_spans.records == without.records and with_spans.steps == without.steps
+    assert to_json(with_spans.to_dict()) == to_json(without.to_dict())
+
+
+@pytest.mark.parametrize("spec", [EAGLE3, NGRAM], ids=["eagle3", "ngram"])
+@pytest.mark.parametrize("rate", [0.5, 3.0])
+def test_verify_spans_replace_stretches_one_for_one_at_each_finish(spec, rate):
+    """Each finish reported inside a span is a stretch the engine no longer runs: fewer
+    calls, the same run as with spans off."""
+    scenario = make_scenario(
+        engine=dict(max_num_seqs=32, num_gpu_blocks=4000),
+        step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
+                       draft_per_pass=5e-4),
+        speculative=spec,
+        workload=dict(arrival={"process": "poisson", "rate": rate}, num_requests=60,
+                      input_len={"dist": "uniform", "low": 10, "high": 300},
+                      output_len={"dist": "uniform", "low": 50, "high": 500}),
+    )
+    with VerifySpanSpy() as spy:
+        with_spans = simulate(scenario, steps=True, records=True)
+    with VerifySpanSpy(span=False) as spanless_spy:
+        without = simulate(scenario, steps=True, records=True)
+    assert spanless_spy.finishes_inside == 0
+    assert spy.finishes_inside > 10
+    assert spanless_spy.calls - spy.calls >= spy.finish_steps_inside > 0
+    assert with_spans.steps == without.steps and with_spans.records == without.records
+    assert to_json(with_spans.to_dict()) == to_json(without.to_dict())
