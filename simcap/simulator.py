@@ -133,10 +133,13 @@ class _StretchGaps:
         self.lens: list[int] = []
         self.sizes: list[int] = []
 
-    def add(self, times: list[float], num_reqs: int) -> None:
-        self.times.fromlist(times)
+    def add(self, times: list[float], num_reqs: int) -> int:
+        """Buffer a stretch; returns how many times the buffer now holds."""
+        buffered = self.times
+        buffered.fromlist(times)
         self.lens.append(len(times))
         self.sizes.append(num_reqs)
+        return len(buffered)
 
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """The gaps between the chunks of the buffered stretches (start -> first chunk is not
@@ -375,15 +378,14 @@ class _World:
         """One token per request at each of ``times[1:]`` (a stretch of decode steps; ``times[0]``
         is its start); ``gaps``: from the previous token to the first here, for each request
         that had one (the caller has set the requests' token times)."""
-        self._single_gaps += gaps
-        gaps = self._single_gaps
+        single = self._single_gaps
+        single += gaps
         m = len(times) - 1
         if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
-            self._decode_stretches.add(times, len(reqs))
-            if len(self._decode_stretches.times) >= self._gap_buffer:
-                self._flush_gaps()
-        if len(gaps) >= self._gap_buffer:
+            if self._decode_stretches.add(times, len(reqs)) >= self._gap_buffer:
+                self._flush_gaps()  # (empties ``single`` too)
+        if len(single) >= self._gap_buffer:
             self._flush_gaps()
         if self.records is not None:
             ends = times[1:]

@@ -552,3 +552,20 @@ def test_simulator_token_counts_any_size():
     for counts in ([], [0], [1, 4, 255], [1, 256, 3], [70000, 2]):
         got = _token_counts(counts)
         assert got.dtype == np.int64 and got.tolist() == counts
+
+
+def test_simulator_stretch_gaps_hand_case():
+    """Buffered decode stretches: ``add`` says how many times the buffer holds (what the
+    flush threshold reads); ``take`` gives the gaps between chunks within each stretch (not
+    start -> first chunk, nor across stretches) and the batch size of each, then empties."""
+    from simcap.simulator import _StretchGaps
+
+    buffer = _StretchGaps()
+    assert buffer.add([0.0, 1.0, 3.0], 2) == 3  # start 0.0, chunks at 1.0 and 3.0
+    assert buffer.add([5.0, 6.0, 8.0, 9.5], 1) == 7
+    gaps, sizes = buffer.take()
+    assert gaps.tolist() == [2.0, 2.0, 1.5]
+    assert sizes.tolist() == [2, 1, 1]
+    assert buffer.add([10.0, 10.25, 11.0], 4) == 3  # emptied by take
+    gaps, sizes = buffer.take()
+    assert gaps.tolist() == [0.75] and sizes.tolist() == [4]

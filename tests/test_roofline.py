@@ -195,12 +195,14 @@ def test_step_period_host_overhead_and_empty_step():
     assert sync.step_period(step(decode=1)) == pytest.approx(0.5 + sync.forward_time(step(decode=1)))
 
 
-@pytest.mark.parametrize("form", ["linear", "sum", "max"])
+@pytest.mark.parametrize("form", ["linear", "linear-flat", "sum", "max"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("k", [0, 3])
 def test_decode_periods_equal_step_period_float_for_float(form, async_scheduling, k):
-    if form == "linear":
-        cfg = StepTimeConfig(base=0.004, per_decode_token=3e-5, per_context_token=1e-8,
+    if form.startswith("linear"):
+        # linear-flat: no context term, so every step of a batch is priced once
+        cfg = StepTimeConfig(base=0.004, per_decode_token=3e-5,
+                             per_context_token=1e-8 if form == "linear" else 0.0,
                              host_overhead=0.006, draft_per_pass=1e-3, draft_per_request=1e-5)
     else:
         cfg = config(model=MOE, combine=form, tensor_parallel_size=2, host_overhead=2e-4,

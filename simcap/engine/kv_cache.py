@@ -419,7 +419,9 @@ class KVCacheManager:
         blocks are free); a request may appear more than once. The fast path's form: one
         call for all the blocks a stretch of decode steps takes, in the order it takes them."""
         new = self.free_queue.popleft_many(len(requests))
-        self.prefix_cache.evict(new)
+        prefix_cache = self.prefix_cache
+        if prefix_cache.num_hashed:  # (else none of them holds content to forget)
+            prefix_cache.evict(new)
         req_to_blocks = self.req_to_blocks
         for block, request in zip(new, requests):
             req_to_blocks[request.request_id].append(block)

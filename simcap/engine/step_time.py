@@ -174,34 +174,52 @@ class StepTimeModel:
         """:meth:`step_period` of ``count`` pure-decode steps of ``num_reqs`` requests (one
         token each, no drafts in play) whose attended context is ``context + num_reqs * j``
         at step j = 1..count: the same float operations, in the same order, as step_period
-        on those steps' SchedulerOutputs."""
-        return self.verify_periods(
-            num_reqs, 0, range(context + num_reqs, context + num_reqs * count + 1, num_reqs)
-            if num_reqs else [context] * count,
-        )
+        on those steps' SchedulerOutputs. Without a context term every step has one period,
+        priced once."""
+        if self.per_context_token:
+            return self.verify_periods(
+                num_reqs, 0, range(context + num_reqs, context + num_reqs * count + 1, num_reqs)
+                if num_reqs else [context] * count,
+            )
+        return [self._batch_period(num_reqs, 0)] * count
+
+    def _batch_period(self, num_reqs: int, num_verify: int) -> float:
+        """The period of a step of :meth:`verify_periods` when there is no context term."""
+        f = self.base + self.per_prefill_token * 0
+        f += self.per_decode_token * num_reqs
+        if num_verify:
+            f += self.per_verify_token * num_verify
+        k = self.num_speculative_tokens
+        if k:
+            f += k * (self.draft_per_pass + self.draft_per_request * num_reqs)
+        host = self.host_overhead
+        if self.async_scheduling:
+            return f if f > host else host
+        return f + host
 
     def verify_periods(self, num_reqs: int, num_verify: int, contexts) -> list[float]:
         """:meth:`step_period` of steps in which each of ``num_reqs`` requests computes one
         token and the batch verifies ``num_verify`` drafts (no prompt tokens), step i
         attending ``contexts[i]`` tokens: step_period's float operations, in its order."""
+        per_context = self.per_context_token
+        if not per_context:
+            return [self._batch_period(num_reqs, num_verify)] * len(contexts)
         t0 = self.base + self.per_prefill_token * 0
         t0 += self.per_decode_token * num_reqs
         if num_verify:
             t0 += self.per_verify_token * num_verify
-        host, asynchronous = self.host_overhead, self.async_scheduling
-        per_context = self.per_context_token
+        host = self.host_overhead
         k = self.num_speculative_tokens
-        draft = k * (self.draft_per_pass + self.draft_per_request * num_reqs) if k else 0.0
-        if not per_context:
-            f = t0 + draft if k else t0
-            return [((f if f > host else host) if asynchronous else f + host)] * len(contexts)
-        periods = []
-        for c in contexts:
-            f = t0 + per_context * c
-            if k:
-                f += draft
-            periods.append((f if f > host else host) if asynchronous else f + host)
-        return periods
+        # (t0 + per_context * c) + draft: forward_time's additions, in its order.
+        if k:
+            draft = k * (self.draft_per_pass + self.draft_per_request * num_reqs)
+            if self.async_scheduling:
+                return [f if (f := t0 + per_context * c + draft) > host else host
+                        for c in contexts]
+            return [t0 + per_context * c + draft + host for c in contexts]
+        if self.async_scheduling:
+            return [f if (f := t0 + per_context * c) > host else host for c in contexts]
+        return [t0 + per_context * c + host for c in contexts]
 
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Forward seconds for rows of ``FEATURES``."""
@@ -537,10 +555,9 @@ class RooflineStepTimeModel:
             return periods
         head = self._head(n, num_reqs, n, 0, 0)
         per_ctx = self._per_ctx
-        for c in contexts:
-            f = head + per_ctx * c
-            periods.append((f if f > host else host) if asynchronous else f + host)
-        return periods
+        if asynchronous:
+            return [f if (f := head + per_ctx * c) > host else host for c in contexts]
+        return [head + per_ctx * c + host for c in contexts]
 
     # ------------------------------------------------------------------ calibration
 
