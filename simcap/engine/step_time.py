@@ -174,42 +174,26 @@ class StepTimeModel:
         """:meth:`step_period` of ``count`` pure-decode steps of ``num_reqs`` requests (one
         token each, no drafts in play) whose attended context is ``context + num_reqs * j``
         at step j = 1..count: the same float operations, in the same order, as step_period
-        on those steps' SchedulerOutputs. Without a context term every step has one period,
-        priced once."""
-        if self.per_context_token:
-            return self.verify_periods(
-                num_reqs, 0, range(context + num_reqs, context + num_reqs * count + 1, num_reqs)
-                if num_reqs else [context] * count,
-            )
-        return [self._batch_period(num_reqs, 0)] * count
-
-    def _batch_period(self, num_reqs: int, num_verify: int) -> float:
-        """The period of a step of :meth:`verify_periods` when there is no context term."""
-        f = self.base + self.per_prefill_token * 0
-        f += self.per_decode_token * num_reqs
-        if num_verify:
-            f += self.per_verify_token * num_verify
-        k = self.num_speculative_tokens
-        if k:
-            f += k * (self.draft_per_pass + self.draft_per_request * num_reqs)
-        host = self.host_overhead
-        if self.async_scheduling:
-            return f if f > host else host
-        return f + host
+        on those steps' SchedulerOutputs."""
+        return self.verify_periods(
+            num_reqs, 0, range(context + num_reqs, context + num_reqs * count + 1, num_reqs)
+            if num_reqs else [context] * count,
+        )
 
     def verify_periods(self, num_reqs: int, num_verify: int, contexts) -> list[float]:
         """:meth:`step_period` of steps in which each of ``num_reqs`` requests computes one
         token and the batch verifies ``num_verify`` drafts (no prompt tokens), step i
         attending ``contexts[i]`` tokens: step_period's float operations, in its order."""
-        per_context = self.per_context_token
-        if not per_context:
-            return [self._batch_period(num_reqs, num_verify)] * len(contexts)
         t0 = self.base + self.per_prefill_token * 0
         t0 += self.per_decode_token * num_reqs
         if num_verify:
             t0 += self.per_verify_token * num_verify
         host = self.host_overhead
+        per_context = self.per_context_token
         k = self.num_speculative_tokens
+        if not per_context:  # every step alike: priced once
+            f = t0 + k * (self.draft_per_pass + self.draft_per_request * num_reqs) if k else t0
+            return [(f if f > host else host) if self.async_scheduling else f + host] * len(contexts)
         # (t0 + per_context * c) + draft: forward_time's additions, in its order.
         if k:
             draft = k * (self.draft_per_pass + self.draft_per_request * num_reqs)
