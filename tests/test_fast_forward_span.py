@@ -19,19 +19,23 @@ from tests.test_fast_forward import NOISES, check_fast_equals_reference
 
 
 class SpanSpy:
-    """Counts, while installed, the finishes reported inside spans (from a segment that the
-    span went on after) and the spans that had them; ``span=False`` runs every stretch as
-    one segment (a span stops at its first finish)."""
+    """Counts, while installed, the stretch calls, the finishes reported inside spans (from a
+    segment that the span went on after) and the spans that had them; ``span=False`` runs
+    every stretch as one segment (a span stops at its first finish). ``verify=True``: the
+    verify stretches of speculative decoding (``advance_verify_stretch``), else the plain
+    decode ones."""
 
-    def __init__(self, span: bool = True) -> None:
+    def __init__(self, span: bool = True, verify: bool = False) -> None:
         self.span = span
+        self.name = "advance_verify_stretch" if verify else "advance_decode_stretch"
+        self.calls = 0  # stretches (spans) asked for
         self.finishes_inside = 0  # requests reported inside spans
         self.finish_steps_inside = 0  # the steps with finishes a span went on after
         self.spans_with_finishes = 0
         self.most_finishes = 0  # the most finishes (steps with some) one span went on past
 
     def __enter__(self) -> SpanSpy:
-        self.original_stretch = sim.advance_decode_stretch
+        self.original_stretch = getattr(sim, self.name)
         self.original_finish = sim._World.finish
         inside = []
 
@@ -41,22 +45,23 @@ class SpanSpy:
                 self.finishes_inside += len(reqs)
             return self.original_finish(world, reqs, now)
 
-        def stretch(world, now, horizon, admitted=None, span=False):
+        def stretch(world, now, horizon, first=None, span=False):
+            self.calls += 1
             inside.append(0)
             try:
-                return self.original_stretch(world, now, horizon, admitted, span and self.span)
+                return self.original_stretch(world, now, horizon, first, span and self.span)
             finally:
                 n = inside.pop()
                 self.finish_steps_inside += n
                 self.spans_with_finishes += n > 0
                 self.most_finishes = max(self.most_finishes, n)
 
-        sim.advance_decode_stretch = stretch
+        setattr(sim, self.name, stretch)
         sim._World.finish = finish
         return self
 
     def __exit__(self, *exc) -> None:
-        sim.advance_decode_stretch = self.original_stretch
+        setattr(sim, self.name, self.original_stretch)
         sim._World.finish = self.original_finish
 
 
@@ -158,15 +163,22 @@ def test_spans_equal_reference_path_on_slow_arrivals(case):
     check_fast_equals_reference(*case)
 
 
+def many_finishes_trace() -> list:
+    """A burst of 12 requests with outputs 1..120 and, 2 s later, 12 more, each prompt
+    opening with the same 32 public tokens."""
+    trace = []
+    for i in range(24):
+        t = 0.0 if i < 12 else 2.0 + 0.001 * i
+        trace.append((t, RequestSpec(i, 48, 1 + (i * 37) % 120, ((7, 32), (-1 - i, 16)))))
+    return trace
+
+
 def test_spans_go_on_past_many_finishes_and_equal_the_reference_path():
     """Fixed cases that must run spans through many finishes: a burst of 12 with outputs
     1..120 in plenty of blocks, and in a pool that runs out mid-span (preemptions), each with
     shared prompts whose freed blocks later prompts hit."""
     for blocks, expect_preemptions in [(400, False), (30, True)]:
-        trace = []
-        for i in range(24):
-            t = 0.0 if i < 12 else 2.0 + 0.001 * i
-            trace.append((t, RequestSpec(i, 48, 1 + (i * 37) % 120, ((7, 32), (-1 - i, 16)))))
+        trace = many_finishes_trace()
         scenario = make_scenario(
             engine=dict(block_size=16, max_model_len=256, num_gpu_blocks=blocks, max_num_seqs=16,
                         max_num_batched_tokens=512),
@@ -181,16 +193,14 @@ def test_spans_go_on_past_many_finishes_and_equal_the_reference_path():
         assert sum(r.num_cached_tokens for r in reference.records) > 0
 
 
-def spanless(scenario, trace=None, **kwargs):
-    with SpanSpy(span=False) as spy:
+def spanless(scenario, trace=None, *, verify: bool = False, **kwargs):
+    with SpanSpy(span=False, verify=verify) as spy:
         result = simulate(scenario, trace, **kwargs)
     assert spy.finishes_inside == 0
     return result
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(burst_cases(), st.sampled_from([0.01, 0.05, 0.3]), st.sampled_from([0.0, 0.02]))
-def test_a_stop_rule_sees_spans_as_stretches(case, period, not_before):
+def check_a_stop_rule_sees_spans_as_stretches(case, period, not_before, verify=False):
     """A stop rule is checked where the engine's loop comes between stretches; a span stops
     at a finish when a check is due then, so a run with spans stops where one without them
     does, with the same figures."""
@@ -201,11 +211,17 @@ def test_a_stop_rule_sees_spans_as_stretches(case, period, not_before):
         stop = SloStop(scenario.slo, not_before=not_before, period=period)
         if span:
             return simulate(scenario, trace, records=True, steps=True, stop=stop)
-        return spanless(scenario, trace, records=True, steps=True, stop=stop)
+        return spanless(scenario, trace, verify=verify, records=True, steps=True, stop=stop)
 
     with_spans, without = run(True), run(False)
     assert with_spans.records == without.records and with_spans.steps == without.steps
     assert to_json(with_spans.to_dict()) == to_json(without.to_dict())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(burst_cases(), st.sampled_from([0.01, 0.05, 0.3]), st.sampled_from([0.0, 0.02]))
+def test_a_stop_rule_sees_spans_as_stretches(case, period, not_before):
+    check_a_stop_rule_sees_spans_as_stretches(case, period, not_before)
 
 
 @pytest.mark.parametrize("rate", [0.5, 3.0])
@@ -219,23 +235,12 @@ def test_spans_replace_stretches_one_for_one_at_each_finish(rate):
                       input_len={"dist": "uniform", "low": 10, "high": 300},
                       output_len={"dist": "uniform", "low": 50, "high": 500}),
     )
-    calls = []
-    original = sim.advance_decode_stretch
-
-    def counting(*args):
-        calls.append(1)
-        return original(*args)
-
-    sim.advance_decode_stretch = counting
-    try:
-        with SpanSpy() as spy:
-            with_spans = simulate(scenario, steps=True)
-        n_spans = len(calls)
-        calls.clear()
-        without = spanless(scenario, steps=True)
-        n_stretches = len(calls)
-    finally:
-        sim.advance_decode_stretch = original
+    with SpanSpy() as spy:
+        with_spans = simulate(scenario, steps=True)
+    with SpanSpy(span=False) as spanless_spy:
+        without = simulate(scenario, steps=True)
+    assert spanless_spy.finishes_inside == 0
+    n_spans, n_stretches = spy.calls, spanless_spy.calls
     assert spy.finishes_inside > 10
     assert n_stretches - n_spans >= spy.finish_steps_inside > 0
     assert with_spans.steps == without.steps

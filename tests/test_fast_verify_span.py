@@ -11,60 +11,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import simcap.simulator as sim
-from simcap.early_stop import SloStop
 from simcap.report import to_json
 from simcap.simulator import simulate
-from simcap.workload import RequestSpec
 from tests.conftest import make_scenario
 from tests.test_fast_forward import NOISES, check_fast_equals_reference, speculative_configs
-from tests.test_fast_forward_span import burst_trace
+from tests.test_fast_forward_span import (
+    SpanSpy, burst_trace, check_a_stop_rule_sees_spans_as_stretches, many_finishes_trace,
+)
 
 EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.4}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 2.4,
          "proposal_rate": 0.5, "proposal_concentration": 4.0}
-
-
-class VerifySpanSpy:
-    """Counts, while installed, the finishes reported inside verify spans (from a segment
-    that the span went on after) and the spans that had them; ``span=False`` runs every
-    verify stretch as one segment (a span stops at its first finish)."""
-
-    def __init__(self, span: bool = True) -> None:
-        self.span = span
-        self.calls = 0  # verify stretches (spans) asked for
-        self.finishes_inside = 0  # requests reported inside spans
-        self.finish_steps_inside = 0  # the steps with finishes a span went on after
-        self.most_finishes = 0  # the most finishes (steps with some) one span went on past
-
-    def __enter__(self) -> VerifySpanSpy:
-        self.original_stretch = sim.advance_verify_stretch
-        self.original_finish = sim._World.finish
-        inside = []
-
-        def finish(world, reqs, now):
-            if inside:
-                inside[-1] += 1
-                self.finishes_inside += len(reqs)
-            return self.original_finish(world, reqs, now)
-
-        def stretch(world, now, horizon, first=None, span=False):
-            self.calls += 1
-            inside.append(0)
-            try:
-                return self.original_stretch(world, now, horizon, first, span and self.span)
-            finally:
-                n = inside.pop()
-                self.finish_steps_inside += n
-                self.most_finishes = max(self.most_finishes, n)
-
-        sim.advance_verify_stretch = stretch
-        sim._World.finish = finish
-        return self
-
-    def __exit__(self, *exc) -> None:
-        sim.advance_verify_stretch = self.original_stretch
-        sim._World.finish = self.original_finish
 
 
 def lookahead(spec: dict) -> int:
@@ -168,10 +125,7 @@ def test_verify_spans_go_on_past_many_finishes_and_equal_the_reference_path(
     """Fixed cases that must run spans through many finishes: a burst of 12 with outputs
     1..120 in plenty of blocks, and in a pool that runs out mid-span (preemptions), each with
     shared prompts whose freed blocks later prompts hit."""
-    trace = []
-    for i in range(24):
-        t = 0.0 if i < 12 else 2.0 + 0.001 * i
-        trace.append((t, RequestSpec(i, 48, 1 + (i * 37) % 120, ((7, 32), (-1 - i, 16)))))
+    trace = many_finishes_trace()
     scenario = make_scenario(
         engine=dict(block_size=16, max_model_len=256, num_gpu_blocks=blocks, max_num_seqs=16,
                     max_num_batched_tokens=512),
@@ -180,7 +134,7 @@ def test_verify_spans_go_on_past_many_finishes_and_equal_the_reference_path(
         speculative=spec,
         workload=dict(num_requests=24, input_len=48, output_len=120),
     )
-    with VerifySpanSpy() as spy:
+    with SpanSpy(verify=True) as spy:
         reference = check_fast_equals_reference(scenario, trace)
     assert spy.most_finishes >= 3 and spy.finishes_inside >= 10
     assert (reference.summary.preemptions > 0) == expect_preemptions
@@ -188,31 +142,10 @@ def test_verify_spans_go_on_past_many_finishes_and_equal_the_reference_path(
     assert reference.summary.spec_decode is not None
 
 
-def spanless(scenario, trace=None, **kwargs):
-    with VerifySpanSpy(span=False) as spy:
-        result = simulate(scenario, trace, **kwargs)
-    assert spy.finishes_inside == 0
-    return result
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(burst_cases(), st.sampled_from([0.01, 0.05, 0.3]), st.sampled_from([0.0, 0.02]))
 def test_a_stop_rule_sees_verify_spans_as_stretches(case, period, not_before):
-    """A stop rule is checked where the engine's loop comes between stretches; a span stops
-    at a finish when a check is due then, so a run with spans stops where one without them
-    does, with the same figures."""
-    scenario, trace = case
-    scenario = scenario.model_copy(update={"slo": {"ttft_p90": 0.05, "e2e_p50": 0.3}})
-
-    def run(span):
-        stop = SloStop(scenario.slo, not_before=not_before, period=period)
-        if span:
-            return simulate(scenario, trace, records=True, steps=True, stop=stop)
-        return spanless(scenario, trace, records=True, steps=True, stop=stop)
-
-    with_spans, without = run(True), run(False)
-    assert with_spans.records == without.records and with_spans.steps == without.steps
-    assert to_json(with_spans.to_dict()) == to_json(without.to_dict())
+    check_a_stop_rule_sees_spans_as_stretches(case, period, not_before, verify=True)
 
 
 @pytest.mark.parametrize("spec", [EAGLE3, NGRAM], ids=["eagle3", "ngram"])
@@ -229,9 +162,9 @@ def test_verify_spans_replace_stretches_one_for_one_at_each_finish(spec, rate):
                       input_len={"dist": "uniform", "low": 10, "high": 300},
                       output_len={"dist": "uniform", "low": 50, "high": 500}),
     )
-    with VerifySpanSpy() as spy:
+    with SpanSpy(verify=True) as spy:
         with_spans = simulate(scenario, steps=True, records=True)
-    with VerifySpanSpy(span=False) as spanless_spy:
+    with SpanSpy(span=False, verify=True) as spanless_spy:
         without = simulate(scenario, steps=True, records=True)
     assert spanless_spy.finishes_inside == 0
     assert spy.finishes_inside > 10
