@@ -15,7 +15,7 @@ from simcap.report import to_json
 from simcap.simulator import simulate
 from simcap.workload import RequestSpec
 from tests.conftest import make_scenario
-from tests.test_fast_forward import NOISES, check_fast_equals_reference
+from tests.test_fast_forward import NOISES, check_fast_equals_reference, speculative_configs
 
 
 class SpanSpy:
@@ -87,51 +87,73 @@ def burst_trace(draw, bs: int, shared: bool) -> tuple[list, int, int]:
 
 
 @st.composite
-def burst_cases(draw, noise: bool = False):
+def burst_cases(draw, noise: bool = False, speculative: bool = False):
     """A replayed trace of bursts under pools from one request's worth of blocks (decoders
-    run out mid-span and are preempted) to plenty, with prefix caching on or off."""
+    run out mid-span and are preempted) to plenty, with prefix caching on or off.
+    ``speculative``: with a drafting method (EAGLE, EAGLE3, ngram), draft costs and a
+    prefill threshold that a lone request may be exempt from."""
     bs = draw(st.sampled_from([4, 16]))
     shared = draw(st.booleans())
     trace, longest, num_requests = burst_trace(draw, bs, shared)
-    need = longest + 120
+    spec = draw(speculative_configs()) if speculative else None
+    need = longest + 120 + (draw(st.sampled_from([0, 8])) if spec else 0)
     step_time = dict(
         base=0.004, per_prefill_token=1e-5, per_decode_token=draw(st.sampled_from([1e-4, 3e-3])),
         per_context_token=draw(st.sampled_from([0.0, 1e-7])),
         host_overhead=draw(st.sampled_from([0.0, 0.0013])),
     )
+    if spec:
+        step_time["draft_per_pass"] = draw(st.sampled_from([0.0, 5e-4]))
+        step_time["draft_per_request"] = draw(st.sampled_from([0.0, 1e-5]))
     if noise:
         step_time["noise"] = draw(NOISES)
+    slots = need + (lookahead(spec) if spec else 0)
+    engine = dict(
+        vllm_version=draw(st.sampled_from(["0.11", "0.32"])),
+        block_size=bs, max_model_len=need,
+        num_gpu_blocks=-(-slots // bs) + 1 + draw(st.sampled_from([0, 3, 12, 200])),
+        max_num_seqs=draw(st.integers(2, 16)),
+        max_num_batched_tokens=draw(st.sampled_from([64, 512])),
+    )
+    if spec:
+        engine["long_prefill_token_threshold"] = draw(st.sampled_from([0, 0, 3]))
+    engine["enable_prefix_caching"] = shared or draw(st.booleans())
+    engine["async_scheduling"] = draw(st.sampled_from([None, False, True]))
     scenario = make_scenario(
-        engine=dict(
-            vllm_version=draw(st.sampled_from(["0.11", "0.32"])),
-            block_size=bs, max_model_len=need,
-            num_gpu_blocks=-(-need // bs) + 1 + draw(st.sampled_from([0, 3, 12, 200])),
-            max_num_seqs=draw(st.integers(2, 16)),
-            max_num_batched_tokens=draw(st.sampled_from([64, 512])),
-            enable_prefix_caching=shared or draw(st.booleans()),
-            async_scheduling=draw(st.sampled_from([None, False, True])),
-        ),
+        engine=engine,
         step_time=step_time,
         workload=dict(num_requests=num_requests, input_len=longest, output_len=120),
         seed=draw(st.integers(0, 2**16)),
+        **({"speculative": spec} if spec else {}),
     )
     return scenario, trace
 
 
+def lookahead(spec: dict) -> int:
+    """Slots a speculative method reserves past a request's tokens."""
+    return spec["num_speculative_tokens"] if spec["method"] != "ngram" else 0
+
+
 @st.composite
-def poisson_cases(draw):
+def poisson_cases(draw, speculative: bool = False):
     """The scenario's own open-loop arrivals, slow against long and varied outputs: several
-    requests finish between two arrivals."""
+    requests finish between two arrivals. ``speculative``: with a drafting method (EAGLE,
+    EAGLE3, ngram)."""
     max_out = draw(st.integers(20, 400))
     bs = draw(st.sampled_from([4, 16]))
+    spec = draw(speculative_configs()) if speculative else None
     need = 300 + max_out
+    slots = need + (lookahead(spec) if spec else 0)
+    step_time = dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
+                     per_context_token=draw(st.sampled_from([0.0, 1e-7])))
+    if spec:
+        step_time["draft_per_pass"] = 5e-4
     scenario = make_scenario(
         engine=dict(block_size=bs, max_model_len=need,
-                    num_gpu_blocks=-(-need // bs) + 1 + draw(st.sampled_from([0, 20, 2000])),
+                    num_gpu_blocks=-(-slots // bs) + 1 + draw(st.sampled_from([0, 20, 2000])),
                     max_num_seqs=16, max_num_batched_tokens=256,
                     enable_prefix_caching=draw(st.booleans())),
-        step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
-                       per_context_token=draw(st.sampled_from([0.0, 1e-7]))),
+        step_time=step_time,
         workload=dict(
             arrival=draw(st.sampled_from([{"process": "poisson", "rate": 2.0},
                                           {"process": "gamma", "rate": 5.0, "burstiness": 0.2}])),
@@ -141,6 +163,7 @@ def poisson_cases(draw):
             prefix={"shared_tokens": 32, "num_prefixes": 2},
         ),
         seed=draw(st.integers(0, 2**16)),
+        **({"speculative": spec} if spec else {}),
     )
     return scenario, None
 

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from simcap.report import to_json
 from simcap.simulator import simulate
 from tests.conftest import make_scenario
-from tests.test_fast_forward import NOISES, check_fast_equals_reference, speculative_configs
+from tests.test_fast_forward import check_fast_equals_reference
 from tests.test_fast_forward_span import (
-    SpanSpy, burst_trace, check_a_stop_rule_sees_spans_as_stretches, many_finishes_trace,
+    SpanSpy, burst_cases, check_a_stop_rule_sees_spans_as_stretches, many_finishes_trace,
+    poisson_cases,
 )
 
 EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.4}
@@ -24,95 +25,20 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 2.
          "proposal_rate": 0.5, "proposal_concentration": 4.0}
 
 
-def lookahead(spec: dict) -> int:
-    return spec["num_speculative_tokens"] if spec["method"] != "ngram" else 0
-
-
-@st.composite
-def burst_cases(draw, noise: bool = False):
-    """A replayed trace of bursts with speculative decoding (EAGLE, EAGLE3, ngram), under
-    pools from one request's worth of blocks (requests run out mid-span and are preempted)
-    to plenty, with prefix caching on or off and a prefill threshold that a lone request
-    may be exempt from."""
-    bs = draw(st.sampled_from([4, 16]))
-    shared = draw(st.booleans())
-    trace, longest, num_requests = burst_trace(draw, bs, shared)
-    spec = draw(speculative_configs())
-    need = longest + 120 + draw(st.sampled_from([0, 8]))
-    step_time = dict(
-        base=0.004, per_prefill_token=1e-5, per_decode_token=draw(st.sampled_from([1e-4, 3e-3])),
-        per_context_token=draw(st.sampled_from([0.0, 1e-7])),
-        host_overhead=draw(st.sampled_from([0.0, 0.0013])),
-        draft_per_pass=draw(st.sampled_from([0.0, 5e-4])),
-        draft_per_request=draw(st.sampled_from([0.0, 1e-5])),
-    )
-    if noise:
-        step_time["noise"] = draw(NOISES)
-    scenario = make_scenario(
-        engine=dict(
-            vllm_version=draw(st.sampled_from(["0.11", "0.32"])),
-            block_size=bs, max_model_len=need,
-            num_gpu_blocks=-(-(need + lookahead(spec)) // bs) + 1
-            + draw(st.sampled_from([0, 3, 12, 200])),
-            max_num_seqs=draw(st.integers(2, 16)),
-            max_num_batched_tokens=draw(st.sampled_from([64, 512])),
-            long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])),
-            enable_prefix_caching=shared or draw(st.booleans()),
-            async_scheduling=draw(st.sampled_from([None, False, True])),
-        ),
-        step_time=step_time,
-        speculative=spec,
-        workload=dict(num_requests=num_requests, input_len=longest, output_len=120),
-        seed=draw(st.integers(0, 2**16)),
-    )
-    return scenario, trace
-
-
-@st.composite
-def poisson_cases(draw):
-    """The scenario's own open-loop arrivals, slow against long and varied outputs: several
-    requests finish between two arrivals."""
-    max_out = draw(st.integers(20, 400))
-    bs = draw(st.sampled_from([4, 16]))
-    spec = draw(speculative_configs())
-    need = 300 + max_out
-    scenario = make_scenario(
-        engine=dict(block_size=bs, max_model_len=need,
-                    num_gpu_blocks=-(-(need + lookahead(spec)) // bs) + 1
-                    + draw(st.sampled_from([0, 20, 2000])),
-                    max_num_seqs=16, max_num_batched_tokens=256,
-                    enable_prefix_caching=draw(st.booleans())),
-        step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
-                       per_context_token=draw(st.sampled_from([0.0, 1e-7])),
-                       draft_per_pass=5e-4),
-        speculative=spec,
-        workload=dict(
-            arrival=draw(st.sampled_from([{"process": "poisson", "rate": 2.0},
-                                          {"process": "gamma", "rate": 5.0, "burstiness": 0.2}])),
-            num_requests=draw(st.integers(2, 30)),
-            input_len={"dist": "uniform", "low": 40, "high": 300},
-            output_len={"dist": "uniform", "low": 1, "high": max_out},
-            prefix={"shared_tokens": 32, "num_prefixes": 2},
-        ),
-        seed=draw(st.integers(0, 2**16)),
-    )
-    return scenario, None
-
-
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(burst_cases())
+@given(burst_cases(speculative=True))
 def test_verify_spans_equal_reference_path_on_bursts(case):
     check_fast_equals_reference(*case)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(burst_cases(noise=True))
+@given(burst_cases(noise=True, speculative=True))
 def test_verify_spans_equal_reference_path_with_noise(case):
     check_fast_equals_reference(*case)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(poisson_cases())
+@given(poisson_cases(speculative=True))
 def test_verify_spans_equal_reference_path_on_slow_arrivals(case):
     check_fast_equals_reference(*case)
 
@@ -143,7 +69,8 @@ def test_verify_spans_go_on_past_many_finishes_and_equal_the_reference_path(
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(burst_cases(), st.sampled_from([0.01, 0.05, 0.3]), st.sampled_from([0.0, 0.02]))
+@given(burst_cases(speculative=True), st.sampled_from([0.01, 0.05, 0.3]),
+       st.sampled_from([0.0, 0.02]))
 def test_a_stop_rule_sees_verify_spans_as_stretches(case, period, not_before):
     check_a_stop_rule_sees_spans_as_stretches(case, period, not_before, verify=True)
 
