@@ -125,6 +125,39 @@ def usage_runs_by_step(
     return usages, counts, free
 
 
+def log_stretch(
+    steps, first: SchedulerOutput | None, starts: list[float], periods: list[float],
+    usages: list[float], counts: list[int], num_reqs: int, num_waiting: int = 0,
+) -> None:
+    """Write a stretch's steps into the step log ``steps``: step j started at ``starts[j]``
+    and took ``periods[j]`` (``starts`` may run on past the last step); KV usage as runs,
+    ``counts[i]`` steps of ``usages[i]`` in turn (both lists are consumed). The first step is
+    ``first`` when given, a step already scheduled (its new requests are scheduled at its
+    start); the others are pure-decode steps of ``num_reqs`` requests, ``num_waiting``
+    waiting."""
+    n = len(periods)
+    if first is None:
+        steps.extend_decode(
+            starts if len(starts) == n else starts[:n], periods, usages, num_reqs, num_waiting,
+            counts=counts,
+        )
+        return
+    now = starts[0]
+    for req in first.new_reqs:
+        if req.scheduled_ts is None:
+            req.scheduled_ts = now
+    steps.append(
+        now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, len(first.reqs),
+        num_reqs, num_waiting, usages[0], 0,
+    )
+    if n > 1:
+        if counts[0] == 1:
+            del usages[0], counts[0]
+        else:
+            counts[0] -= 1
+        steps.extend_decode(starts[1:n], periods[1:], usages, num_reqs, num_waiting, counts=counts)
+
+
 def advance_decode_stretch(
     world, now: float, horizon: float, admitted: Admission | None = None, span: bool = False
 ) -> tuple[float, list[Request]] | None:
@@ -303,22 +336,7 @@ def advance_decode_stretch(
         if noise is not None:
             noise.advance(len(periods))  # the draws of the steps that ran, and no more
         t = starts.pop()  # starts now holds the m steps' start times
-        if first is not None:
-            for req in first.new_reqs:
-                if req.scheduled_ts is None:
-                    req.scheduled_ts = starts[0]
-            steps.append(
-                starts[0], periods[0], first.num_prefill_tokens, first.num_decode_tokens,
-                len(first.reqs), num_reqs, 0, usages[0], 0,
-            )
-            if m > 1:
-                if counts[0] == 1:
-                    del usages[0], counts[0]
-                else:
-                    counts[0] -= 1
-                steps.extend_decode(starts[1:], periods[1:], usages, num_reqs, counts=counts)
-        else:
-            steps.extend_decode(starts, periods, usages, num_reqs, counts=counts)
+        log_stretch(steps, first, starts, periods, usages, counts, num_reqs)
         done += m
         if m < m_finish:  # cut short (the horizon, or the KV pool): no finish
             break

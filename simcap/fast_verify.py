@@ -37,7 +37,7 @@ from operator import sub
 
 from simcap.engine.request import Request
 from simcap.engine.scheduler import SchedulerOutput
-from simcap.fast_forward import usage_runs_by_step
+from simcap.fast_forward import log_stretch, usage_runs_by_step
 
 
 def advance_verify_stretch(
@@ -695,37 +695,13 @@ class VerifyStretch:
         scheduler = world.scheduler
         reqs = self.reqs
         self.hand_out()
-        periods = self.periods
-        if periods:
-            steps = world.steps
+        if self.periods:
             starts = self.starts
-            usages = self.usages
-            counts = self.counts
-            num_reqs = self.num_reqs
-            num_waiting = self.num_waiting
-            first = self.first
-            if first is not None:
-                now = starts[0]
-                for req in first.new_reqs:
-                    if req.scheduled_ts is None:
-                        req.scheduled_ts = now
-                steps.append(
-                    now, periods[0], first.num_prefill_tokens, first.num_decode_tokens, num_reqs,
-                    num_reqs, num_waiting, usages[0], 0,
-                )
-                if len(periods) > 1:
-                    if counts[0] == 1:
-                        del usages[0], counts[0]
-                    else:
-                        counts[0] -= 1
-                    steps.extend_decode(
-                        starts[1:-1], periods[1:], usages, num_reqs, num_waiting, counts=counts
-                    )
-                self.first = None
-            else:
-                steps.extend_decode(
-                    starts[:-1], periods, usages, num_reqs, num_waiting, counts=counts
-                )
+            log_stretch(
+                world.steps, self.first, starts, self.periods, self.usages, self.counts,
+                self.num_reqs, self.num_waiting,
+            )
+            self.first = None
             world.emit_steps(reqs, starts, self.news_all)
             self.starts = [self.t]
             self.periods = []
