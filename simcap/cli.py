@@ -1,7 +1,5 @@
 """The ``simcap`` command: parse, call the library, render. No logic of its own."""
 
-import atexit
-import gc
 import os
 import sys
 from contextlib import contextmanager
@@ -22,8 +20,7 @@ class _OneLineUsageErrors(TyperGroup):
     input is; a bare group still prints its help."""
 
     def main(self, *args, **kwargs):
-        _exit_without_collecting()
-        with startup.command():  # few collections while it starts (simcap.startup)
+        with startup.command():  # few collections while it starts, none at exit (simcap.startup)
             return super().main(*args, **kwargs)
 
     def make_context(self, *args, **kwargs):
@@ -33,17 +30,6 @@ class _OneLineUsageErrors(TyperGroup):
     def invoke(self, ctx):
         with _usage_errors():
             return super().invoke(ctx)
-
-
-def _exit_without_collecting() -> None:
-    """At exit, move every object to the collector's permanent generation (``gc.freeze``):
-    the interpreter's shutdown then frees them by reference count alone instead of running
-    full collections over everything numpy, pydantic, typer and rich loaded (some 60 ms of a
-    ``simcap simulate``; ``benchmarks/bench_startup.py``). Registered before the command runs,
-    so it runs after the exit handlers the command registers; only cyclic garbage still
-    there at exit goes unfreed, which the interpreter does not promise to finalize either."""
-    atexit.unregister(gc.freeze)  # once, however often the command runs in one process
-    atexit.register(gc.freeze)
 
 
 # Click's usage errors, from the click typer runs on (some typer releases carry their own).

@@ -8,11 +8,14 @@ it is called) the collector runs once per :data:`COLLECT_EVERY` new objects inst
 every 700: rarely, yet a command that never says its start-up is over still collects.
 When its work begins (:func:`end`: once the scenario is loaded) what start-up loaded moves
 to the permanent generation (``gc.freeze``) and collections resume as usual, over what the
-work makes. When the command ends (:func:`command`) the collector is as it was.
+work makes. When the command ends (:func:`command`) the collector is as it was, and at exit
+everything is frozen (:func:`freeze_at_exit`), so that the interpreter's shutdown runs no
+full collection.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -47,11 +50,24 @@ def end() -> None:
         gc.set_threshold(*_thresholds)
 
 
+def freeze_at_exit() -> None:
+    """At exit, move every object to the collector's permanent generation (``gc.freeze``):
+    the interpreter's shutdown then frees them by reference count alone instead of running
+    full collections over everything numpy, pydantic, typer and rich loaded (some 60 ms of a
+    ``simcap simulate``; ``benchmarks/bench_startup.py``). Registered before the command runs,
+    so it runs after the exit handlers the command registers; only cyclic garbage still
+    there at exit goes unfreed, which the interpreter does not promise to finalize either."""
+    atexit.unregister(gc.freeze)  # once, however often a command runs in one process
+    atexit.register(gc.freeze)
+
+
 @contextmanager
 def command() -> Iterator[None]:
     """A command's run: start-up (:func:`begin`, if not begun yet) until :func:`end`; after
-    it, the collector's thresholds as before start-up, and nothing left frozen by it."""
+    it, the collector's thresholds as before start-up, and nothing left frozen by it; at
+    exit, everything frozen (:func:`freeze_at_exit`)."""
     global _thresholds, _starting, _froze
+    freeze_at_exit()
     begin()
     try:
         yield
