@@ -19,6 +19,10 @@ Reading guide, in the order data flows:
 6. :mod:`simcap.report` and :mod:`simcap.cli` -- tables, JSON and the ``simcap`` command
    (:mod:`simcap.startup`: hardly any garbage collection while a command starts).
 
+The engine loop's modules (3-5) are compiled with Cython from their unchanged source when
+``pip install`` can (:mod:`simcap.compiled` decides, module by module, what runs); the results
+are the same either way.
+
 Around that core:
 
 - :mod:`simcap.memory` -- the KV pool from card memory, model shape and flags (and the
@@ -41,6 +45,7 @@ Usage::
     print(result.summary.ttft_s.p95)
 """
 
+from simcap import compiled
 from simcap._lazy import lazy_exports
 from simcap._version import __version__
 from simcap.errors import ScenarioError, SimcapError, SimulationError
@@ -77,5 +82,8 @@ __all__ = [
     "summarize",
 ]
 
+
+# The engine's hot modules load compiled where ``pip install`` built them from unchanged source.
+compiled.install()
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

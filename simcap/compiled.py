@@ -1,0 +1,105 @@
+"""Which engine modules run compiled, and the import hook that decides it.
+
+``pip install`` compiles the engine loop's modules with Cython from their unchanged ``.py``
+source (``setup.py`` lists them) and writes ``simcap/_compiled.txt``: one line per module built,
+its name and the SHA-256 of the source it was built from. A compiled module computes what its
+source computes, float operation for float operation, so results are byte-identical either way
+(``tests/test_compiled.py`` holds them to that); only the time differs.
+
+Python would import an extension module in preference to the ``.py`` beside it, even after the
+source was edited. The finder installed here (first on ``sys.meta_path``, for listed modules
+only) loads the extension only while the source still has the recorded hash, and the source
+otherwise; ``SIMCAP_INTERPRETED=1`` always loads the source. :func:`status` says what ran.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec
+from importlib.util import spec_from_file_location
+from pathlib import Path
+
+MANIFEST = "_compiled.txt"
+_PACKAGE_DIR = Path(__file__).parent
+
+
+def interpreted_by_request() -> bool:
+    return os.environ.get("SIMCAP_INTERPRETED", "") not in ("", "0")
+
+
+class CompiledFinder:
+    """A meta-path finder for the modules named in the manifest (see the module docstring)."""
+
+    def __init__(self, package_dir: Path = _PACKAGE_DIR) -> None:
+        self.package_dir = package_dir
+        self._built: dict[str, str] | None = None
+        self.loaded: dict[str, str] = {}  # module -> "compiled" | "interpreted (why)"
+
+    def built(self) -> dict[str, str]:
+        """Module name -> SHA-256 of the source it was compiled from (empty: none built)."""
+        if self._built is None:
+            try:
+                text = (self.package_dir / MANIFEST).read_text()
+            except OSError:
+                text = ""
+            self._built = dict(line.split() for line in text.splitlines() if line.strip())
+        return self._built
+
+    def find_spec(self, fullname: str, path=None, target=None) -> ModuleSpec | None:
+        if not fullname.startswith("simcap."):
+            return None
+        expected = self.built().get(fullname)
+        if expected is None:
+            return None
+        *package, leaf = fullname.split(".")[1:]
+        directory = self.package_dir.joinpath(*package)
+        source = directory / f"{leaf}.py"
+        extension = next((directory / f"{leaf}{suffix}" for suffix in EXTENSION_SUFFIXES
+                          if (directory / f"{leaf}{suffix}").exists()), None)
+        why = None
+        if interpreted_by_request():
+            why = "SIMCAP_INTERPRETED is set"
+        elif extension is None:
+            why = "no extension module"
+        elif source.exists() and _sha256(source) != expected:
+            why = "source changed since it was compiled"
+        if why is None:
+            self.loaded[fullname] = "compiled"
+            return spec_from_file_location(fullname, extension)
+        self.loaded[fullname] = f"interpreted ({why})"
+        return spec_from_file_location(fullname, source)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+_FINDER = CompiledFinder()
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(finder, CompiledFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _FINDER)
+
+
+def status() -> dict[str, str]:
+    """Each compiled-capable module -> how it runs in this process: ``compiled``,
+    ``interpreted (why)``, or ``not imported``. Empty where nothing was built."""
+    return {name: _FINDER.loaded.get(name, "not imported") for name in sorted(_FINDER.built())}
+
+
+def summary() -> str:
+    """One line: how many of the engine's modules run compiled in this process."""
+    built = _FINDER.built()
+    if not built:
+        return "engine modules interpreted (none compiled at install)"
+    states = status()
+    compiled = sum(1 for state in states.values() if state == "compiled")
+    imported = sum(1 for state in states.values() if state != "not imported")
+    if interpreted_by_request():
+        return f"engine modules interpreted (SIMCAP_INTERPRETED set; {len(built)} compiled at install)"
+    return f"engine modules compiled: {compiled} of {imported} imported ({len(built)} built)"
