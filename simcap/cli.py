@@ -559,10 +559,15 @@ app.add_typer(live_app, name="live")
 
 @app.command()
 def version() -> None:
-    """Print simcap's version and the vLLM version modelled by default."""
+    """Print simcap's version, the vLLM version modelled by default, and whether the engine's
+    modules run compiled (same results either way)."""
+    from simcap import compiled
     from simcap.scenario import DEFAULT_VLLM_VERSION
 
+    import simcap.simulator  # noqa: F401  (the engine's modules, so that their state is known)
+
     typer.echo(f"simcap {__version__} (models vLLM {DEFAULT_VLLM_VERSION} V1 by default)")
+    typer.echo(compiled.summary())
 
 
 def main() -> None:  # pragma: no cover - entry point for python -m simcap

@@ -93,13 +93,17 @@ def status() -> dict[str, str]:
 
 
 def summary() -> str:
-    """One line: how many of the engine's modules run compiled in this process."""
+    """One line: how the engine's modules run in this process, naming any that run their
+    source in spite of an extension (and why)."""
     built = _FINDER.built()
     if not built:
         return "engine modules interpreted (none compiled at install)"
+    if interpreted_by_request():
+        return f"engine modules interpreted (SIMCAP_INTERPRETED set; {len(built)} compiled at install)"
     states = status()
     compiled = sum(1 for state in states.values() if state == "compiled")
     imported = sum(1 for state in states.values() if state != "not imported")
-    if interpreted_by_request():
-        return f"engine modules interpreted (SIMCAP_INTERPRETED set; {len(built)} compiled at install)"
-    return f"engine modules compiled: {compiled} of {imported} imported ({len(built)} built)"
+    others = "; ".join(f"{name} {state}" for name, state in states.items()
+                       if state not in ("compiled", "not imported"))
+    return (f"engine modules compiled: {compiled} of {imported} imported ({len(built)} built)"
+            + (f"; {others}" if others else ""))

@@ -1,0 +1,138 @@
+"""The engine's compiled modules: which the import hook loads (hand cases on a made-up package
+tree), and that a compiled engine computes exactly what its source computes (whole commands,
+byte for byte, compiled against ``SIMCAP_INTERPRETED=1``)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from importlib.machinery import EXTENSION_SUFFIXES, ExtensionFileLoader, SourceFileLoader
+from pathlib import Path
+
+import pytest
+
+from simcap import compiled
+from simcap.compiled import MANIFEST, CompiledFinder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_tree(tmp_path: Path, recorded: str | None = None, extension: bool = True) -> Path:
+    """simcap/engine/kv.py with (optionally) an extension beside it, listed in the manifest
+    with the source's hash, or ``recorded`` in its place."""
+    package = tmp_path / "simcap"
+    (package / "engine").mkdir(parents=True)
+    source = package / "engine" / "kv.py"
+    source.write_text("X = 1\n")
+    if extension:
+        (package / "engine" / f"kv{EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    digest = recorded or hashlib.sha256(source.read_bytes()).hexdigest()
+    (package / MANIFEST).write_text(f"simcap.engine.kv {digest}\n")
+    return package
+
+
+def test_a_module_whose_source_is_unchanged_loads_compiled(tmp_path, monkeypatch):
+    monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
+    finder = CompiledFinder(make_tree(tmp_path))
+    spec = finder.find_spec("simcap.engine.kv")
+    assert isinstance(spec.loader, ExtensionFileLoader)
+    assert spec.origin.endswith(EXTENSION_SUFFIXES[0])
+    assert finder.loaded == {"simcap.engine.kv": "compiled"}
+
+
+def test_an_edited_source_runs_as_source(tmp_path, monkeypatch):
+    monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
+    finder = CompiledFinder(make_tree(tmp_path, recorded="0" * 64))
+    spec = finder.find_spec("simcap.engine.kv")
+    assert isinstance(spec.loader, SourceFileLoader)
+    assert spec.origin.endswith("kv.py")
+    assert finder.loaded == {"simcap.engine.kv": "interpreted (source changed since it was compiled)"}
+
+
+def test_a_missing_extension_or_the_variable_runs_the_source(tmp_path, monkeypatch):
+    monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
+    finder = CompiledFinder(make_tree(tmp_path, extension=False))
+    assert isinstance(finder.find_spec("simcap.engine.kv").loader, SourceFileLoader)
+    assert finder.loaded["simcap.engine.kv"] == "interpreted (no extension module)"
+
+    monkeypatch.setenv("SIMCAP_INTERPRETED", "1")
+    finder = CompiledFinder(make_tree(tmp_path / "b"))
+    assert isinstance(finder.find_spec("simcap.engine.kv").loader, SourceFileLoader)
+    assert finder.loaded["simcap.engine.kv"] == "interpreted (SIMCAP_INTERPRETED is set)"
+
+
+def test_modules_not_in_the_manifest_are_left_to_the_usual_finders(tmp_path):
+    finder = CompiledFinder(make_tree(tmp_path))
+    assert finder.find_spec("simcap.engine.scheduler") is None
+    assert finder.find_spec("numpy") is None
+    assert finder.find_spec("simcapx.engine.kv") is None
+    assert CompiledFinder(tmp_path / "nowhere").find_spec("simcap.engine.kv") is None
+
+
+def test_the_finder_comes_first_once():
+    import simcap  # noqa: F401  (installs it)
+
+    compiled.install()
+    finders = [f for f in sys.meta_path if isinstance(f, CompiledFinder)]
+    assert len(finders) == 1 and sys.meta_path[0] is finders[0]
+
+
+def built() -> dict[str, str]:
+    return CompiledFinder().built()
+
+
+def test_ci_builds_the_compiled_engine():
+    """The project's own install (``pip install -e .``) compiles every listed module, and in
+    this process each runs compiled. Off CI, a machine without a C compiler may run the source."""
+    if not built() and not os.environ.get("CI"):
+        pytest.skip("no compiled engine modules were built at install on this machine")
+    import simcap.simulator  # noqa: F401
+
+    assert len(built()) >= 10
+    states = compiled.status()
+    if os.environ.get("SIMCAP_INTERPRETED"):
+        pytest.skip("SIMCAP_INTERPRETED is set")
+    assert all(state == "compiled" for name, state in states.items()
+               if name in sys.modules), states
+
+
+def run(args: list[str], interpreted: bool) -> bytes:
+    env = {k: v for k, v in os.environ.items() if k != "SIMCAP_INTERPRETED"}
+    if interpreted:
+        env["SIMCAP_INTERPRETED"] = "1"
+    done = subprocess.run([sys.executable, "-m", "simcap", *args], cwd=ROOT, env=env,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    return done.stdout
+
+
+SPEC = ["--set", "speculative={method: eagle3, num_speculative_tokens: 3, acceptance_length: 2.4}",
+        "--set", "step_time.draft_per_pass=0.0005"]
+
+
+@pytest.mark.parametrize("args", [
+    ["simulate", "examples/chat.yaml", "--json"],
+    ["simulate", "examples/shared-prefix.yaml", "--json", "--set", "engine.num_gpu_blocks=400"],
+    ["simulate", "examples/closed-loop.yaml", "--json"],
+    ["simulate", "examples/chat-sessions.yaml", "--json"],
+    ["simulate", "examples/fleet.yaml", "--json"],
+    ["simulate", "examples/chat.yaml", "--json", *SPEC, "--set", "step_time.noise={decode: {kind: lognormal, sigma: 0.2}, spec: {kind: lognormal, sigma: 0.3}}"],
+    ["simulate", "examples/chat.yaml", "--json", "--set", "workload.num_requests=300", *SPEC,
+     "--set", "engine.num_gpu_blocks=300"],
+], ids=["chat", "prefix-preempting", "closed-loop", "sessions", "fleet", "eagle3-noise",
+        "eagle3-preempting"])
+def test_compiled_and_interpreted_engines_print_the_same_bytes(args):
+    if not built():
+        pytest.skip("no compiled engine modules were built at install on this machine")
+    compiled_out = run(args, interpreted=False)
+    assert compiled_out == run(args, interpreted=True)
+    assert b'"completed"' in compiled_out
+
+
+def test_version_says_how_the_engine_runs():
+    out = run(["version"], interpreted=True).decode()
+    assert "engine modules interpreted" in out
+    if built():
+        assert "engine modules compiled:" in run(["version"], interpreted=False).decode()
