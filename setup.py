@@ -34,7 +34,9 @@ COMPILED = (
 )
 
 # Cython compiles Python semantics: same objects, same float operations in the same order.
-# The C compiler must not fuse a multiply and an add into one rounding (an FMA) either.
+# Annotations stay annotations (with annotation typing, ``x: float`` would turn an int argument
+# into a C double and ``x: int`` refuse a numpy integer). The C compiler must not fuse a
+# multiply and an add into one rounding (an FMA) either.
 CFLAGS = ["-O2", "-ffp-contract=off"]
 
 
@@ -86,7 +88,8 @@ def extensions() -> list[Extension]:
     modules = [Extension(name, [source_path(name)], extra_compile_args=CFLAGS) for name in COMPILED]
     try:
         return cythonize(modules, language_level=3, build_dir="build/cython", quiet=True,
-                         compiler_directives={"binding": True, "emit_code_comments": False})
+                         compiler_directives={"binding": True, "annotation_typing": False,
+                                              "emit_code_comments": False})
     except Exception as exc:  # noqa: BLE001 - a module Cython cannot translate stays interpreted
         print(f"simcap: Cython failed ({exc}); running interpreted", file=sys.stderr)
         return []
