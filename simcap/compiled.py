@@ -1,14 +1,15 @@
 """Which engine modules run compiled, and the import hook that decides it.
 
-``pip install`` compiles the engine loop's modules with Cython from their unchanged ``.py``
-source (``setup.py`` lists them) and writes ``simcap/_compiled.txt``: one line per module built,
-its name and the SHA-256 of the source it was built from. A compiled module computes what its
-source computes, float operation for float operation, so results are byte-identical either way
+``pip install`` compiles the engine loop's modules (:data:`MODULES`) with Cython from their
+unchanged ``.py`` source (``setup.py``; a ``.pxd`` beside a few of them declares their hot
+classes as extension types) and writes ``simcap/_compiled.txt``: one line per module built, its
+name and the SHA-256 of the files it was built from. A compiled module computes what its source
+computes, float operation for float operation, so results are byte-identical either way
 (``tests/test_compiled.py`` holds them to that); only the time differs.
 
 Python would import an extension module in preference to the ``.py`` beside it, even after the
 source was edited. The finder installed here (first on ``sys.meta_path``, for listed modules
-only) loads the extension only while the source still has the recorded hash, and the source
+only) loads the extension only while those files still have the recorded hash, and the source
 otherwise; ``SIMCAP_INTERPRETED=1`` always loads the source. :func:`status` says what ran.
 """
 
@@ -20,6 +21,20 @@ from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec
 from importlib.util import spec_from_file_location
 from pathlib import Path
 
+# The modules of the engine loop: where a simulation spends its time. (setup.py reads this.)
+MODULES = (
+    "simcap.engine.kv_cache",
+    "simcap.engine.request",
+    "simcap.engine.scheduler",
+    "simcap.engine.speculative",
+    "simcap.engine.step_time",
+    "simcap.fast_forward",
+    "simcap.fast_verify",
+    "simcap.metrics",
+    "simcap.simulator",
+    "simcap.steplog",
+    "simcap.workload",
+)
 MANIFEST = "_compiled.txt"
 _PACKAGE_DIR = Path(__file__).parent
 
@@ -62,7 +77,7 @@ class CompiledFinder:
             why = "SIMCAP_INTERPRETED is set"
         elif extension is None:
             why = "no extension module"
-        elif source.exists() and _sha256(source) != expected:
+        elif source.exists() and source_sha256(source) != expected:
             why = "source changed since it was compiled"
         if why is None:
             self.loaded[fullname] = "compiled"
@@ -71,10 +86,15 @@ class CompiledFinder:
         return spec_from_file_location(fullname, source)
 
 
-def _sha256(path: Path) -> str:
+def source_sha256(source: Path) -> str:
+    """As setup.py hashes a module: its source, then its declarations (``.pxd``) if any."""
     import hashlib
 
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256(source.read_bytes())
+    declarations = source.with_suffix(".pxd")
+    if declarations.exists():
+        digest.update(declarations.read_bytes())
+    return digest.hexdigest()
 
 
 _FINDER = CompiledFinder()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +22,18 @@ from simcap.scenario import EngineConfig, parse_scenario
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+def run_interpreted(statement: str, setup: str = "") -> Any:
+    """Run ``setup`` then ``statement`` (which prints one Python literal) in a fresh process
+    whose engine modules run as source (``SIMCAP_INTERPRETED=1``), and return the literal. For
+    spies that replace a method: the compiled engine's extension types do not allow that."""
+    env = {**os.environ, "SIMCAP_INTERPRETED": "1"}
+    done = subprocess.run([sys.executable, "-c", f"{setup}\n{statement}"], env=env,
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
 
 
 def make_engine(**overrides: Any) -> EngineConfig:

@@ -51,6 +51,20 @@ def test_an_edited_source_runs_as_source(tmp_path, monkeypatch):
     assert finder.loaded == {"simcap.engine.kv": "interpreted (source changed since it was compiled)"}
 
 
+def test_edited_declarations_run_the_source_too(tmp_path, monkeypatch):
+    monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
+    package = make_tree(tmp_path)
+    (package / "engine" / "kv.pxd").write_text("cdef class KV:\n    cdef public object x\n")
+    finder = CompiledFinder(package)
+    assert isinstance(finder.find_spec("simcap.engine.kv").loader, SourceFileLoader)
+
+    source = package / "engine" / "kv.py"
+    digest = hashlib.sha256(source.read_bytes() + (package / "engine" / "kv.pxd").read_bytes())
+    (package / MANIFEST).write_text(f"simcap.engine.kv {digest.hexdigest()}\n")
+    assert isinstance(CompiledFinder(package).find_spec("simcap.engine.kv").loader,
+                      ExtensionFileLoader)
+
+
 def test_a_missing_extension_or_the_variable_runs_the_source(tmp_path, monkeypatch):
     monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
     finder = CompiledFinder(make_tree(tmp_path, extension=False))
@@ -96,6 +110,9 @@ def test_ci_builds_the_compiled_engine():
         pytest.skip("SIMCAP_INTERPRETED is set")
     assert all(state == "compiled" for name, state in states.items()
                if name in sys.modules), states
+    from simcap.engine.request import Request
+
+    assert not Request.__flags__ & (1 << 9), "Request is not an extension type"  # HEAPTYPE
 
 
 def run(args: list[str], interpreted: bool) -> bytes:
@@ -136,3 +153,60 @@ def test_version_says_how_the_engine_runs():
     assert "engine modules interpreted" in out
     if built():
         assert "engine modules compiled:" in run(["version"], interpreted=False).decode()
+
+
+def declared_fields(pxd: Path) -> dict[str, set[str]]:
+    """``cdef class NAME:`` -> the ``cdef public object`` fields under it, and whether it keeps
+    a ``__dict__`` (the pseudo-field ``__dict__``)."""
+    classes: dict[str, set[str]] = {}
+    current = None
+    for line in pxd.read_text().splitlines():
+        words = line.split()
+        if line.startswith("cdef class "):
+            current = classes.setdefault(words[2].rstrip(":"), set())
+        elif current is not None and words[:3] == ["cdef", "public", "object"]:
+            current.add(words[3])
+        elif current is not None and words[:3] == ["cdef", "dict", "__dict__"]:
+            current.add("__dict__")
+    return classes
+
+
+def attributes_set(source: Path, name: str) -> set[str]:
+    """The class's ``__slots__``, or else every ``self.X`` its methods assign, plus
+    ``__dict__``."""
+    import ast
+
+    tree = ast.parse(source.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    for statement in cls.body:
+        if isinstance(statement, ast.Assign) and any(
+                getattr(t, "id", None) == "__slots__" for t in statement.targets):
+            return {e.value for e in statement.value.elts}
+    names = {"__dict__"}
+    for node in ast.walk(cls):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for t in getattr(target, "elts", [target]):
+                if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self":
+                    names.add(t.attr)
+    return names
+
+
+DECLARATIONS = sorted((ROOT / "simcap").rglob("*.pxd"))
+
+
+def test_there_are_declarations_and_each_module_is_compiled():
+    assert DECLARATIONS
+    for pxd in DECLARATIONS:
+        module = ".".join(pxd.relative_to(ROOT).with_suffix("").parts)
+        assert module in compiled.MODULES, f"{pxd} declares a module setup.py does not compile"
+
+
+@pytest.mark.parametrize("pxd", DECLARATIONS, ids=lambda p: p.name)
+def test_declared_fields_are_the_attributes_the_class_sets(pxd):
+    """A field the class sets but its declaration lacks fails on a compiled engine (a slotted
+    class) or is looked up by name (one with ``__dict__``); one declared but never set reads
+    as None there, where the source would raise AttributeError."""
+    for name, fields in declared_fields(pxd).items():
+        assert fields == attributes_set(pxd.with_suffix(".py"), name), name

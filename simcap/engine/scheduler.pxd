@@ -1,0 +1,25 @@
+# Compile-time declarations for Cython (setup.py), read beside scheduler.py: Scheduler as an
+# extension type (attributes read as C struct fields, not looked up by name); ``__dict__`` keeps
+# any other attribute settable, as on the Python class.
+# Every field is a Python object, so the compiled class holds and computes what the source does;
+# tests/test_compiled.py checks that these fields are the ones the class sets.
+
+cdef class Scheduler:
+    cdef public object config
+    cdef public object features
+    cdef public object max_num_seqs
+    cdef public object max_num_batched_tokens
+    cdef public object max_model_len
+    cdef public object long_prefill_token_threshold
+    cdef public object num_lookahead_tokens
+    cdef public object num_spec_tokens
+    cdef public object block_size
+    cdef public object watermark_blocks
+    cdef public object kv
+    cdef public object waiting
+    cdef public object running
+    cdef public object num_preemptions
+    cdef public object _stats_at_lookup
+    cdef public object _stats_at_admission
+    cdef public object _may_pad
+    cdef dict __dict__

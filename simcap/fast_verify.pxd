@@ -1,0 +1,87 @@
+# Compile-time declarations for Cython (setup.py), read beside fast_verify.py: VerifyStretch as an
+# extension type (attributes read as C struct fields, not looked up by name).
+# Every field is a Python object, so the compiled class holds and computes what the source does;
+# tests/test_compiled.py checks that these fields are the ones the class sets.
+
+import cython
+
+
+cdef class VerifyStretch:
+    cdef public object world
+    cdef public object reqs
+    cdef public object num_reqs
+    cdef public object num_waiting
+    cdef public object nts
+    cdef public object outs
+    cdef public object maxes
+    cdef public object proposed
+    cdef public object matches
+    cdef public object max_model_len
+    cdef public object k
+    cdef public object rate
+    cdef public object drafts_all
+    cdef public object per_request
+    cdef public object onset
+    cdef public object tail
+    cdef public object acceptance
+    cdef public object accept_stream
+    cdef public object tb
+    cdef public object u0
+    cdef public object ui
+    cdef public object propose_stream
+    cdef public object pb
+    cdef public object p0
+    cdef public object pi
+    cdef public object neg_rates
+    cdef public object accepted_hist
+    cdef public object num_drafts
+    cdef public object num_draft_tokens
+    cdef public object threshold
+    cdef public object budget
+    cdef public object lookahead
+    cdef public object bs
+    cdef public object held
+    cdef public object limits
+    cdef public object free
+    cdef public object scale
+    cdef public object allocs
+    cdef public object model
+    cdef public object noise
+    cdef public object starts
+    cdef public object periods
+    cdef public object usages
+    cdef public object counts
+    cdef public object news_all
+    cdef public object t
+    cdef public object finished
+    cdef public object last_tokens
+    cdef public object bulk
+    cdef public object full
+    cdef public object ds
+    cdef public object verify
+    cdef public object context
+    cdef public object prefill
+    cdef public object out
+    cdef public object verify_out
+    cdef public object prompt_ends
+    cdef public object first
+    cdef public object flushed
+
+    # The stretch's steps call these on a typed stretch: C calls. Their integer counters
+    # (requests, steps, indices: far below 2**63) are C integers inside run_bulk.
+    cpdef schedule(self)
+    @cython.locals(num_reqs=Py_ssize_t, k=Py_ssize_t, m=Py_ssize_t, size=Py_ssize_t,
+                   ui=Py_ssize_t, fin=Py_ssize_t, cap=Py_ssize_t, b=Py_ssize_t, i=Py_ssize_t,
+                   plain=Py_ssize_t, last=Py_ssize_t, kv_stop=Py_ssize_t, stop=Py_ssize_t,
+                   priced=Py_ssize_t, late=Py_ssize_t, ran=Py_ssize_t, scheduled=Py_ssize_t,
+                   a=Py_ssize_t)
+    cpdef run_bulk(self, horizon)
+    cpdef run_step(self, horizon)
+    cpdef go_on(self, horizon)
+    cpdef flush(self)
+    cpdef hand_out(self)
+    cpdef apply(self)
+
+
+@cython.locals(stretch=VerifyStretch)
+cpdef advance_verify_stretch(world, now, horizon, first=*, span=*)
