@@ -26,12 +26,13 @@ _PERCENTILES = ("p90", "p95", "p99")
 
 
 def wide_console(min_width: int = 100) -> Console:
-    """A console at least ``min_width`` columns wide (wider when the terminal is). Emoji
-    codes are printed as written: a scenario name or file path such as ``a:fire:b`` prints
-    as given (and rich's table of emoji, some 3 ms to import, is not loaded)."""
+    """A console at least ``min_width`` columns wide (wider when the terminal is). Text prints
+    as written, neither emoji codes nor markup read in it: a scenario name or file path such
+    as ``a:fire:b`` or ``run[/b]`` prints as given (rich's table of emoji, some 3 ms to
+    import, is not loaded); styles come as ``style=`` or :class:`rich.text.Text`."""
     from rich.console import Console
 
-    return Console(width=max(min_width, Console().width), emoji=False)
+    return Console(width=max(min_width, Console().width), emoji=False, markup=False)
 
 
 def to_json(data: dict[str, Any]) -> str:

@@ -207,3 +207,24 @@ def test_roofline_scenario_runs_and_top_k_is_checked(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: step_time.model.num_experts_per_tok: top-17 routing exceeds the 16 routed experts")
+
+
+@pytest.mark.parametrize("name", ["a[/b]", "[bold]x[/bold] [red]y"])
+def test_tables_print_markup_in_a_name_as_written(name):
+    """rich reads no markup in what the user wrote: a closing tag with no opening one used to
+    end the command with rich's MarkupError, and a matched pair styled the name."""
+    done = run("simulate", "examples/chat.yaml", "--set", "workload.num_requests=20",
+               "--set", f"name={name}")
+    assert done.returncode == 0, done.stderr
+    assert f"scenario {name} sha256" in " ".join(done.stdout.split())
+
+
+def test_calibrate_marks_a_poor_fit_in_its_table(tmp_path):
+    """The one styled cell (a fitted value off by more than the warning bound) is a rich Text,
+    markup being off: it prints as the error, not as a tag."""
+    lines = ["num_decode_tokens,step_time_s"] + [f"{d},{0.005 + 1e-5 * d * d}" for d in range(1, 65, 3)]
+    (tmp_path / "q.csv").write_text("\n".join(lines) + "\n")
+    done = run("calibrate", str(tmp_path / "q.csv"), "--out", str(tmp_path / "p.yaml"))
+    assert done.returncode == 0, done.stderr
+    assert "fitted vs measured" in done.stdout and "[bold" not in done.stdout
+    assert re.search(r"[+-]\d+\.\d%", done.stdout)

@@ -16,6 +16,7 @@ from simcap.calibrate.result import Fit
 def render_fit(fit: Fit, console: Any) -> None:
     """Rich tables: coefficients with intervals, then fitted vs measured, then warnings."""
     from rich.table import Table
+    from rich.text import Text
 
     pct = f"{fit.level:.0%}"
     table = Table(title=f"step-time coefficients ({fit.kind}; {pct} intervals)", title_justify="left")
@@ -46,7 +47,7 @@ def render_fit(fit: Fit, console: Any) -> None:
             err = "-" if r["rel_error"] is None else f"{r['rel_error']:+.1%}"
             bad = r["rel_error"] is not None and abs(r["rel_error"]) > fit.quality.get("warn_above", 0.1)
             res.add_row(r["point"], r["metric"], f"{r['measured']:.4g}", f"{r['fitted']:.4g}",
-                        f"[bold red]{err}[/]" if bad else err,
+                        Text(err, style="bold red") if bad else err,
                         "" if r["fitted_in_objective"] else "reported only")
         console.print(res)
     if fit.noise_report:
