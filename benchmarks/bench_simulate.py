@@ -25,6 +25,8 @@ and noisy: compare medians of runs measured side by side, never a lone figure. s
 bytecode (``__pycache__``) is compiled first, as a user's install has it (pip compiles an
 installed package; an editable one writes it on first import unless PYTHONDONTWRITEBYTECODE
 is set): without it every process compiles simcap again, some 0.1-0.15 s.
+``--interpreted`` adds the fast path with the engine's modules run as source
+(``SIMCAP_INTERPRETED=1``) beside the compiled ones, and prints their ratio.
 ``--num-requests 1000000`` is the million-request run: on the reference workload, 267 MiB peak
 RSS (whole process, 44.3M engine steps; shared 2-core x86-64 machine, Python 3.11.7, numpy 2.4).
 """
@@ -129,17 +131,26 @@ def measure_peer_process(name: str, num_requests: int | None) -> dict:
 
 def child(which: str, name: str, num_requests: int | None) -> None:
     data = scenario_data(name, num_requests)
-    out = run_peer(data) if which == "peer" else run_simcap(data, fast=which == "simcap")
+    out = run_peer(data) if which == "peer" else run_simcap(data, fast=which != "reference")
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if which != "peer":
+        from simcap import compiled
+
+        out["engine"] = compiled.summary()
     print(json.dumps(out))
 
 
 def measure(which: str, name: str, num_requests: int | None) -> dict:
+    """One run in a fresh child process; ``interpreted``: simcap's fast path with its engine
+    modules run as source (``SIMCAP_INTERPRETED=1``), beside the compiled ones."""
     cmd = [sys.executable, __file__, "--child", which, "--workload", name]
     if num_requests is not None:
         cmd += ["--num-requests", str(num_requests)]
+    env = {k: v for k, v in os.environ.items() if k != "SIMCAP_INTERPRETED"}
+    if which == "interpreted":
+        env["SIMCAP_INTERPRETED"] = "1"
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     process = time.perf_counter() - t0
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "process": process}
 
@@ -204,10 +215,14 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="also time the compiled peer, interleaved")
     parser.add_argument("--reference", action="store_true",
                         help="also time simcap's step-by-step reference path, interleaved")
+    parser.add_argument("--interpreted", action="store_true",
+                        help="also time the fast path with the engine modules run as source "
+                             "(SIMCAP_INTERPRETED=1), interleaved")
     parser.add_argument("--eagle3", action="store_true",
                         help="time the EAGLE3 workload against the one without speculation, "
                              "interleaved, and print the ratio")
-    parser.add_argument("--child", choices=["simcap", "reference", "peer"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["simcap", "interpreted", "reference", "peer"],
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     names = args.workload or list(WORKLOADS)
     if args.child:
@@ -234,6 +249,8 @@ def main() -> None:
                 print("compiled peer: not installed; skipped")
         if args.reference:
             arms.append("reference")
+        if args.interpreted:
+            arms.append("interpreted")
         if "peer" in arms:  # the whole simcap simulate process, against the peer's
             arms += ["cli", "peer-process"]
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
@@ -251,7 +268,7 @@ def main() -> None:
         wall = statistics.median(r["wall"] for r in sim)
         sim_s, steps = sim[0]["sim_s"], sim[0]["steps"]
         num = scenario_data(name, args.num_requests)["workload"]["num_requests"]
-        print(f"\n== {name}: {num:,} requests, {sim[0]['completed']:,} completed")
+        print(f"\n== {name}: {num:,} requests, {sim[0]['completed']:,} completed; {sim[0]['engine']}")
         print(f"wall s (median)   {wall:.3f}   all: {_walls(sim)}")
         process = statistics.median(r["process"] for r in sim)
         print(f"whole process s   {process:.3f}   all: {_walls(sim, 'process')}")
@@ -274,6 +291,10 @@ def main() -> None:
         if "reference" in runs:
             ref = statistics.median(r["wall"] for r in runs["reference"])
             print(f"reference path    {ref:.3f} s (median); fast path is {ref / wall:.1f}x faster")
+        if "interpreted" in runs:
+            interp = statistics.median(r["wall"] for r in runs["interpreted"])
+            print(f"interpreted       {interp:.3f} s (median; all: {_walls(runs['interpreted'])}; "
+                  f"{runs['interpreted'][0]['engine']}); compiled / interpreted {wall / interp:.2f}")
 
 
 if __name__ == "__main__":
