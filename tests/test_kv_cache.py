@@ -126,6 +126,17 @@ def test_private_blocks_enter_the_prefix_cache_only_when_their_request_is_preemp
     pool.check_invariants()
 
 
+def test_the_registration_rule_counts_blocks():
+    """_num_registrable (the rule the hot paths write inline): a request never preempted
+    registers its public prefix's full blocks, a preempted one all of its full blocks."""
+    pool = kv(num_blocks=9, block_size=4)
+    req = make_request(0, 12, 4, ((5, 6), (-1, 6)))  # 6 public tokens: 1 full block
+    req.num_output_tokens = 2  # 14 tokens: 3 full blocks
+    assert pool._num_registrable(req) == 1
+    pool._preempted.add(req.request_id)
+    assert pool._num_registrable(req) == 3
+
+
 def test_a_hash_computed_twice_keeps_both_copies_and_a_hit_takes_the_oldest_left():
     # vLLM does not de-duplicate: two requests computing the same block side by side each
     # cache their copy; evicting the copy the cache pointed to leaves the other to hit.

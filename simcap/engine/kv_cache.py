@@ -455,9 +455,11 @@ class KVCacheManager:
         A finished request's private blocks are never registered: no request can hit them.
         What shows is the same: every block a request could hit, and the order of the free
         queue (a block counts as cached when it is full, registered or not).
+
+        The rule is written inline where blocks fill (hot paths); this is its statement.
         """
         if request.request_id in self._preempted:
-            return request.num_tokens
+            return request.num_tokens // self.block_size  # all of its full blocks
         return request.num_public_tokens // self.block_size
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
