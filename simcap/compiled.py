@@ -1,9 +1,9 @@
 """Which engine modules run compiled, and the import hook that decides it.
 
-``pip install`` compiles the engine loop's modules (:data:`MODULES`) with Cython from their
-unchanged ``.py`` source (``setup.py``; a ``.pxd`` beside a few of them declares their hot
-classes as extension types) and writes ``simcap/_compiled.txt``: one line per module built, its
-name and the SHA-256 of the files it was built from. A compiled module computes what its source
+``pip install`` compiles the engine loop's modules (``ext-modules`` in ``pyproject.toml``) with
+Cython from their unchanged ``.py`` source (:mod:`simcap._build`; a ``.pxd`` beside a few of
+them declares their hot classes as extension types) and writes ``simcap/_compiled.txt``: one
+line per module built, its name and the SHA-256 of the files it was built from. A compiled module computes what its source
 computes, float operation for float operation, so results are byte-identical either way
 (``tests/test_compiled.py`` holds them to that); only the time differs.
 
@@ -21,20 +21,6 @@ from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec
 from importlib.util import spec_from_file_location
 from pathlib import Path
 
-# The modules of the engine loop: where a simulation spends its time. (setup.py reads this.)
-MODULES = (
-    "simcap.engine.kv_cache",
-    "simcap.engine.request",
-    "simcap.engine.scheduler",
-    "simcap.engine.speculative",
-    "simcap.engine.step_time",
-    "simcap.fast_forward",
-    "simcap.fast_verify",
-    "simcap.metrics",
-    "simcap.simulator",
-    "simcap.steplog",
-    "simcap.workload",
-)
 MANIFEST = "_compiled.txt"
 _PACKAGE_DIR = Path(__file__).parent
 
@@ -87,7 +73,8 @@ class CompiledFinder:
 
 
 def source_sha256(source: Path) -> str:
-    """As setup.py hashes a module: its source, then its declarations (``.pxd``) if any."""
+    """What a compiled module was built from: its source, then its declarations (``.pxd``)
+    if it has them (the build records this; the finder compares it)."""
     import hashlib
 
     digest = hashlib.sha256(source.read_bytes())

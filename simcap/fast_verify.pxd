@@ -1,5 +1,5 @@
-# Compile-time declarations for Cython (setup.py), read beside fast_verify.py: VerifyStretch as an
-# extension type (attributes read as C struct fields, not looked up by name).
+# Compile-time declarations for Cython (simcap/_build.py), read beside fast_verify.py:
+# VerifyStretch as an extension type (attributes read as C struct fields, not looked up by name).
 # Every field is a Python object, so the compiled class holds and computes what the source does;
 # tests/test_compiled.py checks that these fields are the ones the class sets.
 

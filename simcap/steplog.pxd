@@ -1,6 +1,6 @@
-# Compile-time declarations for Cython (setup.py), read beside steplog.py: StepLog as an extension
-# type (attributes read as C struct fields, not looked up by name); ``__dict__`` keeps any other
-# attribute settable, as on the Python class.
+# Compile-time declarations for Cython (simcap/_build.py), read beside steplog.py: StepLog as an
+# extension type (attributes read as C struct fields, not looked up by name); ``__dict__`` keeps
+# any other attribute settable, as on the Python class.
 # Every field is a Python object, so the compiled class holds and computes what the source does;
 # tests/test_compiled.py checks that these fields are the ones the class sets.
 

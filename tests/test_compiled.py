@@ -197,10 +197,14 @@ DECLARATIONS = sorted((ROOT / "simcap").rglob("*.pxd"))
 
 
 def test_there_are_declarations_and_each_module_is_compiled():
+    tomllib = pytest.importorskip("tomllib")
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"]
+    modules = {ext["name"] for ext in listed}
+    assert all(ext["sources"] == [f"{ext['name'].replace('.', '/')}.py"] for ext in listed)
     assert DECLARATIONS
     for pxd in DECLARATIONS:
         module = ".".join(pxd.relative_to(ROOT).with_suffix("").parts)
-        assert module in compiled.MODULES, f"{pxd} declares a module setup.py does not compile"
+        assert module in modules, f"{pxd} declares a module pyproject.toml does not compile"
 
 
 @pytest.mark.parametrize("pxd", DECLARATIONS, ids=lambda p: p.name)
