@@ -1,16 +1,18 @@
 """Which engine modules run compiled, and the import hook that decides it.
 
-``pip install`` compiles the engine loop's modules (``ext-modules`` in ``pyproject.toml``) with
-Cython from their unchanged ``.py`` source (:mod:`simcap._build`; a ``.pxd`` beside a few of
-them declares their hot classes as extension types) and writes ``simcap/_compiled.txt``: one
-line per module built, its name and the SHA-256 of the files it was built from. A compiled module computes what its source
-computes, float operation for float operation, so results are byte-identical either way
-(``tests/test_compiled.py`` holds them to that); only the time differs.
+``pip install`` compiles the engine loop's modules (``ext-modules`` in ``pyproject.toml``)
+with Cython from their unchanged ``.py`` source (:mod:`simcap._build`; a ``.pxd`` beside a few
+of them declares their hot classes as extension types) and writes ``simcap/_compiled.txt``:
+one line per module built, its name and the SHA-256 of the files it was built from
+(:func:`source_sha256`). A compiled module computes what its source computes, float operation
+for float operation, so results are byte-identical either way (``tests/test_compiled.py``
+holds them to that); only the time differs.
 
-Python would import an extension module in preference to the ``.py`` beside it, even after the
-source was edited. The finder installed here (first on ``sys.meta_path``, for listed modules
-only) loads the extension only while those files still have the recorded hash, and the source
-otherwise; ``SIMCAP_INTERPRETED=1`` always loads the source. :func:`status` says what ran.
+Python would import an extension module in preference to the ``.py`` beside it, even after
+the source was edited. The finder installed here (first on ``sys.meta_path``, for listed
+modules only) loads the extension only while those files still have the recorded hash, and
+the source otherwise; ``SIMCAP_INTERPRETED=1`` always loads the source. :func:`status` and
+:func:`summary` say what ran.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class CompiledFinder:
                 text = (self.package_dir / MANIFEST).read_text()
             except OSError:
                 text = ""
-            self._built = dict(line.split() for line in text.splitlines() if line.strip())
+            pairs = (line.split() for line in text.splitlines())
+            self._built = {p[0]: p[1] for p in pairs if len(p) == 2}  # (a torn line: not built)
         return self._built
 
     def find_spec(self, fullname: str, path=None, target=None) -> ModuleSpec | None:
@@ -64,7 +67,7 @@ class CompiledFinder:
         elif extension is None:
             why = "no extension module"
         elif source.exists() and source_sha256(source) != expected:
-            why = "source changed since it was compiled"
+            why = "source changed since it was compiled"  # (or its declarations)
         if why is None:
             self.loaded[fullname] = "compiled"
             return spec_from_file_location(fullname, extension)
