@@ -431,6 +431,7 @@ def sweep_cmd(
             task = bar.add_task("simulating", total=total)
         bar.update(task, completed=done, total=total)
 
+    startup.end()  # (the points are loaded and validated as the sweep starts)
     with user_errors():
         try:
             result = sw.run_sweep(
@@ -530,6 +531,7 @@ def calibrate_cmd(
                                         prior_sd=prior_sd, records=records)
         elif hardware or model or records:
             raise cal.CalibrationError("--hardware, --model, --records: only with --form roofline")
+        startup.end()  # what follows reads the measurements and fits them
         fit = cal.calibrate(
             inputs, recipe, form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
             num_speculative_tokens=num_speculative_tokens, bootstrap=bootstrap, warn_above=warn_above,

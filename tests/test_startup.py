@@ -208,8 +208,11 @@ def noting(stage, function):
         seen[stage] = {"threshold": gc.get_threshold()[0], "frozen": gc.get_freeze_count()}
         return function(*args, **kwargs)
     return noted
+import simcap.calibrate, simcap.sweep
 simcap.scenario.load_scenario = noting("load", simcap.scenario.load_scenario)
 simcap.simulator._World.run = noting("run", simcap.simulator._World.run)
+simcap.sweep.run_sweep = noting("sweep", simcap.sweep.run_sweep)
+simcap.calibrate.calibrate = noting("calibrate", simcap.calibrate.calibrate)
 before = gc.get_threshold()
 from simcap.cli import app
 for argv in json.loads(sys.argv[1]):
@@ -237,4 +240,19 @@ def test_command_collects_rarely_while_starting_then_as_usual():
     assert seen["load"]["threshold"] >= COLLECT_EVERY
     assert seen["run"]["threshold"] == seen["before"][0] < COLLECT_EVERY
     assert seen["run"]["frozen"] > 10_000  # typer, pydantic, numpy, the scenario's models
+    assert seen["after"] == seen["before"] and seen["frozen_after"] == 0
+
+
+def test_sweep_and_calibrate_end_their_start_up_before_their_work(tmp_path):
+    """Their work (the sweep's points, the fit) runs with the collector's own thresholds."""
+    lines = ["num_decode_tokens,step_time_s"] + [f"{d},{0.005 + 1e-4 * d}" for d in range(1, 40)]
+    (tmp_path / "s.csv").write_text("\n".join(lines) + "\n")
+    argvs = [["sweep", "examples/chat.yaml", "--grid", "workload.num_requests=10,20", "--workers", "1",
+              "--json"],
+             ["calibrate", str(tmp_path / "s.csv"), "--out", str(tmp_path / "p.yaml"), "--json"]]
+    done = subprocess.run([sys.executable, "-c", _GC_PROBE, json.dumps(argvs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    seen = json.loads(done.stderr.strip().splitlines()[-1])
+    assert seen["codes"] == [0, 0], done.stderr[-2000:]
+    assert seen["sweep"]["threshold"] == seen["calibrate"]["threshold"] == seen["before"][0]
     assert seen["after"] == seen["before"] and seen["frozen_after"] == 0

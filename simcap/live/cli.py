@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from simcap import report
+from simcap import report, startup
 from simcap.errors import SimcapError, SimulationError
 
 live_app = typer.Typer(
@@ -370,6 +370,7 @@ def calibrate_cmd(
             from simcap.live.client import LiveError
 
             raise LiveError(f"--form: linear or roofline (got {form!r})")
+        startup.end()  # the run and the fit: collections as usual
         result = calibrate_live(
             base_url, model, out, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, log_path=log, num_requests=requests,
