@@ -335,6 +335,16 @@ class _StreamError(Exception):
     pass
 
 
+def cancel_requested() -> bool:
+    """Whether the running task has been asked to stop. Before Python 3.12, ``asyncio.wait_for``
+    returns its result and drops a cancellation that arrives as the awaited request completes;
+    a client loop that went on would send the rest of the workload after a Ctrl-C, so each
+    finished request checks this (``Task.cancelling``, Python 3.11+) and stops its loop."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling is not None and cancelling())
+
+
 async def stream_request(
     client: httpx.AsyncClient,
     url: str,
@@ -642,6 +652,8 @@ async def _run_live_async(
                     on_record(rec)
                 if prog is not None:
                     prog.advance(prog.task_ids[0])
+                if cancel_requested():  # (a cancellation wait_for swallowed: stop here)
+                    raise asyncio.CancelledError
                 return rec
 
             next_request_id = 0  # sessions: request ids in send order, as the simulator's

@@ -454,3 +454,46 @@ def test_a_live_session_run_replays_as_its_sessions_in_the_simulator():
         assert row["ttft_p50"]["live"] == [live_row["ttft_s"]["p50"]]
         assert row["ttft_p50"]["predicted"] == sim_sessions["by_turn"][row["turn"]]["ttft_s"]["p50"]
         assert row["live_requests"] == row["predicted_requests"]
+
+
+def test_a_cancellation_wait_for_swallows_still_stops_the_client_loop():
+    """Before Python 3.12 ``asyncio.wait_for`` returns its result when a cancellation arrives as
+    the awaited request completes (a Ctrl-C then went unheard until the whole workload was
+    sent); ``cancel_requested`` still sees it, which is what each finished request checks."""
+    import asyncio
+
+    from simcap.live.client import cancel_requested
+
+    async def scene():
+        done = asyncio.get_running_loop().create_future()
+
+        async def request():
+            return await done
+
+        async def client():
+            result = await asyncio.wait_for(request(), 10)
+            return result, cancel_requested()
+
+        task = asyncio.create_task(client())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        done.set_result("finished")
+        task.cancel()  # as the request completes
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return "cancelled", True
+
+    outcome = asyncio.run(scene())
+    assert outcome[1], outcome  # swallowed (3.11) or delivered (3.12+): either way, seen
+
+
+def test_no_cancellation_is_seen_where_none_was_asked():
+    import asyncio
+
+    from simcap.live.client import cancel_requested
+
+    async def scene():
+        return cancel_requested()
+
+    assert asyncio.run(scene()) is False
