@@ -8,6 +8,10 @@ built and the SHA-256 of the files each was built from; :mod:`simcap.compiled` l
 extension only while its files still have that hash, so an edited module runs as the edited
 source until the next ``pip install``. A machine without a C compiler (or a build that fails)
 gets the same package, interpreted: same results, slower. Used only while installing.
+
+It is also the package's build backend (``pyproject.toml``): setuptools' own, re-exported, so
+that the project's root is on the build's path and ``simcap._build.CompiledEngine`` can be
+imported by name.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from setuptools.build_meta import *  # noqa: F401,F403  (the PEP 517 hooks)
 from setuptools.command.build_ext import build_ext
 
 from simcap.compiled import MANIFEST, source_sha256
