@@ -3,7 +3,8 @@
 The ONLY place live mode runs against a fake: an in-process ``httpx.MockTransport`` that
 speaks vLLM's streaming protocol, so each fault is injected into one known request and the
 test checks that it is recorded as an error while every other request is kept intact; and
-two such hosts behind one transport, to check which host each routed request went to. (It
+two such hosts behind one transport, to check which host each routed request went to. Also
+the client's check for a cancellation ``asyncio.wait_for`` swallows (no server at all). (It
 needs no server, so it runs in the default test suite.)
 """
 
