@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec
-from importlib.util import spec_from_file_location
-from pathlib import Path
+from importlib.machinery import EXTENSION_SUFFIXES
 
+# (os.path, not pathlib, and importlib.util only when a listed module is found: ``import
+# simcap`` loads this module, and pathlib with importlib.util cost it some 10 ms.)
 MANIFEST = "_compiled.txt"
-_PACKAGE_DIR = Path(__file__).parent
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def interpreted_by_request() -> bool:
@@ -34,8 +34,8 @@ def interpreted_by_request() -> bool:
 class CompiledFinder:
     """A meta-path finder for the modules named in the manifest (see the module docstring)."""
 
-    def __init__(self, package_dir: Path = _PACKAGE_DIR) -> None:
-        self.package_dir = package_dir
+    def __init__(self, package_dir: str | os.PathLike = _PACKAGE_DIR) -> None:
+        self.package_dir = os.fspath(package_dir)
         self._built: dict[str, str] | None = None
         self.loaded: dict[str, str] = {}  # module -> "compiled" | "interpreted (why)"
 
@@ -43,47 +43,51 @@ class CompiledFinder:
         """Module name -> SHA-256 of the source it was compiled from (empty: none built)."""
         if self._built is None:
             try:
-                text = (self.package_dir / MANIFEST).read_text()
+                with open(os.path.join(self.package_dir, MANIFEST)) as f:
+                    text = f.read()
             except OSError:
                 text = ""
             pairs = (line.split() for line in text.splitlines())
             self._built = {p[0]: p[1] for p in pairs if len(p) == 2}  # (a torn line: not built)
         return self._built
 
-    def find_spec(self, fullname: str, path=None, target=None) -> ModuleSpec | None:
-        if not fullname.startswith("simcap."):
-            return None
-        expected = self.built().get(fullname)
-        if expected is None:
-            return None
+    def decide(self, fullname: str) -> tuple[str, str | None]:
+        """For a module the manifest names: the file to load and, when that is the source in
+        place of the extension, why (:class:`str`; None: the extension)."""
         *package, leaf = fullname.split(".")[1:]
-        directory = self.package_dir.joinpath(*package)
-        source = directory / f"{leaf}.py"
-        extension = next((directory / f"{leaf}{suffix}" for suffix in EXTENSION_SUFFIXES
-                          if (directory / f"{leaf}{suffix}").exists()), None)
-        why = None
+        directory = os.path.join(self.package_dir, *package)
+        source = os.path.join(directory, f"{leaf}.py")
+        extension = next((path for suffix in EXTENSION_SUFFIXES
+                          if os.path.exists(path := os.path.join(directory, leaf + suffix))), None)
         if interpreted_by_request():
-            why = "SIMCAP_INTERPRETED is set"
-        elif extension is None:
-            why = "no extension module"
-        elif source.exists() and source_sha256(source) != expected:
-            why = "source changed since it was compiled"  # (or its declarations)
-        if why is None:
-            self.loaded[fullname] = "compiled"
-            return spec_from_file_location(fullname, extension)
-        self.loaded[fullname] = f"interpreted ({why})"
-        return spec_from_file_location(fullname, source)
+            return source, "SIMCAP_INTERPRETED is set"
+        if extension is None:
+            return source, "no extension module"
+        if os.path.exists(source) and source_sha256(source) != self.built()[fullname]:
+            return source, "source changed since it was compiled"  # (or its declarations)
+        return extension, None
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if not fullname.startswith("simcap.") or fullname not in self.built():
+            return None
+        from importlib.util import spec_from_file_location
+
+        location, why = self.decide(fullname)
+        self.loaded[fullname] = "compiled" if why is None else f"interpreted ({why})"
+        return spec_from_file_location(fullname, location)
 
 
-def source_sha256(source: Path) -> str:
+def source_sha256(source: str | os.PathLike) -> str:
     """What a compiled module was built from: its source, then its declarations (``.pxd``)
     if it has them (the build records this; the finder compares it)."""
     import hashlib
 
-    digest = hashlib.sha256(source.read_bytes())
-    declarations = source.with_suffix(".pxd")
-    if declarations.exists():
-        digest.update(declarations.read_bytes())
+    source = os.fspath(source)
+    digest = hashlib.sha256()
+    for path in (source, source[: -len(".py")] + ".pxd"):
+        if path == source or os.path.exists(path):
+            with open(path, "rb") as f:
+                digest.update(f.read())
     return digest.hexdigest()
 
 
