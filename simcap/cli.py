@@ -566,8 +566,6 @@ def version() -> None:
     from simcap import compiled
     from simcap.scenario import DEFAULT_VLLM_VERSION
 
-    import simcap.simulator  # noqa: F401  (the engine's modules, so that their state is known)
-
     typer.echo(f"simcap {__version__} (models vLLM {DEFAULT_VLLM_VERSION} V1 by default)")
     typer.echo(compiled.summary())
 

@@ -73,7 +73,7 @@ class CompiledFinder:
         from importlib.util import spec_from_file_location
 
         location, why = self.decide(fullname)
-        self.loaded[fullname] = "compiled" if why is None else f"interpreted ({why})"
+        self.loaded[fullname] = _state(why)
         return spec_from_file_location(fullname, location)
 
 
@@ -101,9 +101,14 @@ def install() -> None:
 
 
 def status() -> dict[str, str]:
-    """Each compiled-capable module -> how it runs in this process: ``compiled``,
-    ``interpreted (why)``, or ``not imported``. Empty where nothing was built."""
-    return {name: _FINDER.loaded.get(name, "not imported") for name in sorted(_FINDER.built())}
+    """Each compiled-capable module -> how it runs in this process (``compiled`` or
+    ``interpreted (why)``): as it was loaded, or as it would be. Empty where nothing was built."""
+    return {name: _FINDER.loaded.get(name) or _state(_FINDER.decide(name)[1])
+            for name in sorted(_FINDER.built())}
+
+
+def _state(why: str | None) -> str:
+    return "compiled" if why is None else f"interpreted ({why})"
 
 
 def summary() -> str:
@@ -116,8 +121,5 @@ def summary() -> str:
         return f"engine modules interpreted (SIMCAP_INTERPRETED set; {len(built)} compiled at install)"
     states = status()
     compiled = sum(1 for state in states.values() if state == "compiled")
-    imported = sum(1 for state in states.values() if state != "not imported")
-    others = "; ".join(f"{name} {state}" for name, state in states.items()
-                       if state not in ("compiled", "not imported"))
-    return (f"engine modules compiled: {compiled} of {imported} imported ({len(built)} built)"
-            + (f"; {others}" if others else ""))
+    others = "; ".join(f"{name} {state}" for name, state in states.items() if state != "compiled")
+    return f"engine modules compiled: {compiled} of {len(built)}" + (f"; {others}" if others else "")
