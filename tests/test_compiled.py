@@ -98,6 +98,12 @@ def built() -> dict[str, str]:
     return CompiledFinder().built()
 
 
+def listed_modules() -> list[dict]:
+    """``ext-modules`` of pyproject.toml: the modules the install compiles."""
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"]
+
+
 def test_ci_builds_the_compiled_engine():
     """The project's own install (``pip install -e .``) compiles every listed module, and in
     this process each runs compiled. Off CI, a machine without a C compiler may run the source."""
@@ -105,8 +111,7 @@ def test_ci_builds_the_compiled_engine():
         pytest.skip("no compiled engine modules were built at install on this machine")
     import simcap.simulator  # noqa: F401
 
-    tomllib = pytest.importorskip("tomllib")
-    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"]
+    listed = listed_modules()
     assert set(built()) == {ext["name"] for ext in listed}
     states = compiled.status()
     if os.environ.get("SIMCAP_INTERPRETED"):
@@ -203,8 +208,7 @@ DECLARATIONS = sorted((ROOT / "simcap").rglob("*.pxd"))
 
 
 def test_there_are_declarations_and_each_module_is_compiled():
-    tomllib = pytest.importorskip("tomllib")
-    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"]
+    listed = listed_modules()
     modules = {ext["name"] for ext in listed}
     assert all(ext["sources"] == [f"{ext['name'].replace('.', '/')}.py"] for ext in listed)
     assert DECLARATIONS
