@@ -5,6 +5,10 @@
 
 import cython
 
+from simcap.engine.kv_cache cimport KVCacheManager
+from simcap.engine.request cimport Request
+from simcap.engine.scheduler cimport Scheduler
+
 
 cdef class VerifyStretch:
     cdef public object world
@@ -69,6 +73,8 @@ cdef class VerifyStretch:
 
     # The stretch's steps call these on a typed stretch: C calls. Their integer counters
     # (requests, steps, indices: far below 2**63) are C integers inside run_bulk.
+    @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
+    cpdef _start(self, world, now, first, reqs, nts, num_waiting)
     cpdef schedule(self)
     @cython.locals(num_reqs=Py_ssize_t, k=Py_ssize_t, m=Py_ssize_t, size=Py_ssize_t,
                    ui=Py_ssize_t, fin=Py_ssize_t, cap=Py_ssize_t, b=Py_ssize_t, i=Py_ssize_t,
@@ -77,11 +83,18 @@ cdef class VerifyStretch:
                    a=Py_ssize_t)
     cpdef run_bulk(self, horizon)
     cpdef run_step(self, horizon)
+    @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
     cpdef go_on(self, horizon)
+    @cython.locals(req=Request, scheduler=Scheduler)
     cpdef flush(self)
+    @cython.locals(req=Request, kv=KVCacheManager)
     cpdef hand_out(self)
+    @cython.locals(req=Request)
     cpdef apply(self)
 
 
 @cython.locals(stretch=VerifyStretch)
 cpdef advance_verify_stretch(world, now, horizon, first=*, span=*)
+
+@cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
+cpdef schedule_verify_admission(world)

@@ -217,6 +217,16 @@ class VerifyStretch:
                     return None  # a prompt chunk that does not complete: no token this step
                 nts.append(nt)
         self = cls()
+        self._start(world, now, first, reqs, nts, num_waiting)
+        return self
+
+    def _start(self, world, now: float, first: SchedulerOutput | None, reqs: list[Request],
+               nts: list[int], num_waiting: int) -> None:
+        """Set up the stretch that :meth:`begin` found covered: ``reqs`` (in batch order) with
+        ``nts`` tokens each, ``num_waiting`` waiting."""
+        scheduler = world.scheduler
+        num_reqs = len(reqs)
+        acceptance = world.acceptance
         self.world = world
         self.reqs = reqs
         self.num_reqs = num_reqs
@@ -299,7 +309,6 @@ class VerifyStretch:
             self.verify = first.num_verify_tokens
             self.context = first.num_context_tokens
             self.prefill = first.num_prefill_tokens
-        return self
 
     def schedule(self) -> bool:
         """Schedule the next step: drafts capped by max_model_len, then the budget, the

@@ -311,15 +311,19 @@ def test_fast_path_is_taken_on_long_decodes(roofline):
 def test_decode_shortcut_changes_nothing(scenario):
     """The scheduler skips allocate_slots for a decode token inside a held, not-yet-full block;
     calling it every time (the shortcut off) must give the same run."""
-    from simcap.engine.kv_cache import KVCacheManager
+    from simcap.engine import scheduler as scheduler_module
+
+    class NoShortcut(scheduler_module.KVCacheManager):  # (a compiled class cannot be patched)
+        def num_blocks_held(self, request):
+            return 0  # the shortcut never applies
 
     shortcut = simulate(scenario, fast=False, records=True, steps=True)
-    original = KVCacheManager.num_blocks_held
-    KVCacheManager.num_blocks_held = lambda self, request: 0  # shortcut never applies
+    original = scheduler_module.KVCacheManager
+    scheduler_module.KVCacheManager = NoShortcut
     try:
         always = simulate(scenario, fast=False, records=True, steps=True)
     finally:
-        KVCacheManager.num_blocks_held = original
+        scheduler_module.KVCacheManager = original
     assert shortcut.records == always.records and shortcut.steps == always.steps
     assert to_json(shortcut.to_dict()) == to_json(always.to_dict())
 

@@ -276,7 +276,7 @@ def test_many_touches_few_pops_keep_the_queue_small(compact_at):
 @pytest.mark.parametrize("planted", ["tail_head_swapped"])
 def test_the_comparison_catches_a_planted_bug(planted, monkeypatch):
     """A pool whose free() sends hashed blocks to the head must fail the comparison."""
-    from simcap.engine import kv_cache
+    import types
 
     def bad_extend(self, blocks):  # hashed blocks to the head instead of the tail
         self._front += blocks
@@ -284,7 +284,8 @@ def test_the_comparison_catches_a_planted_bug(planted, monkeypatch):
 
     pool = KVCacheManager(9, 4, 1000)
     oracle = OracleKVCacheManager(9, 4, 1000)
-    monkeypatch.setattr(kv_cache.FreeBlockQueue, "extend", bad_extend)
+    # (on the pool's queue: a compiled class's methods cannot be replaced)
+    monkeypatch.setattr(pool.free_queue, "extend", types.MethodType(bad_extend, pool.free_queue))
     reqs = [Request(i + 1, 0.0, 8, 10) for i in range(2)]
     for req in reqs:
         assert pool.allocate_slots(req, 8) and oracle.allocate_slots(req, 8)

@@ -3,6 +3,11 @@
 # keeps any other attribute settable, as on the Python class.
 # Every field is a Python object, so the compiled class holds and computes what the source does;
 # tests/test_compiled.py checks that these fields are the ones the class sets.
+# The methods declared below type the requests they walk as Request (C struct reads).
+
+import cython
+
+from simcap.engine.request cimport Request
 
 cdef class Scheduler:
     cdef public object config
@@ -23,3 +28,18 @@ cdef class Scheduler:
     cdef public object _stats_at_admission
     cdef public object _may_pad
     cdef dict __dict__
+
+    @cython.locals(req=Request)
+    cpdef _advance(self, out)
+    @cython.locals(req=Request)
+    cpdef _add(self, out, Request req, n, num_spec)
+    @cython.locals(req=Request)
+    cpdef _schedule_running(self, out, budget, threshold)
+    @cython.locals(req=Request)
+    cpdef _preempt(self, Request req, out)
+    @cython.locals(req=Request)
+    cpdef _schedule_waiting(self, out, budget, threshold)
+    @cython.locals(req=Request)
+    cpdef update_from_output(self, out, num_accepted=*)
+    @cython.locals(req=Request)
+    cpdef finish_requests(self, finished)

@@ -297,7 +297,12 @@ class Scheduler:
         # drafts that no verification accepts, so that the step stays a uniform decode batch.
         # Only when no running request is prefilling in this step and either a running
         # request was scheduled or the admitted one hit the cache.
-        pad = self._may_pad and not any(r.is_prefill_chunk for r in out.reqs)
+        pad = self._may_pad
+        if pad:
+            for req in out.reqs:
+                if req.is_prefill_chunk:
+                    pad = False
+                    break
         num_running_scheduled = len(out.reqs)
         reserve_full_isl = self.features.reserve_full_isl
         stats_at_lookup = self._stats_at_lookup
@@ -345,7 +350,7 @@ class Scheduler:
                 if hit_blocks:
                     ref_cnt = kv.ref_cnt
                     need -= len(hit_blocks)
-                    need += sum(1 for b in hit_blocks if ref_cnt[b] == 0)
+                    need += [ref_cnt[b] for b in hit_blocks].count(0)
                 if need + headroom > kv.free_queue.num_free:
                     break
             elif headroom:
