@@ -1,6 +1,8 @@
 # Compile-time declarations for Cython (simcap/_build.py), read beside fast_forward.py: the
 # requests these functions walk are typed as Request, and the scheduler and KV pool they drive
 # by their classes, so that fields are C struct reads and the pool's cpdef methods C calls.
+# Counts of requests, steps and blocks (far below 2**63) are C integers; a C integer's true
+# division is that of the exact quotient, rounded once, as Python's int / int.
 
 import cython
 
@@ -12,5 +14,11 @@ from simcap.engine.scheduler cimport Scheduler
 @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
 cpdef schedule_admission(world)
 
-@cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager, free_queue=FreeBlockQueue)
+@cython.locals(e=Py_ssize_t, step=Py_ssize_t, done=Py_ssize_t, free=Py_ssize_t,
+               num_reqs=Py_ssize_t, num_steps=Py_ssize_t)
+cpdef usage_runs_by_step(events, num_reqs, num_steps, free, scale)
+
+@cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager, free_queue=FreeBlockQueue,
+               num_reqs=Py_ssize_t, m=Py_ssize_t, b=Py_ssize_t, j=Py_ssize_t, e=Py_ssize_t,
+               stride=Py_ssize_t, end=Py_ssize_t)
 cpdef advance_decode_stretch(world, now, horizon, admitted=*, span=*)
