@@ -298,7 +298,7 @@ class Scheduler:
         # Only when no running request is prefilling in this step and either a running
         # request was scheduled or the admitted one hit the cache.
         pad = self._may_pad
-        if pad:
+        if pad:  # (loops, not generator expressions: a cpdef method holds no closure, .pxd)
             for req in out.reqs:
                 if req.is_prefill_chunk:
                     pad = False

