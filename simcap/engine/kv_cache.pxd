@@ -59,7 +59,7 @@ cdef class KVCacheManager:
     @cython.locals(request=Request, free_queue=FreeBlockQueue)
     cpdef allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=*,
                          new_computed_blocks=*, num_lookahead_tokens=*)
-    @cython.locals(request=Request, free_queue=FreeBlockQueue)
+    @cython.locals(request=Request)
     cpdef append_blocks(self, requests)
     @cython.locals(request=Request)
     cpdef cache_blocks(self, request, num_tokens)
@@ -67,5 +67,5 @@ cdef class KVCacheManager:
     cpdef _cache_full_blocks(self, request, num_tokens)
     @cython.locals(request=Request)
     cpdef _register(self, request, start, stop, blocks=*)
-    @cython.locals(request=Request, free_queue=FreeBlockQueue)
+    @cython.locals(request=Request)
     cpdef free(self, request)

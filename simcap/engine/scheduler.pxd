@@ -31,11 +31,9 @@ cdef class Scheduler:
 
     @cython.locals(req=Request)
     cpdef _advance(self, out)
-    @cython.locals(req=Request)
     cpdef _add(self, out, Request req, n, num_spec)
     @cython.locals(req=Request)
     cpdef _schedule_running(self, out, budget, threshold)
-    @cython.locals(req=Request)
     cpdef _preempt(self, Request req, out)
     @cython.locals(req=Request)
     cpdef _schedule_waiting(self, out, budget, threshold)
