@@ -14,6 +14,10 @@ from simcap.engine.scheduler cimport Scheduler
 @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
 cpdef schedule_admission(world)
 
+@cython.locals(periods=list, t=cython.double, horizon=cython.double, lo=Py_ssize_t, n=Py_ssize_t,
+               j=Py_ssize_t, s=cython.double, p=cython.double, v=cython.double[:])
+cpdef decode_starts(periods, t, horizon, lo)
+
 @cython.locals(e=Py_ssize_t, step=Py_ssize_t, done=Py_ssize_t, free=Py_ssize_t,
                num_reqs=Py_ssize_t, num_steps=Py_ssize_t)
 cpdef usage_runs_by_step(events, num_reqs, num_steps, free, scale)

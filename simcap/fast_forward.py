@@ -26,9 +26,8 @@ reference (``simulate(..., fast=False)``) on random scenarios.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from array import array
 from heapq import heappush
-from itertools import accumulate
 from typing import NamedTuple
 
 import simpy
@@ -39,6 +38,7 @@ from simcap.engine.scheduler import SchedulerOutput
 
 MIN_STRETCH = 2  # a lone step goes through the reference path
 PRICE_STEPS = 32  # steps of a decode stretch priced before looking at the horizon
+_ZERO = array("d", [0.0])
 
 
 class Admission(NamedTuple):
@@ -101,6 +101,33 @@ def schedule_admission(world) -> Admission | None:
     return Admission(out, lefts, needs, context + len(lefts))
 
 
+def decode_starts(periods: list[float], t: float, horizon: float, lo: int) -> array:
+    """Start times of steps of ``periods`` run back to back from ``t``, cut before the first
+    step (from index ``lo`` on) that would start at or after ``horizon``: an array of the
+    ``m`` steps' starts and the last one's end (``m`` is ``len(result) - 1``; ``m ==
+    len(periods)`` when none is cut). Each start is the previous one plus its step's period,
+    one float addition at a time, as SimPy's clock adds step after step (and as
+    ``itertools.accumulate`` would); computed into a float array (C doubles when compiled),
+    which the step log and the stream gaps take as it is."""
+    n = len(periods)
+    out = _ZERO * (n + 1)
+    v = out  # (a typed memoryview when compiled)
+    s = t
+    j = 0
+    while j < n:
+        if j >= lo and s >= horizon:
+            break
+        v[j] = s
+        p = periods[j]
+        s = s + p
+        j += 1
+    v[j] = s
+    v = None  # (the array cannot be resized while viewed)
+    if j < n:
+        del out[j + 1 :]
+    return out
+
+
 def usage_runs_by_step(
     events: list[int], num_reqs: int, num_steps: int, free: int, scale: int
 ) -> tuple[list[float], list[int], int]:
@@ -126,11 +153,11 @@ def usage_runs_by_step(
 
 
 def log_stretch(
-    steps, first: SchedulerOutput | None, starts: list[float], periods: list[float],
+    steps, first: SchedulerOutput | None, starts: array, periods: list[float],
     usages: list[float], counts: list[int], num_reqs: int, num_waiting: int = 0,
 ) -> None:
     """Write a stretch's steps into the step log ``steps``: step j started at ``starts[j]``
-    and took ``periods[j]`` (``starts`` may run on past the last step); KV usage as runs,
+    (a float array; it may run on past the last step) and took ``periods[j]``; KV usage as runs,
     ``counts[i]`` steps of ``usages[i]`` in turn (both lists are consumed). The first step is
     ``first`` when given, a step already scheduled (its new requests are scheduled at its
     start); the others are pure-decode steps of ``num_reqs`` requests, ``num_waiting``
@@ -182,9 +209,10 @@ def advance_decode_stretch(
     stretch's first step, when after it every running request decodes and nothing waits;
     otherwise None is returned and the caller runs that step the reference way.
 
-    Plain Python floats throughout: a stretch is typically tens of steps of a few requests,
-    where numpy's per-call cost exceeds the arithmetic, and float operations are the
-    step-time model's own, in its order, so every time equals the reference path's. The
+    No numpy: a stretch is typically tens of steps of a few requests, where numpy's per-call
+    cost exceeds the arithmetic. Float operations are the step-time model's own, in its
+    order, so every time equals the reference path's; the start times are a float array
+    (:func:`decode_starts`), which the step log and the stream gaps copy as a block. The
     running batch is read once per span (what each request has left, and when it next
     needs a block, carried from segment to segment) and written once (its tokens; a
     finished request's at its finish).
@@ -243,13 +271,13 @@ def advance_decode_stretch(
     finishing: list[Request] = []  # those of the span's last segment
     while True:
         # Step periods (the step-time model's decode_periods: step_period's float operations
-        # on integers) and start times, up to the segment's first finish; then cut after the
-        # last step that starts before the horizon. Times are accumulated one step at a time
-        # (itertools.accumulate: the same additions, in C).
+        # on integers) up to the segment's first finish, and the start times of those that
+        # run: step j (0-based) runs only if it starts before the horizon; a scheduled first
+        # step runs. (A later segment starts before the horizon: its first step runs.)
+        lo = 1 if first is not None else 0
         if noise is not None:  # per-step factors on the forward time: simcap.engine.noise
-            periods, starts = noise.price_stretch(
-                model, first, running, context, t, horizon, m_finish
-            )
+            periods = noise.price_stretch(model, first, running, context, t, horizon, m_finish)
+            starts = decode_starts(periods, t, horizon, lo)
         else:
             periods = []
             todo = m_finish
@@ -265,8 +293,8 @@ def advance_decode_stretch(
             priced = todo if todo < PRICE_STEPS else PRICE_STEPS
             if priced > 0:
                 periods += model.decode_periods(num_reqs, context, priced)
-            starts = list(accumulate(periods, initial=t))
-            if priced < todo and starts[-1] < horizon:
+            starts = decode_starts(periods, t, horizon, lo)
+            if priced < todo and starts[-1] < horizon:  # (none cut: its last is their end)
                 s = starts.pop()
                 rest = todo - priced
                 p = periods[-1]
@@ -274,14 +302,10 @@ def advance_decode_stretch(
                     rest = int((horizon - s) / p) + 2
                 more = model.decode_periods(num_reqs, context + num_reqs * priced, rest)
                 periods += more
-                starts += accumulate(more, initial=s)
-        # Step j (0-based) runs only if it starts before the horizon; a scheduled first step
-        # runs. (A later segment starts before the horizon: its first step runs.)
-        m = bisect_left(starts, horizon, 1 if first is not None else 0, len(periods))
+                starts += decode_starts(more, s, horizon, 0)
+        m = len(starts) - 1  # the steps that run
         if m < len(periods):
-            del starts[m + 1 :], periods[m:]
-        else:
-            m = len(periods)
+            del periods[m:]
         if not done and first is None and m < MIN_STRETCH:
             return None
 

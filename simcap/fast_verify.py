@@ -31,6 +31,7 @@ order and amount stepping reads it.
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from operator import sub
@@ -705,7 +706,7 @@ class VerifyStretch:
         reqs = self.reqs
         self.hand_out()
         if self.periods:
-            starts = self.starts
+            starts = array("d", self.starts)  # (copied as a block by the log and the gaps)
             log_stretch(
                 world.steps, self.first, starts, self.periods, self.usages, self.counts,
                 self.num_reqs, self.num_waiting,

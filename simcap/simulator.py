@@ -123,8 +123,8 @@ def _token_counts(values: list[int]) -> np.ndarray:
 class _StretchGaps:
     """Buffered stretches of steps in which each of a stretch's requests gets a chunk at every
     step: each stretch's start then its chunk times, and how many requests it had. The times
-    join a float array as each stretch comes (``array.fromlist``, while they are fresh: about
-    half the time of keeping the floats in a list and converting them when taken)."""
+    join a float array as each stretch comes (a stretch's own float array, copied as a block;
+    any sequence of floats will do)."""
 
     __slots__ = ("times", "lens", "sizes")
 
@@ -133,10 +133,10 @@ class _StretchGaps:
         self.lens: list[int] = []
         self.sizes: list[int] = []
 
-    def add(self, times: list[float], num_reqs: int) -> int:
+    def add(self, times: array, num_reqs: int) -> int:
         """Buffer a stretch; returns how many times the buffer now holds."""
         buffered = self.times
-        buffered.fromlist(times)
+        buffered.extend(times)
         self.lens.append(len(times))
         self.sizes.append(num_reqs)
         return len(buffered)
@@ -374,9 +374,9 @@ class _World:
         if self.records is not None:
             self.records[req.request_id].add_chunk(now, num_tokens)
 
-    def emit_stretch(self, reqs: list[Request], times: list[float], gaps: list[float]) -> None:
-        """One token per request at each of ``times[1:]`` (a stretch of decode steps; ``times[0]``
-        is its start); ``gaps``: from the previous token to the first here, for each request
+    def emit_stretch(self, reqs: list[Request], times: array, gaps: list[float]) -> None:
+        """One token per request at each of ``times[1:]`` (a float array: a stretch of decode
+        steps; ``times[0]`` is its start); ``gaps``: from the previous token to the first here, for each request
         that had one (the caller has set the requests' token times)."""
         single = self._single_gaps
         single += gaps
@@ -395,9 +395,9 @@ class _World:
                 rec.chunk_times.extend(ends)
                 rec.chunk_tokens.extend(ones)
 
-    def emit_steps(self, reqs: list[Request], times: list[float], news: list[int]) -> None:
+    def emit_steps(self, reqs: list[Request], times: array, news: list[int]) -> None:
         """The chunks of a stretch of steps in which every one of ``reqs`` samples: at
-        ``times[j + 1]`` (``times[0]`` is its start), ``news[j * len(reqs) + b]`` tokens reach
+        ``times[j + 1]`` (a float array; ``times[0]`` is its start), ``news[j * len(reqs) + b]`` tokens reach
         ``reqs[b]``."""
         first = times[1]
         last = times[-1]

@@ -42,9 +42,9 @@ class StepLog:
         self._num_rows = 0
         # Rows not yet reduced: their start times, and their KV usages, each row's holding
         # until the next row's start; then the reduction so far. Rows join the arrays as they
-        # come (8 bytes a row: a fleet has one log per replica), a stretch's at once
-        # (``array.fromlist``: twice as fast as converting a list of the stretch's floats
-        # later, and the floats need not be kept). Usages come as runs: ``_run_counts[i]``
+        # come (8 bytes a row: a fleet has one log per replica), a stretch's at once (its
+        # start times come as a float array, copied as a block; its usages as a list,
+        # ``array.fromlist``, while the floats are fresh). Usages come as runs: ``_run_counts[i]``
         # rows of ``_run_usages[i]`` in turn, expanded into ``_usages`` before a fold.
         self._starts = array("d")
         self._usages = array("d")
@@ -95,15 +95,16 @@ class StepLog:
             c["num_preempted"].append(num_preempted)
 
     def extend_decode(
-        self, starts: list[float], durations: list[float], usages: list[float], num_reqs: int,
+        self, starts: array, durations: list[float], usages: list[float], num_reqs: int,
         num_waiting: int = 0, counts: list[int] | None = None,
     ) -> None:
         """Rows of pure-decode steps of ``num_reqs`` requests, ``num_waiting`` waiting (none
-        preempted). ``usages``: each row's KV usage or, with ``counts``, runs of rows that
-        share one: ``counts[i]`` rows of ``usages[i]`` in turn (each count >= 1). Lists."""
+        preempted), started at ``starts`` (a float array, copied as a block; any sequence of
+        floats will do). ``usages``: each row's KV usage or, with ``counts``, runs of rows
+        that share one: ``counts[i]`` rows of ``usages[i]`` in turn (each count >= 1). Lists."""
         n = len(starts)
         self.last = (num_reqs, num_waiting, usages[-1])
-        self._starts.fromlist(starts)
+        self._starts.extend(starts)
         self._run_usages.fromlist(usages)
         if counts is None:
             self._run_counts += _ONE * n
@@ -114,7 +115,7 @@ class StepLog:
             self._fold_full_blocks()
         if self.keep:
             c = self._columns
-            c["start"].fromlist(starts)
+            c["start"].extend(starts)
             c["duration"].fromlist(durations)
             if counts is None:
                 c["kv_cache_usage"].fromlist(usages)

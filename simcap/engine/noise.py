@@ -156,27 +156,25 @@ class StepNoise:
         now: float,
         horizon: float,
         todo: int,
-    ) -> tuple[list[float], list[float]]:
-        """Periods and start times of a fast-path stretch with noise, nothing used up.
+    ) -> list[float]:
+        """Periods of a fast-path stretch with noise, nothing used up.
 
         ``first``: an already scheduled first step, or None; then up to ``todo`` pure-decode
         steps of the ``running`` batch (``context`` attended tokens before the first of them
         counts its own), priced with ``model.forward_time`` on that step's counts, as the
         reference path prices them. Periods no longer grow along a stretch, so steps are
         priced in chunks (the first sized by the noiseless period, then doubling) until one
-        starts at or after ``horizon``. Returns ``periods`` and ``starts`` (``now`` then each
-        step's end), as the caller's noiseless code does.
+        starts at or after ``horizon`` (``now`` plus the periods, added one at a time, as
+        the caller adds them: :func:`simcap.fast_forward.decode_starts`).
         """
         n = len(running)
         periods: list[float] = []
         t = now
-        starts = [t]
         if first is not None:
             todo -= 1
             p = period_of(model, model.forward_time(first) * self.peek(1, step_kind(first))[0])
             periods.append(p)
             t += p
-            starts.append(t)
         out = SchedulerOutput(
             reqs=list(running), total_num_scheduled_tokens=n, num_decode_reqs=n, num_decode_tokens=n,
             num_context_tokens=context + n,
@@ -195,9 +193,8 @@ class StepNoise:
                 p = period_of(model, model.forward_time(out) * x)
                 periods.append(p)
                 t += p
-                starts.append(t)
             chunk *= 2
-        return periods, starts
+        return periods
 
 
 # --------------------------------------------------------------------------- fitting
