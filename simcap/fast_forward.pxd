@@ -18,11 +18,16 @@ cpdef schedule_admission(world)
                j=Py_ssize_t, s=cython.double, p=cython.double, v=cython.double[:])
 cpdef decode_starts(periods, t, horizon, lo)
 
+@cython.locals(running=list, needs=list, keys=list, usages=list, counts=list, takers=list,
+               m=Py_ssize_t, bs=Py_ssize_t, free=Py_ssize_t, scale=Py_ssize_t,
+               num_reqs=Py_ssize_t, b=Py_ssize_t, j=Py_ssize_t, n=Py_ssize_t, i=Py_ssize_t,
+               key=Py_ssize_t, q=Py_ssize_t, step=Py_ssize_t, done=Py_ssize_t, base=Py_ssize_t)
+cpdef take_decode_blocks(running, needs, m, bs, free, scale)
+
 @cython.locals(e=Py_ssize_t, step=Py_ssize_t, done=Py_ssize_t, free=Py_ssize_t,
                num_reqs=Py_ssize_t, num_steps=Py_ssize_t)
 cpdef usage_runs_by_step(events, num_reqs, num_steps, free, scale)
 
 @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager, free_queue=FreeBlockQueue,
-               num_reqs=Py_ssize_t, m=Py_ssize_t, b=Py_ssize_t, j=Py_ssize_t, e=Py_ssize_t,
-               stride=Py_ssize_t, end=Py_ssize_t)
+               num_reqs=Py_ssize_t, m=Py_ssize_t, runs=Py_ssize_t, j=Py_ssize_t)
 cpdef advance_decode_stretch(world, now, horizon, admitted=*, span=*)

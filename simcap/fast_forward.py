@@ -152,6 +152,64 @@ def usage_runs_by_step(
     return usages, counts, free
 
 
+def take_decode_blocks(
+    running: list[Request], needs: list[int], m: int, bs: int, free: int, scale: int
+) -> tuple[int, list[float], list[int], list[Request]]:
+    """The new KV blocks of ``m`` pure-decode steps of the batch ``running``, as stepping
+    takes them: request ``b`` needs one at step ``needs[b]`` (0-based; at once when below
+    0) and every ``bs`` steps after, and the requests of a step take theirs in batch order,
+    off ``free`` free blocks (``scale`` usable in all). When the pool runs short, the step
+    that asks for the missing block does not run (its requests before the one refused have
+    theirs, as the scheduler would have given them before preempting).
+
+    Returns the steps that run (``m``, or fewer), the KV usage after each of them as runs
+    (``counts[i]`` steps of ``usages[i]`` in turn, each count >= 1), the requests in the
+    order they take a block (for :meth:`KVCacheManager.append_blocks`). The blocks come in cycles of ``bs`` steps, and in each cycle in the same order:
+    by the step of a request's first block modulo ``bs``, then batch order; so they are
+    taken cycle by cycle in that order, without sorting them all.
+    """
+    num_reqs = len(running)
+    keys = []  # (first % bs) * num_reqs + b, of the requests with a block within m steps
+    for b in range(num_reqs):
+        j = needs[b]
+        if j < m:
+            if j < 0:
+                j = 0
+            keys.append((j % bs) * num_reqs + b)
+    keys.sort()
+    n = len(keys)
+    usages: list[float] = []
+    counts: list[int] = []
+    takers: list[Request] = []
+    done = 0  # steps whose usage is written
+    base = 0  # the cycle's first step
+    while n and (keys[0] // num_reqs) + base < m:
+        for i in range(n):
+            key = keys[i]
+            q = key // num_reqs
+            step = base + q
+            if step >= m:
+                break
+            b = key - q * num_reqs
+            if step < needs[b]:  # (its first block comes in a later cycle)
+                continue
+            if not free:  # this block is missing: its step does not run
+                m = step
+                n = 0
+                break
+            if step > done:
+                usages.append(1.0 - free / scale)
+                counts.append(step - done)
+                done = step
+            free -= 1
+            takers.append(running[b])
+        base += bs
+    if m > done:
+        usages.append(1.0 - free / scale)
+        counts.append(m - done)
+    return m, usages, counts, takers
+
+
 def log_stretch(
     steps, first: SchedulerOutput | None, starts: array, periods: list[float],
     usages: list[float], counts: list[int], num_reqs: int, num_waiting: int = 0,
@@ -309,37 +367,25 @@ def advance_decode_stretch(
         if not done and first is None and m < MIN_STRETCH:
             return None
 
-        # KV: request b needs a new block at step needs[b] and every bs steps after. Events
-        # are encoded j * num_reqs + b, so that sorting them gives the (step, batch) order in
-        # which stepping allocates.
-        free = free_queue.num_free  # (kv.num_free_blocks)
-        events: list[int] = []
-        if min(needs) < m:
-            stride = bs * num_reqs
-            end = m * num_reqs
-            for b, j in enumerate(needs):
-                if j < m:
-                    events += range((j if j > 0 else 0) * num_reqs + b, end, stride)
-        if events:
-            events.sort()
-            if len(events) > free:
-                # The (free+1)-th new block fails: stop before the step that asks for it.
-                m = events[free] // num_reqs
-                if not done and first is None and m < MIN_STRETCH:
-                    return None
-                if not m:  # (a later segment: the span ends at the previous finish)
-                    break
-                del events[free:], starts[m + 1 :], periods[m:]
-            usages, counts, free = usage_runs_by_step(events, num_reqs, m, free, scale)
-            # Blocks in (step, batch) order, as stepping pops them off the free queue. Blocks
-            # that fill up after the prompt's last one are committed when the request next
-            # allocates or releases them (KVCacheManager.free), not as they fill: their
+        # KV: the new blocks of the m steps, in the order stepping takes them; fewer steps
+        # when the pool runs short.
+        runs, usages, counts, takers = take_decode_blocks(
+            running, needs, m, bs, free_queue.num_free, scale
+        )
+        if runs < m:
+            m = runs
+            if not done and first is None and m < MIN_STRETCH:
+                return None
+            if not m:  # (a later segment: the span ends at the previous finish)
+                break
+            del starts[m + 1 :], periods[m:]
+        if takers:
+            # Blocks that fill up after the prompt's last one are committed when the request
+            # next allocates or releases them (KVCacheManager.free), not as they fill: their
             # content includes the request's own output tokens, which no other prompt holds
             # while it runs, so no allocation or prefix hit of another request can depend on
             # them.
-            kv.append_blocks([running[e % num_reqs] for e in events])
-        else:
-            usages, counts = [1.0 - free / scale], [m]  # (as runs: counts[i] steps of usages[i])
+            kv.append_blocks(takers)
         if not done:
             first_token = starts[1]
             for req in prompt_ends:
