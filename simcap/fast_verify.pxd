@@ -72,7 +72,8 @@ cdef class VerifyStretch:
     cdef public object flushed
 
     # The stretch's steps call these on a typed stretch: C calls. Their integer counters
-    # (requests, steps, indices: far below 2**63) are C integers inside run_bulk.
+    # (requests, steps, indices, tokens: far below 2**63) are C integers inside run_bulk,
+    # and the requests' running token counts a typed view of an integer array.
     @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
     cpdef _start(self, world, now, first, reqs, nts, num_waiting)
     cpdef schedule(self)
@@ -80,7 +81,10 @@ cdef class VerifyStretch:
                    ui=Py_ssize_t, fin=Py_ssize_t, cap=Py_ssize_t, b=Py_ssize_t, i=Py_ssize_t,
                    plain=Py_ssize_t, last=Py_ssize_t, kv_stop=Py_ssize_t, stop=Py_ssize_t,
                    priced=Py_ssize_t, late=Py_ssize_t, ran=Py_ssize_t, scheduled=Py_ssize_t,
-                   a=Py_ssize_t)
+                   a=Py_ssize_t, news=list, cv=cython.longlong[:], row=Py_ssize_t,
+                   grown=Py_ssize_t, nt=Py_ssize_t, room=Py_ssize_t, hi=Py_ssize_t,
+                   over=Py_ssize_t, top=Py_ssize_t, h=Py_ssize_t, done=Py_ssize_t,
+                   before=Py_ssize_t, blocks=Py_ssize_t)
     cpdef run_bulk(self, horizon)
     cpdef run_step(self, horizon)
     @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
@@ -98,3 +102,6 @@ cpdef advance_verify_stretch(world, now, horizon, first=*, span=*)
 
 @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
 cpdef schedule_verify_admission(world)
+
+@cython.locals(accepted_hist=list, news=list, c=cython.longlong[:], x=Py_ssize_t, a=Py_ssize_t)
+cpdef count_accepted(accepted_hist, news)

@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import math
 from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from itertools import accumulate
 from operator import sub
 
 from simcap.engine.request import Request
 from simcap.engine.scheduler import SchedulerOutput
-from simcap.fast_forward import log_stretch, usage_runs_by_step
+from simcap.fast_forward import decode_starts, log_stretch, usage_runs_by_step
+
+_NO_COUNTS = array("q", [0])
 
 
 def advance_verify_stretch(
@@ -166,6 +168,18 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
     ))
 
 
+def count_accepted(accepted_hist: list[int], news: list[int]) -> None:
+    """Add steps' tokens per request (``news``: accepted drafts + 1 each) to the histogram
+    of accepted drafts: ``accepted_hist[a]`` counts those that accepted ``a >= 1``. One
+    pass over them (C integers when compiled)."""
+    counts = _NO_COUNTS * (len(accepted_hist) + 1)
+    c = counts  # (a typed memoryview when compiled)
+    for x in news:
+        c[x] += 1
+    for a in range(1, len(accepted_hist)):
+        accepted_hist[a] += c[a + 1]
+
+
 class VerifyStretch:
     """A stretch of verify steps while it runs: per request (in batch order) its tokens,
     output tokens, blocks and drafts, as plain integers; the steps run so far (periods,
@@ -285,7 +299,7 @@ class VerifyStretch:
 
         self.model = world.step_model
         noise = self.noise = world.noise
-        self.starts = [now]
+        self.starts = array("d", [now])  # (taken as a block by the log and the gaps)
         self.periods = []
         # KV usage after each step's scheduling, as runs: counts[i] steps of usages[i] in turn.
         self.usages = [] if first is None else [kv.usage]
@@ -422,20 +436,31 @@ class VerifyStretch:
         news = tb[ui : ui + size]
         fin = cap = m  # the first step in which one finishes; after which one caps
         tail = self.tail
-        cums = []
+        # Request b's tokens after step i, at cums[b * m + i] (C integers when compiled).
+        cums = _NO_COUNTS * size
+        cv = cums  # (a typed memoryview when compiled)
         for b in range(num_reqs):
-            cum = list(accumulate(news[b::num_reqs]))  # its tokens after each step
+            row = b * m
+            grown = 0
+            for i in range(m):
+                grown += news[i * num_reqs + b]
+                cv[row + i] = grown
             nt = nts[b]
             room = maxes[b] - outs[b]
             if room > max_model_len - nt:
                 room = max_model_len - nt
-            i = bisect_left(cum, room, 0, fin + 1 if fin < m else m)
+            hi = fin + 1 if fin < m else m
+            i = 0
+            while i < hi and cv[row + i] < room:  # the first step that reaches room
+                i += 1
             if i < fin:
                 fin = i
-            i = bisect_right(cum, tail - nt, 0, cap)
+            over = tail - nt
+            i = 0
+            while i < cap and cv[row + i] <= over:  # the first step that takes it past tail
+                i += 1
             if i < cap:
                 cap = i
-            cums.append(cum)
         # Blocks for the steps that plain steps schedule (request b's step after step i
         # needs its tokens + k + lookahead slots), in (step, batch) order.
         plain = fin if fin < cap else cap
@@ -445,12 +470,13 @@ class VerifyStretch:
         if plain:
             last = plain - 1
             for b in range(num_reqs):
-                cum = cums[b]
-                top = cum[last]  # its tokens after the last plain step
+                row = b * m
+                top = cv[row + last]  # its tokens after the last plain step
                 h = limits[b] - nts[b] - k
                 i = 0
                 while h < top:  # the step after the first that takes it past h needs a block
-                    i = bisect_right(cum, h, i, plain)
+                    while cv[row + i] <= h:
+                        i += 1
                     events.append(i * num_reqs + b)
                     h += bs
         events.sort()
@@ -471,8 +497,11 @@ class VerifyStretch:
             if p is None:
                 p = model.verify_periods(num_reqs, full, (context,))[0]
             bulk_periods = [p] * priced
-        bulk_starts = list(accumulate(bulk_periods, initial=t))
-        late = bisect_left(bulk_starts, horizon, 1) - 1  # the first to end at/after it
+        # The first step to end at or after the horizon (priced when none does): the bulk's
+        # starts are cut after it.
+        bulk_starts = decode_starts(bulk_periods, t, horizon, 1)
+        late = (len(bulk_starts) - 2 if len(bulk_starts) <= priced or bulk_starts[-1] >= horizon
+                else priced)
         if late < priced and late < stop:
             stop = late
         # What ends the bulk: a finish, the horizon or the pool (that step runs and the
@@ -488,28 +517,26 @@ class VerifyStretch:
         self.num_draft_tokens += full * ran
         if size < len(news):
             del news[size:]
-        accepted_hist = self.accepted_hist
-        for a in range(1, k + 1):
-            accepted_hist[a] += news.count(a + 1)
+        count_accepted(self.accepted_hist, news)
         self.last_tokens = news[size - num_reqs : size]  # (before a finish cuts them)
         if ends and stop == fin:
             finished = self.finished
             before = fin - 1
             for b in range(num_reqs):
-                cum = cums[b]
-                done = cum[before] if fin else 0
+                row = b * m
+                done = cv[row + before] if fin else 0
                 room = maxes[b] - outs[b]
                 if room > max_model_len - nts[b]:
                     room = max_model_len - nts[b]
-                if cum[fin] >= room:  # it finishes: tokens past the end are cut
+                if cv[row + fin] >= room:  # it finishes: tokens past the end are cut
                     i = fin * num_reqs + b
                     finished[b] = nts[b] + done + news[i] - 1
                     news[i] = room - done
-                    cum[fin] = room
+                    cv[row + fin] = room
         grown_all = 0
         if ends:  # (the blocks held matter only to steps scheduled after these)
             for b in range(num_reqs):
-                grown = cums[b][ran - 1]
+                grown = cv[b * m + ran - 1]
                 nts[b] += grown
                 outs[b] += grown
         else:
@@ -517,14 +544,14 @@ class VerifyStretch:
             lookahead = self.lookahead
             last = scheduled - 1  # the last step here that schedules the next
             for b in range(num_reqs):
-                cum = cums[b]
+                row = b * m
                 nt = nts[b]
                 if scheduled:  # its blocks for the step after step `last` (its events)
-                    blocks = -(-(nt + cum[last] + k + lookahead) // bs)
+                    blocks = -(-(nt + cv[row + last] + k + lookahead) // bs)
                     if blocks > held[b]:
                         held[b] = blocks
                         limits[b] = blocks * bs - lookahead
-                grown = cum[ran - 1]
+                grown = cv[row + ran - 1]
                 grown_all += grown
                 nts[b] = nt + grown
                 outs[b] += grown
@@ -706,14 +733,14 @@ class VerifyStretch:
         reqs = self.reqs
         self.hand_out()
         if self.periods:
-            starts = array("d", self.starts)  # (copied as a block by the log and the gaps)
+            starts = self.starts
             log_stretch(
                 world.steps, self.first, starts, self.periods, self.usages, self.counts,
                 self.num_reqs, self.num_waiting,
             )
             self.first = None
             world.emit_steps(reqs, starts, self.news_all)
-            self.starts = [self.t]
+            self.starts = array("d", [self.t])
             self.periods = []
             self.usages = []
             self.counts = []
