@@ -34,7 +34,6 @@ import math
 from array import array
 from bisect import bisect_left
 from itertools import accumulate
-from operator import sub
 
 from simcap.engine.request import Request
 from simcap.engine.scheduler import SchedulerOutput
@@ -267,7 +266,7 @@ class VerifyStretch:
         # proposals (ngram), one per request in every step.
         self.acceptance = acceptance
         stream = self.accept_stream = acceptance.uniforms
-        if acceptance.tokens_of is stream.buffer:  # the table of the stream's buffer, as is
+        if acceptance.tokens_of is stream.array:  # the table of the stream's buffer, as is
             self.tb = acceptance.tokens
             self.u0 = self.ui = stream.next
         else:
@@ -408,7 +407,13 @@ class VerifyStretch:
         t = self.t
         acceptance = self.acceptance
         # Each request finishes within m steps: m = the fewest tokens any has left.
-        m = min(min(map(sub, maxes, outs)), max_model_len - max(nts))
+        m = max_model_len
+        for b in range(num_reqs):
+            room = maxes[b] - outs[b]
+            if room > max_model_len - nts[b]:
+                room = max_model_len - nts[b]
+            if room < m:
+                m = room
         # The first finish comes after about m / mean_tokens steps: draw for a margin over
         # that, not for m one-token steps (a bulk that ends at its m-th step is followed by a
         # step run one at a time, then by the next bulk).

@@ -57,16 +57,23 @@ class UniformStream:
     Each :meth:`take` sees the values that drawing its own would have given (numpy's
     ``Generator.random`` fills an array with successive draws), so callers may take one
     request's, one step's or a whole stretch's worth at a time and get the same numbers.
-    The buffer is kept both as a list (for a few at a time) and as an array (:attr:`array`,
-    the same values, for many at once).
+    The buffer is an array (:attr:`array`, for many at once) and, made from it when first
+    read, a list of the same values (:attr:`buffer`, for a few at a time).
     """
 
     def __init__(self, rng: np.random.Generator, block: int = 4096) -> None:
         self.rng = rng
         self.block = block  # uniforms drawn at once
-        self.buffer: list[float] = []
         self.array = np.zeros(0)  # the buffer's values, as float64
+        self._list: list[float] | None = []  # the same as a list, once read
         self.next = 0  # the next unused uniform
+
+    @property
+    def buffer(self) -> list[float]:
+        """The buffer's values as a list (made from :attr:`array` when first read)."""
+        if self._list is None:
+            self._list = self.array.tolist()
+        return self._list
 
     def take(self, n: int) -> tuple[list[float], int]:
         """Use up the next ``n`` uniforms: they are ``buffer[start : start + n]`` of the
@@ -78,12 +85,17 @@ class UniformStream:
     def reserve(self, n: int) -> tuple[list[float], int]:
         """``(buffer, start)`` with at least ``n`` unused uniforms from ``buffer[start]`` on,
         none used up (:meth:`advance` does that): a caller reads as many as it needs."""
-        buffer, start = self.buffer, self.next
-        if start + n > len(buffer):
+        start = self.reserve_array(n)
+        return self.buffer, start
+
+    def reserve_array(self, n: int) -> int:
+        """:meth:`reserve`, the uniforms read from :attr:`array`: the index of the first."""
+        start = self.next
+        if start + n > len(self.array):
             self.array = np.concatenate((self.array[start:], self.rng.random(max(self.block, n))))
-            buffer = self.buffer = self.array.tolist()
+            self._list = None
             self.next = start = 0
-        return buffer, start
+        return start
 
     def advance(self, n: int) -> None:
         """Use up the next ``n`` uniforms (reserved before)."""
@@ -109,8 +121,8 @@ class AcceptanceModel:
         self.neg_rates = [-x for x in r]
         self.rates_ascending = self.rates[::-1].copy()
         self.mean_tokens = 1.0 + sum(r)  # mean accepted + 1 with every draft verified
-        self.tokens: list[int] = []  # reserve_tokens' table, for the buffer tokens_of
-        self.tokens_of: list[float] | None = None
+        self.tokens: list[int] = []  # reserve_tokens' table, for the stream's array tokens_of
+        self.tokens_of: np.ndarray | None = None
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
@@ -128,10 +140,11 @@ class AcceptanceModel:
         Rates that never rise only (:attr:`non_increasing`). The table is made once for each
         buffer the stream draws (numpy's comparisons of the same floats: the counts
         :meth:`sample` takes, one uniform at a time)."""
-        buffer, start = self.uniforms.reserve(n)
-        if buffer is not self.tokens_of:
-            self.tokens_of = buffer
-            rejected = self.rates_ascending.searchsorted(self.uniforms.array, side="right")
+        uniforms = self.uniforms
+        start = uniforms.reserve_array(n)
+        if uniforms.array is not self.tokens_of:
+            self.tokens_of = uniforms.array
+            rejected = self.rates_ascending.searchsorted(uniforms.array, side="right")
             self.tokens = (len(self.rate_list) + 1 - rejected).tolist()
         return self.tokens, start
 
