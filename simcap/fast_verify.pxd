@@ -84,7 +84,7 @@ cdef class VerifyStretch:
                    a=Py_ssize_t, news=list, cv=cython.longlong[:], row=Py_ssize_t,
                    grown=Py_ssize_t, nt=Py_ssize_t, room=Py_ssize_t, hi=Py_ssize_t,
                    over=Py_ssize_t, top=Py_ssize_t, h=Py_ssize_t, done=Py_ssize_t,
-                   before=Py_ssize_t, blocks=Py_ssize_t)
+                   before=Py_ssize_t, blocks=Py_ssize_t, e=Py_ssize_t, reqs=list, allocs=list)
     cpdef run_bulk(self, horizon)
     cpdef run_step(self, horizon)
     @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)

@@ -574,7 +574,9 @@ class VerifyStretch:
             usages += runs
             counts += runs_counts
             reqs = self.reqs
-            self.allocs += [reqs[e % num_reqs] for e in events]
+            allocs = self.allocs
+            for e in events:
+                allocs.append(reqs[e % num_reqs])
         elif scheduled:
             usage = 1.0 - free / self.scale
             if usages and usages[-1] == usage:
