@@ -27,8 +27,8 @@ installed package; an editable one writes it on first import unless PYTHONDONTWR
 is set): without it every process compiles simcap again, some 0.1-0.15 s.
 ``--interpreted`` adds the fast path with the engine's modules run as source
 (``SIMCAP_INTERPRETED=1``) beside the compiled ones, and prints their ratio.
-``--num-requests 1000000`` is the million-request run: on the reference workload, 265 MiB peak
-RSS (whole process, 44.3M engine steps, 25.9 s with the compiled engine; 2-core x86-64 machine,
+``--num-requests 1000000`` is the million-request run: on the reference workload, 254 MiB peak
+RSS (whole process, 44.3M engine steps, 18.3 s with the compiled engine; 2-core x86-64 machine,
 Python 3.11.7, numpy 2.4).
 """
 
