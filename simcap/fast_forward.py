@@ -163,10 +163,11 @@ def take_decode_blocks(
     theirs, as the scheduler would have given them before preempting).
 
     Returns the steps that run (``m``, or fewer), the KV usage after each of them as runs
-    (``counts[i]`` steps of ``usages[i]`` in turn, each count >= 1), the requests in the
-    order they take a block (for :meth:`KVCacheManager.append_blocks`). The blocks come in cycles of ``bs`` steps, and in each cycle in the same order:
-    by the step of a request's first block modulo ``bs``, then batch order; so they are
-    taken cycle by cycle in that order, without sorting them all.
+    (``counts[i]`` steps of ``usages[i]`` in turn, each count >= 1) and the requests in the
+    order they take a block (for :meth:`KVCacheManager.append_blocks`). The blocks come in
+    cycles of ``bs`` steps, in each cycle in the same order: by the step of a request's
+    first block modulo ``bs``, then batch order. So they are taken cycle by cycle in that
+    order, without sorting them all.
     """
     num_reqs = len(running)
     keys = []  # (first % bs) * num_reqs + b, of the requests with a block within m steps

@@ -376,8 +376,8 @@ class _World:
 
     def emit_stretch(self, reqs: list[Request], times: array, gaps: list[float]) -> None:
         """One token per request at each of ``times[1:]`` (a float array: a stretch of decode
-        steps; ``times[0]`` is its start); ``gaps``: from the previous token to the first here, for each request
-        that had one (the caller has set the requests' token times)."""
+        steps; ``times[0]`` is its start); ``gaps``: from the previous token to the first
+        here, for each request that had one (the caller has set the requests' token times)."""
         single = self._single_gaps
         single += gaps
         m = len(times) - 1
@@ -397,8 +397,8 @@ class _World:
 
     def emit_steps(self, reqs: list[Request], times: array, news: list[int]) -> None:
         """The chunks of a stretch of steps in which every one of ``reqs`` samples: at
-        ``times[j + 1]`` (a float array; ``times[0]`` is its start), ``news[j * len(reqs) + b]`` tokens reach
-        ``reqs[b]``."""
+        ``times[j + 1]`` (a float array; ``times[0]`` is its start), ``news[j * len(reqs) +
+        b]`` tokens reach ``reqs[b]``."""
         first = times[1]
         last = times[-1]
         num_reqs = len(reqs)
