@@ -120,6 +120,24 @@ def _token_counts(values: list[int]) -> np.ndarray:
         return _ints(values)
 
 
+def _first_chunks(
+    reqs: list[Request], news: list[int], first: float, last: float, gaps: list[float],
+    gap_tokens: list[int],
+) -> None:
+    """Each request's first chunk of a stretch at ``first`` (``news[b]`` tokens to
+    ``reqs[b]``) and its last at ``last``: the gap from a request's previous token to the
+    first, with that chunk's tokens, joins ``gaps`` and ``gap_tokens``; the requests' token
+    times are written."""
+    for b in range(len(reqs)):
+        req = reqs[b]
+        if req.first_token_ts is None:
+            req.first_token_ts = first
+        else:
+            gaps.append(first - req.last_token_ts)
+            gap_tokens.append(news[b])
+        req.last_token_ts = last
+
+
 class _StretchGaps:
     """Buffered stretches of steps in which each of a stretch's requests gets a chunk at every
     step: each stretch's start then its chunk times, and how many requests it had. The times
@@ -399,17 +417,9 @@ class _World:
         """The chunks of a stretch of steps in which every one of ``reqs`` samples: at
         ``times[j + 1]`` (a float array; ``times[0]`` is its start), ``news[j * len(reqs) +
         b]`` tokens reach ``reqs[b]``."""
-        first = times[1]
-        last = times[-1]
         num_reqs = len(reqs)
         gaps = self._gaps
-        for req, n in zip(reqs, news):
-            if req.first_token_ts is None:
-                req.first_token_ts = first
-            else:
-                gaps.append(first - req.last_token_ts)
-                self._gap_tokens.append(n)
-            req.last_token_ts = last
+        _first_chunks(reqs, news, times[1], times[-1], gaps, self._gap_tokens)
         if len(times) > 2:  # every request's gap at each later step
             self._verify_stretches.add(times, num_reqs)
             self._verify_tokens += news[num_reqs:]
