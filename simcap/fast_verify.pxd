@@ -105,3 +105,8 @@ cpdef schedule_verify_admission(world)
 
 @cython.locals(accepted_hist=list, news=list, c=cython.longlong[:], x=Py_ssize_t, a=Py_ssize_t)
 cpdef count_accepted(accepted_hist, news)
+
+# The requests whose token times a verify stretch writes (World.emit_steps), typed: their
+# fields are C struct reads.
+@cython.locals(req=Request, b=Py_ssize_t, reqs=list, news=list, gaps=list, gap_tokens=list)
+cpdef first_chunks(reqs, news, first, last, gaps, gap_tokens)

@@ -167,6 +167,24 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
     ))
 
 
+def first_chunks(
+    reqs: list[Request], news: list[int], first: float, last: float, gaps: list[float],
+    gap_tokens: list[int],
+) -> None:
+    """Each request's first chunk of a stretch at ``first`` (``news[b]`` tokens to
+    ``reqs[b]``) and its last at ``last``: the gap from a request's previous token to the
+    first, with that chunk's tokens, joins ``gaps`` and ``gap_tokens``; the requests' token
+    times are written."""
+    for b in range(len(reqs)):
+        req = reqs[b]
+        if req.first_token_ts is None:
+            req.first_token_ts = first
+        else:
+            gaps.append(first - req.last_token_ts)
+            gap_tokens.append(news[b])
+        req.last_token_ts = last
+
+
 def count_accepted(accepted_hist: list[int], news: list[int]) -> None:
     """Add steps' tokens per request (``news``: accepted drafts + 1 each) to the histogram
     of accepted drafts: ``accepted_hist[a]`` counts those that accepted ``a >= 1``. One

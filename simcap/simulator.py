@@ -36,7 +36,7 @@ from simcap.engine.step_time import make_step_model
 from simcap.early_stop import SloStop, StopRecord
 from simcap.errors import SimulationError
 from simcap.fast_forward import LATE, Clock, advance_decode_stretch, schedule_admission
-from simcap.fast_verify import advance_verify_stretch, schedule_verify_admission
+from simcap.fast_verify import advance_verify_stretch, first_chunks, schedule_verify_admission
 from simcap.metrics import MetricsAccumulator, Summary
 from simcap.records import RequestRecord
 from simcap.scenario import ClosedArrival, Scenario, check_limits
@@ -118,24 +118,6 @@ def _token_counts(values: list[int]) -> np.ndarray:
         return np.frombuffer(bytes(values), np.uint8).astype(np.int64)
     except ValueError:
         return _ints(values)
-
-
-def _first_chunks(
-    reqs: list[Request], news: list[int], first: float, last: float, gaps: list[float],
-    gap_tokens: list[int],
-) -> None:
-    """Each request's first chunk of a stretch at ``first`` (``news[b]`` tokens to
-    ``reqs[b]``) and its last at ``last``: the gap from a request's previous token to the
-    first, with that chunk's tokens, joins ``gaps`` and ``gap_tokens``; the requests' token
-    times are written."""
-    for b in range(len(reqs)):
-        req = reqs[b]
-        if req.first_token_ts is None:
-            req.first_token_ts = first
-        else:
-            gaps.append(first - req.last_token_ts)
-            gap_tokens.append(news[b])
-        req.last_token_ts = last
 
 
 class _StretchGaps:
@@ -419,7 +401,7 @@ class _World:
         b]`` tokens reach ``reqs[b]``."""
         num_reqs = len(reqs)
         gaps = self._gaps
-        _first_chunks(reqs, news, times[1], times[-1], gaps, self._gap_tokens)
+        first_chunks(reqs, news, times[1], times[-1], gaps, self._gap_tokens)
         if len(times) > 2:  # every request's gap at each later step
             self._verify_stretches.add(times, num_reqs)
             self._verify_tokens += news[num_reqs:]
