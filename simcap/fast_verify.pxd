@@ -76,6 +76,10 @@ cdef class VerifyStretch:
     # and the requests' running token counts a typed view of an integer array.
     @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
     cpdef _start(self, world, now, first, reqs, nts, num_waiting)
+    @cython.locals(nts=list, proposed=list, limits=list, ds=list, grow=list, held=list,
+                   num_reqs=Py_ssize_t, max_model_len=Py_ssize_t, b=Py_ssize_t, nt=Py_ssize_t,
+                   d=Py_ssize_t, verify=Py_ssize_t, bs=Py_ssize_t, lookahead=Py_ssize_t,
+                   need=Py_ssize_t, blocks=Py_ssize_t, need_blocks=Py_ssize_t)
     cpdef schedule(self)
     @cython.locals(num_reqs=Py_ssize_t, k=Py_ssize_t, m=Py_ssize_t, size=Py_ssize_t,
                    ui=Py_ssize_t, fin=Py_ssize_t, cap=Py_ssize_t, b=Py_ssize_t, i=Py_ssize_t,
@@ -84,23 +88,39 @@ cdef class VerifyStretch:
                    a=Py_ssize_t, news=list, cv=cython.longlong[:], row=Py_ssize_t,
                    grown=Py_ssize_t, nt=Py_ssize_t, room=Py_ssize_t, hi=Py_ssize_t,
                    over=Py_ssize_t, top=Py_ssize_t, h=Py_ssize_t, done=Py_ssize_t,
-                   before=Py_ssize_t, blocks=Py_ssize_t, e=Py_ssize_t, reqs=list, allocs=list)
+                   before=Py_ssize_t, blocks=Py_ssize_t, e=Py_ssize_t, reqs=list, allocs=list,
+                   nts=list, outs=list, maxes=list, limits=list, held=list, events=list, tb=list,
+                   usages=list, counts=list, max_model_len=Py_ssize_t, free=Py_ssize_t,
+                   bs=Py_ssize_t, lookahead=Py_ssize_t, tail=Py_ssize_t, full=Py_ssize_t)
     cpdef run_bulk(self, horizon)
+    @cython.locals(num_reqs=Py_ssize_t, b=Py_ssize_t, d=Py_ssize_t, a=Py_ssize_t, new=Py_ssize_t,
+                   o=Py_ssize_t, nt=Py_ssize_t, base=Py_ssize_t, ui=Py_ssize_t, k=Py_ssize_t,
+                   max_model_len=Py_ssize_t, tb=list, ds=list, accepted_hist=list,
+                   last_tokens=list, outs=list, nts=list, maxes=list, news_all=list,
+                   finished=dict)
     cpdef run_step(self, horizon)
-    @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
+    @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager, finished=dict,
+                   gone=list, lists=list, values=list, held=list, held_map=dict, b=Py_ssize_t,
+                   bs=Py_ssize_t, lookahead=Py_ssize_t, num_reqs=Py_ssize_t)
     cpdef go_on(self, horizon)
-    @cython.locals(req=Request, scheduler=Scheduler)
+    @cython.locals(req=Request, scheduler=Scheduler, reqs=list, finished=dict, outs=list,
+                   last_tokens=list, finishing=list, b=Py_ssize_t)
     cpdef flush(self)
     @cython.locals(req=Request, kv=KVCacheManager)
     cpdef hand_out(self)
-    @cython.locals(req=Request)
+    @cython.locals(req=Request, outs=list, nts=list, last_tokens=list, finished=dict,
+                   proposed=list, b=Py_ssize_t)
     cpdef apply(self)
 
 
 @cython.locals(stretch=VerifyStretch)
 cpdef advance_verify_stretch(world, now, horizon, first=*, span=*)
 
-@cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
+@cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager, running=list, held_map=dict,
+               ds=list, allocs=list, prompt_ends=list, bs=Py_ssize_t, lookahead=Py_ssize_t,
+               max_model_len=Py_ssize_t, threshold=Py_ssize_t, total=Py_ssize_t,
+               context=Py_ssize_t, computed=Py_ssize_t, out=Py_ssize_t, nt=Py_ssize_t,
+               d=Py_ssize_t, n=Py_ssize_t, need=Py_ssize_t, blocks=Py_ssize_t)
 cpdef schedule_verify_admission(world)
 
 @cython.locals(accepted_hist=list, news=list, c=cython.longlong[:], x=Py_ssize_t, a=Py_ssize_t)
