@@ -46,6 +46,10 @@ import sys
 import time
 from pathlib import Path
 
+# This checkout's simcap (and so its compiled modules, where it was installed in place), in this
+# process and in the child processes it times: not whichever tree an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 BASE = {
     "engine": {
         "max_num_seqs": 256,
