@@ -72,8 +72,10 @@ cdef class VerifyStretch:
     cdef public object flushed
 
     # The stretch's steps call these on a typed stretch: C calls. Their integer counters
-    # (requests, steps, indices, tokens: far below 2**63) are C integers inside run_bulk,
-    # and the requests' running token counts a typed view of an integer array.
+    # (requests, steps, indices, tokens, blocks: at most scenario.MAX_TOKENS or the pool's
+    # size, far below 2**63) are C integers, and the lists and dicts they index are typed as
+    # such (an item read is a C read, not a generic look-up); in run_bulk the requests'
+    # running token counts are a typed view of an integer array.
     @cython.locals(req=Request, scheduler=Scheduler, kv=KVCacheManager)
     cpdef _start(self, world, now, first, reqs, nts, num_waiting)
     @cython.locals(nts=list, proposed=list, limits=list, ds=list, grow=list, held=list,
