@@ -559,15 +559,33 @@ from simcap.live.cli import live_app  # noqa: E402  (the `simcap live` sub-comma
 app.add_typer(live_app, name="live")
 
 
-@app.command()
-def version() -> None:
-    """Print simcap's version, the vLLM version modelled by default, and whether the engine's
-    modules run compiled (same results either way)."""
+def _print_version() -> None:
     from simcap import compiled
     from simcap.scenario import DEFAULT_VLLM_VERSION
 
     typer.echo(f"simcap {__version__} (models vLLM {DEFAULT_VLLM_VERSION} V1 by default)")
     typer.echo(compiled.summary())
+
+
+@app.command()
+def version() -> None:
+    """Print simcap's version, the vLLM version modelled by default, and whether the engine's
+    modules run compiled (same results either way)."""
+    _print_version()
+
+
+def _version_option(value: bool) -> None:
+    if value:
+        _print_version()
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_version_option,
+                                      help="Print the version and how the engine runs, and exit."),
+) -> None:
+    pass
 
 
 def main() -> None:  # pragma: no cover - entry point for python -m simcap

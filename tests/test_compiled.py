@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from simcap import compiled
-from simcap.compiled import MANIFEST, CompiledFinder
+from simcap.compiled import MANIFEST, NOT_BUILT, CompiledFinder, cimported
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,68 @@ def test_modules_not_in_the_manifest_are_left_to_the_usual_finders(tmp_path):
     assert finder.find_spec("numpy") is None
     assert finder.find_spec("simcapx.engine.kv") is None
     assert CompiledFinder(tmp_path / "nowhere").find_spec("simcap.engine.kv") is None
+
+
+def test_an_extension_the_manifest_does_not_list_is_never_loaded(tmp_path, monkeypatch):
+    """(An earlier build's, or one cut from the manifest: Python alone would load it.)"""
+    monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
+    package = make_tree(tmp_path)
+    (package / "steplog.py").write_text("Y = 2\n")
+    (package / f"steplog{EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    finder = CompiledFinder(package)
+    spec = finder.find_spec("simcap.steplog")
+    assert isinstance(spec.loader, SourceFileLoader) and spec.origin.endswith("steplog.py")
+    assert finder.loaded["simcap.steplog"] == "interpreted (extension not from this install)"
+    assert "simcap.steplog" not in compiled_states(finder)  # (not one the install tried)
+
+
+def test_a_module_the_install_could_not_compile_runs_its_source(tmp_path, monkeypatch):
+    monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
+    package = make_tree(tmp_path, recorded=NOT_BUILT)  # (a stale extension beside it)
+    finder = CompiledFinder(package)
+    assert finder.built() == {} and finder.listed() == {"simcap.engine.kv": NOT_BUILT}
+    assert isinstance(finder.find_spec("simcap.engine.kv").loader, SourceFileLoader)
+    assert finder.loaded["simcap.engine.kv"] == "interpreted (not compiled at install)"
+
+
+def test_a_module_cimporting_one_that_runs_its_source_runs_its_source_too(tmp_path, monkeypatch):
+    """Its extension expects the other's extension types: loaded beside that module's source,
+    its import would fail."""
+    monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
+    package = make_tree(tmp_path)
+    engine = package / "engine"
+    (engine / "sched.py").write_text("Z = 3\n")
+    (engine / "sched.pxd").write_text("# declarations\nfrom simcap.engine.kv cimport KV  # the pool\n")
+    (engine / f"sched{EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    digests = {name: compiled.source_sha256(engine / f"{name}.py") for name in ("kv", "sched")}
+
+    def finder_with(kv_digest: str) -> CompiledFinder:
+        (package / MANIFEST).write_text(f"simcap.engine.kv {kv_digest}\n"
+                                        f"simcap.engine.sched {digests['sched']}\n")
+        return CompiledFinder(package)
+
+    finder = finder_with(digests["kv"])
+    assert compiled_states(finder) == {"simcap.engine.kv": "compiled", "simcap.engine.sched": "compiled"}
+    for kv in ("0" * 64, NOT_BUILT):
+        finder = finder_with(kv)
+        assert isinstance(finder.find_spec("simcap.engine.sched").loader, SourceFileLoader)
+        assert finder.loaded["simcap.engine.sched"] == \
+            "interpreted (cimports simcap.engine.kv, which runs interpreted)"
+
+
+def compiled_states(finder: CompiledFinder) -> dict[str, str]:
+    return {name: "compiled" if finder.decide(name)[1] is None else "interpreted"
+            for name in finder.listed()}
+
+
+def test_cimported_reads_both_forms_and_ignores_comments(tmp_path):
+    pxd = tmp_path / "m.pxd"
+    pxd.write_text("# from simcap.x cimport Nothing\nfrom simcap.engine.request cimport Request\n"
+                   "cimport simcap.engine.kv_cache as kv\ncdef class A:\n    cdef public object b\n")
+    assert cimported(str(pxd)) == ["simcap.engine.request", "simcap.engine.kv_cache"]
+    assert cimported(str(tmp_path / "none.pxd")) == []
+    assert cimported(str(ROOT / "simcap" / "fast_forward.pxd")) == [
+        "simcap.engine.kv_cache", "simcap.engine.request", "simcap.engine.scheduler"]
 
 
 def test_the_finder_comes_first_once():
