@@ -57,9 +57,10 @@ ENGINE = dict(
     enable_prefix_caching=True,
     async_scheduling=False,  # the CPU platform forces it off
 )
-# Rough step-time fit (iteration log) of the tiny bf16 model on a 2-core AVX2 machine. Only
-# scenarios whose predictions no test compares with a measurement use it; tests that depend on
-# the server's speed measure it (``server_speed``) or calibrate a profile first.
+# Placeholder coefficients, not this machine's (a 512-token prefill priced at ~1.5 s, where the
+# servers here take 30-110 ms). Only scenarios whose predictions no test compares with a
+# measurement use it; tests that depend on the server's speed measure it (``server_speed``,
+# ``machine_hardware``) or calibrate a profile first.
 STEP_TIME = dict(base=0.005, per_prefill_token=2.9e-3, per_decode_token=2.8e-3, host_overhead=0.002)
 PREFILL_PROBE_TOKENS = 512  # one full step budget
 
@@ -174,6 +175,26 @@ def moe_server():
               file=sys.stderr)
         _warm_up(server.base_url)
         yield server
+
+
+@pytest.fixture(scope="session")
+def machine_hardware(pytestconfig) -> dict:
+    """This machine's roofline hardware entry, measured now (``benchmarks/measure_cpu.py``,
+    run by the vLLM venv's Python for torch's bf16 GEMM, about 6 s): the bandwidth and FLOPs
+    the servers here run on, beside the catalog entry of another machine. Measured when first
+    asked for, before the test that asks starts its server."""
+    import yaml
+
+    _ensure_installed()
+    done = subprocess.run([str(vllm_python()), str(REPO / "benchmarks" / "measure_cpu.py"),
+                           "--name", "this-machine"], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.fail(f"benchmarks/measure_cpu.py failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    entry = yaml.safe_load(done.stdout)["this-machine"]
+    _say(pytestconfig, f"\nlive machine measured: memory bandwidth {entry['memory_bandwidth_gbps']} GB/s, "
+                       f"GEMM bf16 {entry['peak_tflops']['bf16']} TFLOP/s, fp32 {entry['peak_tflops']['fp32']} "
+                       f"TFLOP/s ({entry['description']})")
+    return entry
 
 
 @pytest.fixture(scope="session")

@@ -147,3 +147,36 @@ def test_validate_simulates_each_run_with_its_own_spec_acceptance():
     assert notes == ["run 0: simulated with the run's own speculative acceptance length 3.380, proposal rate "
                      "0.500 (scenario 3.300, 0.300)"]
     assert sc.speculative.proposal_rate == 0.3  # the scenario itself is untouched
+
+
+def test_the_linear_fit_sees_each_batch_size_where_pooled_medians_read_flat():
+    """The shape of a fitted-levels log that looked contradictory: pooled medians over every
+    batch up to c (mostly batch 1) grew 3.75 -> 4.3 ms from c=1 to 4 while the linear fit's
+    per-decode-token term was 2.27 ms. Synthetic steps with that slope: the fit recovers it,
+    the per-batch medians show it, the pooled medians hide it."""
+    from simcap.calibrate import Form, fit_step_samples
+    from tests.live.test_live_roofline import LINEAR_FORM, _samples, decode_medians_by_batch
+
+    rng = np.random.default_rng(0)
+    base, slope, per_prefill = 1.48e-3, 2.27e-3, 0.3e-3
+    rows = []
+    for batch, steps in ((1, 570), (2, 380), (4, 380)):  # levels 1, 2, 4 as the test runs them
+        times = (base + slope * batch) * rng.lognormal(0.0, 0.1, steps)
+        rows += [{"num_prefill_tokens": 0, "num_prefill_reqs": 0, "num_decode_tokens": batch,
+                  "num_decode_reqs": batch, "step_time_s": float(t)} for t in times]
+    for i, tokens in enumerate(rng.integers(64, 129, 30)):  # prefills, alone or beside decodes
+        decodes = i % 4
+        rows.append({"num_prefill_tokens": int(tokens), "num_prefill_reqs": 1, "num_decode_tokens": decodes,
+                     "num_decode_reqs": decodes, "step_time_s": float(
+                         base + per_prefill * tokens + slope * decodes + (1e-3 if decodes else 0.0))})
+
+    fit = fit_step_samples([_samples(rows, "synthetic")], Form.parse(LINEAR_FORM), host_overhead=0.0,
+                           bootstrap=0, noise=None)
+    assert fit.coefficients["per_decode_token"] == pytest.approx(slope, rel=0.05)
+    by_batch = decode_medians_by_batch(rows)
+    assert sorted(by_batch) == [1, 2, 4] and [n for _, n in by_batch.values()] == [570, 380, 380]
+    medians = np.array([m for m, _ in by_batch.values()])
+    assert np.polyfit([1, 2, 4], medians, 1)[0] == pytest.approx(slope, rel=0.05)
+    pooled = [np.median([r["step_time_s"] for r in rows
+                         if r["num_prefill_tokens"] == 0 and r["num_decode_reqs"] <= c]) for c in (1, 2, 4)]
+    assert (pooled[2] - pooled[0]) / 3 < slope / 2  # what the old printout read as the slope
