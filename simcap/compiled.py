@@ -43,7 +43,7 @@ class CompiledFinder:
     def __init__(self, package_dir: str | os.PathLike = _PACKAGE_DIR) -> None:
         self.package_dir = os.fspath(package_dir)
         self._listed: dict[str, str] | None = None
-        self._extensions: dict[str, frozenset[str]] = {}  # directory -> module names with one
+        self._extensions: dict[str, dict[str, str]] = {}  # directory -> module -> extension file
         self._decided: dict[str, tuple[str, str | None]] = {}
         self.loaded: dict[str, str] = {}  # module -> "compiled" | "interpreted (why)"
 
@@ -64,22 +64,23 @@ class CompiledFinder:
         """Module name -> SHA-256 of the source it was compiled from (empty: none built)."""
         return {name: digest for name, digest in self.listed().items() if digest != NOT_BUILT}
 
-    def extension_of(self, directory: str, leaf: str) -> str | None:
-        """The extension module file of ``leaf`` in ``directory``, if there is one (each
+    def where(self, fullname: str) -> tuple[str, str | None]:
+        """A module's source path and its extension module file, if there is one (each
         directory listed once)."""
-        names = self._extensions.get(directory)
-        if names is None:
+        *package, leaf = fullname.split(".")[1:]
+        directory = os.path.join(self.package_dir, *package)
+        extensions = self._extensions.get(directory)
+        if extensions is None:
             try:
-                files = os.listdir(directory)
+                files = sorted(os.listdir(directory))
             except OSError:
                 files = []
-            names = frozenset(f[: -len(suffix)] for f in files for suffix in EXTENSION_SUFFIXES
-                              if f.endswith(suffix))
-            self._extensions[directory] = names
-        if leaf not in names:
-            return None
-        return next((path for suffix in EXTENSION_SUFFIXES
-                     if os.path.exists(path := os.path.join(directory, leaf + suffix))), None)
+            extensions = {}
+            for suffix in reversed(EXTENSION_SUFFIXES):  # (the most specific suffix wins)
+                extensions.update({f[: -len(suffix)]: os.path.join(directory, f)
+                                   for f in files if f.endswith(suffix)})
+            self._extensions[directory] = extensions
+        return os.path.join(directory, f"{leaf}.py"), extensions.get(leaf)
 
     def decide(self, fullname: str) -> tuple[str, str | None]:
         """For a module the manifest names or that has an extension: the file to load and,
@@ -92,10 +93,7 @@ class CompiledFinder:
         return decided
 
     def _decide(self, fullname: str) -> tuple[str, str | None]:
-        *package, leaf = fullname.split(".")[1:]
-        directory = os.path.join(self.package_dir, *package)
-        source = os.path.join(directory, f"{leaf}.py")
-        extension = self.extension_of(directory, leaf)
+        source, extension = self.where(fullname)
         recorded = self.listed().get(fullname)
         if interpreted_by_request():
             return source, "SIMCAP_INTERPRETED is set"
@@ -117,10 +115,8 @@ class CompiledFinder:
         if not fullname.startswith("simcap."):
             return None
         if fullname not in self.listed():
-            *package, leaf = fullname.split(".")[1:]
-            directory = os.path.join(self.package_dir, *package)
-            if (self.extension_of(directory, leaf) is None
-                    or not os.path.exists(os.path.join(directory, f"{leaf}.py"))):
+            source, extension = self.where(fullname)
+            if extension is None or not os.path.exists(source):
                 return None  # (a plain module or a package: the usual finders)
         from importlib.util import spec_from_file_location
 
