@@ -107,7 +107,7 @@ class CompiledFinder:
             return source, "source changed since it was compiled"  # (or its declarations)
         self._decided[fullname] = (source, "cimports itself")  # (a cycle: never compiled)
         for dependency in cimported(source[: -len(".py")] + ".pxd"):
-            if dependency != fullname and self.decide(dependency)[1] is not None:
+            if self.decide(dependency)[1] is not None:
                 return source, f"cimports {dependency}, which runs interpreted"
         return extension, None
 

@@ -43,6 +43,14 @@ def copy_checkout(dst: Path) -> Path:
     return dst
 
 
+def clean_env(extra: dict | None = None) -> dict:
+    """This process's environment without what would change which engine runs or which
+    compiler builds it, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SIMCAP_INTERPRETED", "CC", "PYTHONPATH", "VIRTUAL_ENV")}
+    return {**env, **(extra or {})}
+
+
 class Venv:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -50,10 +58,7 @@ class Venv:
         self.simcap = path / "bin" / "simcap"
 
     def run(self, args: list, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-        full_env = {k: v for k, v in os.environ.items()
-                    if k not in ("SIMCAP_INTERPRETED", "CC", "PYTHONPATH", "VIRTUAL_ENV")}
-        full_env.update(env or {})
-        return subprocess.run([str(a) for a in args], cwd=cwd, env=full_env, capture_output=True,
+        return subprocess.run([str(a) for a in args], cwd=cwd, env=clean_env(env), capture_output=True,
                               text=True, timeout=timeout)
 
     def pip_install(self, tree: Path, *args: str, env: dict | None = None) -> str:
@@ -98,7 +103,7 @@ def compiled_output() -> str:
             pytest.fail("CI's own install compiled no engine module (it has a C compiler)")
         pytest.skip("this environment's install compiled nothing to compare with")
     done = subprocess.run([sys.executable, "-m", "simcap", *SIMULATE], cwd=ROOT, capture_output=True,
-                          text=True, env={k: v for k, v in os.environ.items() if k != "SIMCAP_INTERPRETED"})
+                          text=True, env=clean_env())
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -109,7 +114,7 @@ def imported_from(venv: Venv, module: str, cwd: Path) -> str:
 
 def test_editable_install_without_a_c_compiler(venv, tmp_path, compiled_output):
     tree = copy_checkout(tmp_path / "checkout")
-    said = venv.pip_install(tree, "-e", ".[test]", env=NO_COMPILER)  # the README's command
+    said = venv.pip_install(tree, "-e", ".[test]", env=NO_COMPILER)  # (the README command, plus -v)
     assert said.startswith("simcap: no engine module compiled (simcap.engine.kv_cache: CompileError: "
                            "command '/bin/false' returned non-zero exit status 1"), said
     assert said.endswith("they run interpreted, with the same results"), said
