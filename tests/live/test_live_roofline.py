@@ -1,30 +1,37 @@
-"""The roofline form extrapolates a real MoE server's decode step from low to high concurrency.
+"""The roofline form extrapolates a real MoE server's decode step to a higher concurrency.
 
-The tiny Qwen3-MoE (64 experts, top-8; ``moe_server``) runs closed loops of 1, 2 and 4 clients;
-both step-time forms are fitted to the server's iteration log of those steps (the linear form
-as ``simcap live calibrate`` fits it; the roofline form with
+The tiny Qwen3-MoE (64 experts, top-8; ``moe_server``) runs closed loops of 1, 2, 4 and 8
+clients; both step-time forms are fitted to the server's iteration log of those steps (the
+linear form as ``simcap live calibrate`` fits it; the roofline form with
 :func:`simcap.live.calibration.fit_log_roofline`, the path of ``live calibrate --form
-roofline``, on the catalog's CPU entry and the model's catalog shape). Then 16 clients run, in
-two halves of equal size; each form predicts the median pure-decode step of the 16-client
-steps (every logged pure-decode step priced at its own batch, the attended context from the
-level's client records). The roofline forms are also fitted on this machine's own hardware
-entry, measured at the start of the session (``machine_hardware``), and reported.
+roofline``, on this machine's hardware entry, measured at the start of the session
+(``machine_hardware``), and the model's catalog shape). Then 16 clients run, in two halves of
+equal size; each form predicts the median pure-decode step of the 16-client steps (every
+logged pure-decode step priced at its own batch, the attended context from the level's client
+records). The roofline forms are also fitted on the catalog's CPU entry (another machine's
+figures) and reported beside.
+
+Why the fit reaches 8 clients: the experts a decode step reads grow with the batch as
+``E (1 - (1 - k/E)^b)``: 8, 15, 21, 27 of 64 at batches 1-4, almost a straight line, so over
+those batches the experts term and the linear ``per_request`` term are nearly the same column
+and the fit splits the slope between them by the curvature of a few steps, which moves with
+the machine (a per-request term of 1.4-2.6 ms came out on a 2-core Xeon, +26 % to +75 % at 16
+clients). At batch 8 the experts read (40 of 64) has bent away from the line, and the split is
+set by the data. The prediction is still a twofold extrapolation in the batch, across the
+experts' saturation (55 of 64 at 16).
 
 Tolerance, from measurement: the half-to-half difference of the measured median (the
 server's own spread within the test) doubled, plus 0.35, the run-to-run spread of the
 median decode step at the fitted levels in ``experiments/cpu-extrapolation`` (up to 20 % for
 the MoE and 29 % for the dense model between two runs) with a margin. The roofline ``max``
-form is asserted (it had the smaller held-out error there) on the CPU the catalog entry was
-measured on; elsewhere a miss is reported as a known gap (xfail); ``sum`` and the linear form
-are reported. The linear form is not asserted to fail: on the in-house data it over-predicts
-the 16-client decode step by far more than the roofline form in both MoE runs, but how far
-depends on the slope between 2 and 4 clients, which moves with the machine's load.
+form on this machine's entry is asserted (it had the smaller held-out error there); ``sum``,
+the catalog entry's fits and the linear form are reported. The linear form is not asserted to
+fail: how far it over-predicts depends on the slope between 4 and 8 clients, which moves with
+the machine's load.
 
 The printout gives the median pure-decode step per batch size (each batch size on its own: a
 median over every batch up to c is mostly batch 1, and reads far flatter than the slope the
-fit sees) and the roofline fits' ``per_request`` term: a per-request term grows linearly with
-the batch where the experts touched saturate, and over batches 1-4 the two are hard to tell
-apart.
+fit sees) and the roofline fits' ``per_request`` term.
 """
 
 from __future__ import annotations
@@ -44,16 +51,14 @@ from simcap.calibrate.readers import _rows_to_samples
 from simcap.engine.step_time import roofline_basis, roofline_forward
 from simcap.live.calibration import fit_log_roofline, host_overhead_from_itl, log_size, read_log_window
 from simcap.live.client import run_live
-from simcap.live.machine import cpu_info, describe_cpu
 from simcap.scenario import parse_scenario
 
 pytestmark = pytest.mark.live
 
-HARDWARE = "cpu-amd-epyc-zen4-2vcpu"
-CATALOG_CPU = "AMD EPYC"  # the CPU model that entry was measured on (its description)
+HARDWARE = "cpu-amd-epyc-zen4-2vcpu"  # the catalog entry reported beside (another machine)
 SHAPE = "tiny-qwen3-moe-cpu"
 LENGTHS = {"dist": "uniform", "low": 64, "high": 128}
-FIT_LEVELS = {1: 6, 2: 8, 4: 16}  # clients: requests
+FIT_LEVELS = {1: 6, 2: 8, 4: 16, 8: 24}  # clients: requests
 HIGH = 16
 HIGH_REQUESTS = 32  # per half
 LINEAR_FORM = "base,per_prefill_token,per_decode_token,mixed_step"
@@ -107,7 +112,7 @@ def test_roofline_extrapolates_the_moe_decode_step(machine_hardware, moe_server)
         rows, recs = _level(base, log, clients, n, seed=clients)
         fit_rows += rows
         fit_records += recs
-    samples = _samples(fit_rows, "levels 1-4")
+    samples = _samples(fit_rows, "levels 1-8")
     host = host_overhead_from_itl(fit_records, fit_rows)["host_overhead_s"]
     linear = fit_step_samples([samples], Form.parse(LINEAR_FORM), host_overhead=host, bootstrap=0, noise=None)
     hardware = {"catalog": HARDWARE, "measured": machine_hardware}
@@ -151,13 +156,4 @@ def test_roofline_extrapolates_the_moe_decode_step(machine_hardware, moe_server)
           f"bandwidth {machine_hardware['memory_bandwidth_gbps']} GB/s, GEMM bf16 "
           f"{machine_hardware['peak_tflops']['bf16']} TFLOP/s; "
           f"wall {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    asserted = err["roofline max (catalog)"]
-    within = abs(asserted) <= tol
-    cpu = cpu_info()
-    if not within and not (cpu["model"] or "").startswith(CATALOG_CPU):
-        # The fit prices steps with the catalog entry's figures, measured on that CPU: on
-        # another one the physics it assumes is not this machine's (a 2-core Xeon with AMX
-        # gave +92% here: its decode step grew almost linearly in the batch past 4 clients).
-        pytest.xfail(f"roofline max error {asserted:+.0%} (tolerance {tol:.0%}) on "
-                     f"{describe_cpu(cpu)}, not the {HARDWARE} CPU the catalog entry describes")
-    assert within, (err, tol)
+    assert abs(err["roofline max (measured)"]) <= tol, (err, tol)
