@@ -27,8 +27,8 @@ from bench_simulate import BASE  # the reference workload (num_requests set per 
 
 
 def child(replicas: int, router: str, num_requests: int) -> None:
-    from simcap.scenario import parse_scenario
-    from simcap.simulator import simulate
+    from simcap.config.scenario import parse_scenario
+    from simcap.fleet.run import simulate
 
     data = json.loads(json.dumps(BASE))
     data["name"] = f"bench-fleet-{replicas}-{router}"

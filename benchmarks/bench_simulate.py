@@ -90,8 +90,8 @@ def scenario_data(name: str, num_requests: int | None) -> dict:
 
 
 def run_simcap(data: dict, fast: bool) -> dict:
-    from simcap.scenario import parse_scenario
-    from simcap.simulator import simulate
+    from simcap.config.scenario import parse_scenario
+    from simcap.fleet.run import simulate
 
     scenario = parse_scenario(data)
     t0 = time.perf_counter()
@@ -139,7 +139,7 @@ def child(which: str, name: str, num_requests: int | None) -> None:
     out = run_peer(data) if which == "peer" else run_simcap(data, fast=which != "reference")
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if which != "peer":
-        from simcap import compiled
+        from simcap.runtime import compiled
 
         out["engine"] = compiled.summary()
     print(json.dumps(out))

@@ -55,7 +55,7 @@ seconds and the exit stage, not wall seconds): ``help`` 0.212 CPU s (before 0.24
 exit 30 ms (before 241: its shutdown ran full collections over every object numpy, pydantic,
 typer and rich had made; the command now freezes them at exit). By instruction count
 (cachegrind, one run each): ``simcap --help`` 716M (before 805M: typer no longer compiles
-every parameter's string annotation, twice per run), ``python -c "import simcap.scenario"``
+every parameter's string annotation, twice per run), ``python -c "import simcap.config.scenario"``
 834M (1,189M: no numpy, validators built on first use), the reference case 5,940M (6,087M).
 Whole ``simcap simulate`` of the reference workload, 11 interleaved rounds against the
 compiled peer's whole process (``bench_simulate.py --peer``): 2.19 s wall, 1.20 CPU s (before
@@ -63,7 +63,7 @@ compiled peer's whole process (``bench_simulate.py --peer``): 2.19 s wall, 1.20 
 
 Then, against ``--before b5291c6`` (load average about 2 from other jobs: instruction counts
 are the stable figure). The command collects garbage rarely while it starts and freezes what
-start-up loaded once the scenario is loaded (``simcap.startup``): a ``simcap simulate`` of
+start-up loaded once the scenario is loaded (``simcap.runtime.startup``): a ``simcap simulate`` of
 the reference workload runs 11 collections taking 1.7 ms, before 103 taking 29.9 ms. The
 step log and the stretch gaps take each stretch's floats into arrays as it comes
 (``array.fromlist``) instead of converting lists of them later. By cachegrind, two runs
@@ -106,7 +106,7 @@ start = time.time()
 t0 = time.perf_counter()
 ends = {}
 import simcap.cli as cli
-from simcap import report
+from simcap.metrics import report
 ends["import simcap.cli (typer)"] = time.perf_counter()
 load = getattr(cli, "load_command_scenario", None) or getattr(cli, "_load_scenario", None)
 load_name = "load_command_scenario" if hasattr(cli, "load_command_scenario") else "_load_scenario"
@@ -116,8 +116,8 @@ def timed_load(*args, **kwargs):
     ends["parse the command line (pydantic)"] = time.perf_counter()
     scenario = load(*args, **kwargs)
     ends["load the scenario"] = time.perf_counter()
-    import simcap.simulator  # what the command imports next
-    ends["import simcap.simulator"] = time.perf_counter()
+    import simcap.simulation.simulator  # what the command imports next
+    ends["import simcap.simulation.simulator"] = time.perf_counter()
     return scenario
 
 def timed_console(*args, **kwargs):
@@ -141,7 +141,7 @@ stages = {name: end - prev for (name, end), prev in zip(marks, [t0] + [e for _, 
 print(json.dumps({"start": start, "stages": stages, "end": time.time()}), file=sys.stderr)
 """
 STAGES = ("interpreter start", "import simcap.cli (typer)", "parse the command line (pydantic)",
-          "load the scenario", "import simcap.simulator", "simulate", "render the tables (rich)",
+          "load the scenario", "import simcap.simulation.simulator", "simulate", "render the tables (rich)",
           "interpreter exit")
 _IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| (\S.*)$")
 

@@ -26,10 +26,10 @@ import timeit
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from simcap.config.scenario import StepTimeConfig, parse_scenario  # noqa: E402
 from simcap.engine.scheduler import SchedulerOutput  # noqa: E402
 from simcap.engine.step_time import make_step_model  # noqa: E402
-from simcap.scenario import StepTimeConfig, parse_scenario  # noqa: E402
-from simcap.simulator import simulate  # noqa: E402
+from simcap.fleet.run import simulate  # noqa: E402
 
 LINEAR = {"base": 0.004, "per_prefill_token": 1.0e-5, "per_decode_token": 5.0e-5,
           "per_context_token": 1.0e-9}

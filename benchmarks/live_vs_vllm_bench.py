@@ -50,10 +50,10 @@ from pathlib import Path
 
 import httpx
 
+from simcap.config.scenario import parse_scenario
 from simcap.live.client import API_KEY_ENV, auth_headers, run_live
 from simcap.live.server import VllmServer, tiny_model_dir, vllm_python
 from simcap.live.validate import reset_prefix_cache
-from simcap.scenario import parse_scenario
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
 # No prefix caching: vllm bench's random prompts are runs of consecutive token ids from a random

@@ -34,8 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from simcap.config.scenario import EngineConfig  # noqa: E402
 from simcap.live.server import tiny_model_dir  # noqa: E402
-from simcap.scenario import EngineConfig  # noqa: E402
 from tests.live import vllm_scheduler_driver as driver  # noqa: E402
 from tests.live.scheduler_conformance import first_divergence, run_driver, simcap_log, tally  # noqa: E402
 

@@ -1,42 +1,36 @@
 """simcap: a discrete-event capacity simulator of the vLLM V1 serving engine.
 
-Reading guide, in the order data flows:
+The package's folders are its data flow; each imports only the folders below it in this list
+(``tests/test_layers.py`` holds them to that), so the list reads top-down from the command to
+the physics:
 
-1. :mod:`simcap.scenario` -- the input: engine flags (vLLM's names), step-time model,
-   workload, SLO, seed; loaded from YAML with ``--set`` overrides.
-2. :mod:`simcap.workload` -- the requests: arrival times, prompt/output lengths, shared prefixes;
-   a recorded closed-loop run to replay client by client; :mod:`simcap.sessions` multi-turn
-   sessions, each turn's prompt the conversation so far; :mod:`simcap.traces` public trace
-   files (Azure, Mooncake, BurstGPT, ShareGPT) as the requests.
-3. :mod:`simcap.engine` -- the pure engine model: scheduler, KV cache, step time.
-4. :mod:`simcap.simulator` -- the SimPy world around it: one event per engine step on the
-   reference path, bulk stretches of steps on the fast path (:mod:`simcap.fast_forward`;
-   with speculative decoding :mod:`simcap.fast_verify`);
-   :mod:`simcap.steplog` keeps or reduces the per-step rows.
-5. :mod:`simcap.records` and :mod:`simcap.metrics` -- per-request records (the same type
-   for simulated and live runs) and the one path from records, or requests streamed as they
-   finish, to a :class:`Summary`.
-6. :mod:`simcap.report` and :mod:`simcap.cli` -- tables, JSON and the ``simcap`` command
-   (:mod:`simcap.startup`: hardly any garbage collection while a command starts).
-
-The engine loop's modules (3-5) are compiled with Cython from their unchanged source when
-``pip install`` can (:mod:`simcap.compiled` decides, module by module, what runs); the results
-are the same either way.
-
-Around that core:
-
-- :mod:`simcap.memory` -- the KV pool from card memory, model shape and flags (and the
-  shape's weights and experts, for the roofline step-time form).
-- :mod:`simcap.catalog` -- hardware figures and model shapes by name, from the package's data.
-- :mod:`simcap.profile` and :mod:`simcap.calibrate` -- fitted profiles, and fitting them from
-  step samples, per-step logs or benchmark tables (with bootstrap intervals).
-- :mod:`simcap.fleet` and :mod:`simcap.router` -- replicas behind a router on one clock (a
-  scenario's ``deployment``), and the routers as pure pieces.
-- :mod:`simcap.crossover`, :mod:`simcap.capacity`, :mod:`simcap.sweep`,
-  :mod:`simcap.fleet_sizing` -- studies over many runs: speculative-decoding crossover, safe
-  request rate, what-if grids, the fewest replicas per router for a target rate.
-- :mod:`simcap.plots` -- step timelines, ITL histograms, KV and queue over time, study figures.
-- :mod:`simcap.live` -- the same workload against a real server, and sim-vs-live validation.
+- :mod:`simcap.cli` -- the ``simcap`` command, thin over the library (``simcap live`` too).
+- :mod:`simcap.live` -- the same workload against a real server: client, scrapes, validation,
+  calibration from its logs, live capacity and crossover.
+- :mod:`simcap.studies` -- questions over many runs: safe request rate under an SLO,
+  speculative-decoding crossover, what-if sweeps, fleet sizing, and their figures.
+- :mod:`simcap.calibrate` -- measurements (step samples, iteration logs, benchmark tables) to
+  a fitted profile, with intervals.
+- :mod:`simcap.fleet` -- a scenario's deployment: replicas on one clock behind a router;
+  :func:`simcap.fleet.run.simulate` (``simcap.simulate``) runs any scenario.
+- :mod:`simcap.simulation` -- one engine on a SimPy clock: the reference path, one event per
+  step, and the fast paths (:mod:`~simcap.simulation.fast_forward`,
+  :mod:`~simcap.simulation.fast_verify`) that advance a stretch of steps at once; the step
+  log; the early stop.
+- :mod:`simcap.workloads` -- which requests arrive when: arrivals, lengths, shared prefixes,
+  replayed closed loops, multi-turn sessions.
+- :mod:`simcap.metrics` -- the per-request record (the same type for simulated and live runs)
+  and the one path from records to a :class:`Summary`; tables with provenance.
+- :mod:`simcap.config` -- the input: the scenario (engine flags under vLLM's names, step time,
+  workload, SLO, seed) from YAML with ``--set`` overrides, profiles, public trace files.
+- :mod:`simcap.engine` -- the pure engine model, no clock: scheduler, KV cache, step time,
+  speculative acceptance, step noise. Each piece declares the plain values it reads.
+- :mod:`simcap.catalog` -- hardware figures and model shapes by name, and the KV-memory
+  arithmetic from them.
+- :mod:`simcap.runtime` -- how the package is built and loaded: the engine loop's modules
+  compiled with Cython from their unchanged source where ``pip install`` can
+  (:mod:`simcap.runtime.compiled` decides, module by module, what runs; the results are the
+  same either way), lazy exports, a command's start-up.
 
 Usage::
 
@@ -45,24 +39,24 @@ Usage::
     print(result.summary.ttft_s.p95)
 """
 
-from simcap import compiled
-from simcap._lazy import lazy_exports
 from simcap._version import __version__
 from simcap.errors import ScenarioError, SimcapError, SimulationError
+from simcap.runtime import compiled
+from simcap.runtime.lazy import lazy_exports
 
 # The rest of the public API is imported on first use (PEP 562), so that ``import simcap``
 # and ``simcap --help`` do not pay for numpy, pydantic and SimPy before a command needs them.
 _LAZY = {
-    "ClosedLoopTrace": "simcap.workload",
-    "FleetResult": "simcap.fleet",
-    "RequestRecord": "simcap.records",
-    "Result": "simcap.simulator",
-    "Scenario": "simcap.scenario",
-    "Summary": "simcap.metrics",
-    "load_scenario": "simcap.scenario",
-    "parse_scenario": "simcap.scenario",
-    "simulate": "simcap.simulator",
-    "summarize": "simcap.metrics",
+    "ClosedLoopTrace": "simcap.workloads.requests",
+    "FleetResult": "simcap.fleet.replicas",
+    "RequestRecord": "simcap.metrics.records",
+    "Result": "simcap.simulation.simulator",
+    "Scenario": "simcap.config.scenario",
+    "Summary": "simcap.metrics.summary",
+    "load_scenario": "simcap.config.scenario",
+    "parse_scenario": "simcap.config.scenario",
+    "simulate": "simcap.fleet.run",
+    "summarize": "simcap.metrics.summary",
 }
 
 __all__ = [

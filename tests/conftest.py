@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+from simcap.config.scenario import EngineConfig, parse_scenario
 from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler, SchedulerOutput
-from simcap.scenario import EngineConfig, parse_scenario
 
 
 # CI replays the same examples on every run (a property that fails there fails for everyone,

@@ -16,15 +16,15 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from simcap.capacity import find_capacity
 from simcap.cli import app
 from simcap.errors import ScenarioError
-from simcap.plots import IMAGE_FORMATS, check_figure_path
-from simcap.scenario import (
+from simcap.studies.capacity import find_capacity
+from simcap.studies.plots import IMAGE_FORMATS, check_figure_path
+from simcap.config.scenario import (
     MAX_CLIENTS, MAX_KV_BLOCKS, MAX_NUM_SEQS, MAX_REQUESTS, MAX_SIMULATED_S, MAX_TOKENS,
     MAX_RECORDED_TOKENS, check_limits, expected_requests, parse_scenario,
 )
-from simcap.simulator import simulate
+from simcap.fleet.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 URL = "http://127.0.0.1:9"  # nothing listens there

@@ -25,9 +25,9 @@ from simcap.calibrate import (
     read_step_samples,
     simulate_with_ci,
 )
+from simcap.config.profiles import load_profile
+from simcap.config.scenario import load_scenario, parse_scenario
 from simcap.engine.step_time import FEATURES
-from simcap.profile import load_profile
-from simcap.scenario import load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "calibration" / "profiles"

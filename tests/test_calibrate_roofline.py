@@ -10,9 +10,9 @@ import yaml
 
 from simcap import simulate
 from simcap.calibrate import read_benchmarks
-from simcap.calibrate.fit_bench import RooflineForm, apply_coefficients, fit_benchmarks_roofline
 from simcap.calibrate.core import CalibrationError
-from simcap.scenario import parse_scenario
+from simcap.calibrate.fit_bench import RooflineForm, apply_coefficients, fit_benchmarks_roofline
+from simcap.config.scenario import parse_scenario
 
 ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=1024, block_size=16, num_gpu_blocks=4000,
               max_model_len=1024, vllm_version="0.26")

@@ -19,7 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from simcap.cli import app
-from simcap.capacity import (
+from simcap.studies.capacity import (
     CapacityPoint,
     at_rate,
     find_capacity,
@@ -27,9 +27,9 @@ from simcap.capacity import (
     parse_slo,
     safe_rate_of,
 )
+from simcap.config.scenario import parse_scenario
 from simcap.errors import ScenarioError
-from simcap.scenario import parse_scenario
-from simcap.workload import Workload
+from simcap.workloads.requests import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 0.01  # seconds per step

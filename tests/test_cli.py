@@ -228,3 +228,36 @@ def test_calibrate_marks_a_poor_fit_in_its_table(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "fitted vs measured" in done.stdout and "[bold" not in done.stdout
     assert re.search(r"[+-]\d+\.\d%", done.stdout)
+
+
+def test_a_scenario_without_step_time_is_warned_of_once_its_numbers_are_out(tmp_path):
+    """No step_time, no profile: the illustrative defaults stand in. The command says so in
+    one line on stderr after its output, and the output's provenance names the source; a
+    scenario with step_time gets no warning, and a failing command says only why it failed."""
+    from typer.testing import CliRunner
+
+    from simcap.cli import app
+
+    bare = {"engine": {"max_num_seqs": 4, "num_gpu_blocks": 1000, "max_model_len": 2048},
+            "workload": {"arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 5,
+                         "input_len": 100, "output_len": 10}}
+    path = tmp_path / "bare.yaml"
+    path.write_text(yaml.safe_dump(bare))
+    res = CliRunner().invoke(app, ["simulate", str(path), "--json"])
+    assert res.exit_code == 0, res.stderr
+    (line,) = res.stderr.splitlines()
+    assert line.startswith(f"warning: {path}: step_time: not given (no step_time section, no profile)")
+    source = json.loads(res.stdout)["provenance"]["step_time_source"]
+    assert source.startswith("illustrative defaults") and "not a measurement" in source
+
+    path.write_text(yaml.safe_dump({**bare, "step_time": {"base": 0.004}}))
+    res = CliRunner().invoke(app, ["simulate", str(path), "--json"])
+    assert res.exit_code == 0 and res.stderr == "", res.stderr
+    assert json.loads(res.stdout)["provenance"]["step_time_source"] == "scenario"
+
+    path.write_text(yaml.safe_dump(bare))
+    res = CliRunner().invoke(app, ["simulate", str(path), "--set", "engine.max_num_seqs=0"])
+    assert res.exit_code == 2 and len(res.stderr.splitlines()) == 1 and "warning" not in res.stderr, res.stderr
+    # kv prices no step: no warning.
+    res = CliRunner().invoke(app, ["kv", str(path)])
+    assert "warning" not in res.stderr

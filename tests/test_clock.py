@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import simpy
 
-from simcap.fast_forward import Clock
+from simcap.simulation.fast_forward import Clock
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -34,7 +34,7 @@ def test_installed_simpy_is_within_the_pin():
     installed = version("simpy")
     assert _parse(low) <= _parse(installed) < _parse(high), (
         f"SimPy {installed} is outside the tested pin simpy>={low},<{high}: "
-        "simcap.fast_forward.Clock.timeout_at relies on SimPy internals; check them "
+        "simcap.simulation.fast_forward.Clock.timeout_at relies on SimPy internals; check them "
         "(tests/test_clock.py) before widening the pin"
     )
 
@@ -48,7 +48,7 @@ def test_simpy_has_the_internals_the_clock_uses():
                if not hasattr(obj, name.split(".")[1])]
     assert not missing and hasattr(simpy.core, "NORMAL"), (
         f"SimPy {version('simpy')} lacks {missing or ['core.NORMAL']}: "
-        "simcap.fast_forward.Clock.timeout_at cannot work with it"
+        "simcap.simulation.fast_forward.Clock.timeout_at cannot work with it"
     )
 
 

@@ -1,13 +1,13 @@
-"""Replaying a closed-loop run as a closed loop (:class:`simcap.workload.ClosedLoopTrace`)."""
+"""Replaying a closed-loop run as a closed loop (:class:`simcap.workloads.requests.ClosedLoopTrace`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from simcap.records import RequestRecord
-from simcap.report import to_json
-from simcap.simulator import simulate
-from simcap.workload import ClientRequest, ClosedLoopTrace, RequestSpec, Workload
+from simcap.fleet.run import simulate
+from simcap.metrics.records import RequestRecord
+from simcap.metrics.report import to_json
+from simcap.workloads.requests import ClientRequest, ClosedLoopTrace, RequestSpec, Workload
 from tests.conftest import make_scenario
 
 STEP = 0.01  # every step costs 10 ms, whatever it holds

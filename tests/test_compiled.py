@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from simcap import compiled
-from simcap.compiled import MANIFEST, NOT_BUILT, CompiledFinder, cimported
+from simcap.runtime import compiled
+from simcap.runtime.compiled import MANIFEST, NOT_BUILT, CompiledFinder, cimported
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,13 +90,14 @@ def test_an_extension_the_manifest_does_not_list_is_never_loaded(tmp_path, monke
     """(An earlier build's, or one cut from the manifest: Python alone would load it.)"""
     monkeypatch.delenv("SIMCAP_INTERPRETED", raising=False)
     package = make_tree(tmp_path)
-    (package / "steplog.py").write_text("Y = 2\n")
-    (package / f"steplog{EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    (package / "simulation").mkdir()
+    (package / "simulation" / "steplog.py").write_text("Y = 2\n")
+    (package / "simulation" / f"steplog{EXTENSION_SUFFIXES[0]}").write_bytes(b"")
     finder = CompiledFinder(package)
-    spec = finder.find_spec("simcap.steplog")
+    spec = finder.find_spec("simcap.simulation.steplog")
     assert isinstance(spec.loader, SourceFileLoader) and spec.origin.endswith("steplog.py")
-    assert finder.loaded["simcap.steplog"] == "interpreted (extension not from this install)"
-    assert "simcap.steplog" not in compiled_states(finder)  # (not one the install tried)
+    assert finder.loaded["simcap.simulation.steplog"] == "interpreted (extension not from this install)"
+    assert "simcap.simulation.steplog" not in compiled_states(finder)  # (not one the install tried)
 
 
 def test_a_module_the_install_could_not_compile_runs_its_source(tmp_path, monkeypatch):
@@ -144,7 +145,7 @@ def test_cimported_reads_both_forms_and_ignores_comments(tmp_path):
                    "cimport simcap.engine.kv_cache as kv\ncdef class A:\n    cdef public object b\n")
     assert cimported(str(pxd)) == ["simcap.engine.request", "simcap.engine.kv_cache"]
     assert cimported(str(tmp_path / "none.pxd")) == []
-    assert cimported(str(ROOT / "simcap" / "fast_forward.pxd")) == [
+    assert cimported(str(ROOT / "simcap" / "simulation" / "fast_forward.pxd")) == [
         "simcap.engine.kv_cache", "simcap.engine.request", "simcap.engine.scheduler"]
 
 
@@ -171,7 +172,7 @@ def test_ci_builds_the_compiled_engine():
     this process each runs compiled. Off CI, a machine without a C compiler may run the source."""
     if not built() and not os.environ.get("CI"):
         pytest.skip("no compiled engine modules were built at install on this machine")
-    import simcap.simulator  # noqa: F401
+    import simcap.simulation.simulator  # noqa: F401
 
     listed = listed_modules()
     assert set(built()) == {ext["name"] for ext in listed}

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from simcap.crossover import (
+from simcap.studies.crossover import (
     REQUESTS_PER_CLIENT,
     arm_scenarios,
     find_crossover,
@@ -32,8 +32,8 @@ from simcap.crossover import (
     parse_load_list,
     per_stream_answer,
 )
+from simcap.config.scenario import parse_scenario
 from simcap.errors import ScenarioError
-from simcap.scenario import parse_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE, D = 0.02, 0.0005

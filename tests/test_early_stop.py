@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from simcap.capacity import find_capacity
 from simcap.cli import app
-from simcap.early_stop import SloStop, certain_failure, stoppable_keys
+from simcap.config.scenario import parse_scenario
 from simcap.errors import ScenarioError
-from simcap.metrics import Distribution
-from simcap.scenario import parse_scenario
-from simcap.simulator import simulate
+from simcap.fleet.run import simulate
+from simcap.metrics.summary import Distribution
+from simcap.simulation.early_stop import SloStop, certain_failure, stoppable_keys
+from simcap.studies.capacity import find_capacity
 from tests.conftest import make_scenario
 from tests.test_capacity import MU, SLO, dd1_data
 
@@ -243,7 +243,7 @@ def test_cli_early_stop_switch(tmp_path):
 def test_interval_only_early_stop_spares_the_reported_runs():
     """``early_stop="interval"`` stops only the bootstrap interval's runs (role bootstrap),
     whose values nobody reports; a search run at the same overloaded rate goes to the end."""
-    from simcap.capacity import Runner
+    from simcap.studies.capacity import Runner
 
     scenario = parse_scenario(dd1_data())
     with Runner(1, early_stop="interval") as runner:

@@ -6,10 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simcap.metrics import summarize
-from simcap.report import to_json
-from simcap.simulator import _World, simulate
-from simcap.workload import RequestSpec
+from simcap.fleet.run import simulate
+from simcap.metrics.report import to_json
+from simcap.metrics.summary import summarize
+from simcap.simulation.simulator import EngineWorld
+from simcap.workloads.requests import RequestSpec
 from tests.conftest import make_scenario
 
 
@@ -171,7 +172,7 @@ def test_fast_path_equals_reference_path_with_speculation_and_noise(scenario):
 def final_pool(scenario, fast, trace=None):
     """The KV pool a run leaves: the free queue's order (what later allocations take, and
     which cached blocks they evict) and the cached content of each block."""
-    world = _World(scenario, fast)
+    world = EngineWorld(scenario, fast)
     world.run(trace)
     kv = world.scheduler.kv
     return kv.free_block_ids(), kv.prefix_cache.block_hash
@@ -287,7 +288,7 @@ def test_fast_path_is_taken_on_long_decodes(roofline):
         workload={"arrival": {"process": "closed", "concurrency": 4}, "num_requests": 8,
                   "input_len": 100, "output_len": 500},
     )
-    import simcap.simulator as sim
+    import simcap.simulation.simulator as sim
 
     calls = []
     original = sim.advance_decode_stretch

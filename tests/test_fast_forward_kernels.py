@@ -11,8 +11,8 @@ from itertools import accumulate
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simcap.fast_forward import decode_starts, take_decode_blocks, usage_runs_by_step
-from simcap.fast_verify import count_accepted
+from simcap.simulation.fast_forward import decode_starts, take_decode_blocks, usage_runs_by_step
+from simcap.simulation.fast_verify import count_accepted
 
 
 # --------------------------------------------------------------------------- decode_starts

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import simcap.simulator as sim
-from simcap.early_stop import SloStop
-from simcap.report import to_json
-from simcap.simulator import simulate
-from simcap.workload import RequestSpec
+import simcap.simulation.simulator as sim
+from simcap.fleet.run import simulate
+from simcap.metrics.report import to_json
+from simcap.simulation.early_stop import SloStop
+from simcap.workloads.requests import RequestSpec
 from tests.conftest import make_scenario
 from tests.test_fast_forward import NOISES, check_fast_equals_reference, speculative_configs
 
@@ -36,7 +36,7 @@ class SpanSpy:
 
     def __enter__(self) -> SpanSpy:
         self.original_stretch = getattr(sim, self.name)
-        self.original_finish = sim._World.finish
+        self.original_finish = sim.EngineWorld.finish
         inside = []
 
         def finish(world, reqs, now):
@@ -57,12 +57,12 @@ class SpanSpy:
                 self.most_finishes = max(self.most_finishes, n)
 
         setattr(sim, self.name, stretch)
-        sim._World.finish = finish
+        sim.EngineWorld.finish = finish
         return self
 
     def __exit__(self, *exc) -> None:
         setattr(sim, self.name, self.original_stretch)
-        sim._World.finish = self.original_finish
+        sim.EngineWorld.finish = self.original_finish
 
 
 def burst_trace(draw, bs: int, shared: bool) -> tuple[list, int, int]:

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import simcap.fast_verify as fv
-import simcap.simulator as sim
+import simcap.simulation.fast_verify as fv
+import simcap.simulation.simulator as sim
 from simcap.engine.speculative import AcceptanceModel
 from tests.conftest import make_scenario, run_interpreted
 from tests.test_fast_forward import (
@@ -64,7 +64,7 @@ def check_admissions(scenario, trace=None) -> tuple[int, int]:
 
     sim.schedule_verify_admission = checked
     try:
-        sim.simulate(scenario, trace)
+        sim.simulate_engine(scenario, trace)
     finally:
         sim.schedule_verify_admission = original
     return taken, capped
@@ -113,7 +113,7 @@ def test_verify_admission_is_taken():
 
     sim.schedule_verify_admission = spy
     try:
-        sim.simulate(scenario)
+        sim.simulate_engine(scenario)
     finally:
         sim.schedule_verify_admission = original
     # Steps that admit (some admit several arrivals at once), nearly all of them shortcut.
@@ -199,7 +199,7 @@ def bulks_followed_by_a_step(roofline: bool) -> int:
 
     fv.VerifyStretch.run_bulk = spy
     try:
-        sim.simulate(capped_scenario(roofline))
+        sim.simulate_engine(capped_scenario(roofline))
     finally:
         fv.VerifyStretch.run_bulk = original
     return sum(followed)

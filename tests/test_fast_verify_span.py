@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simcap.report import to_json
-from simcap.simulator import simulate
+from simcap.fleet.run import simulate
+from simcap.metrics.report import to_json
 from tests.conftest import make_scenario
 from tests.test_fast_forward import check_fast_equals_reference
 from tests.test_fast_forward_span import (

@@ -182,8 +182,8 @@ def test_routing_skew_fit_and_dense(tmp_path):
 
 def test_cli_calibrate_roofline(tmp_path):
     from simcap.cli import app
-    from simcap.scenario import parse_scenario
-    from simcap.simulator import simulate
+    from simcap.config.scenario import parse_scenario
+    from simcap.fleet.run import simulate
 
     log = tmp_path / "steps.log"
     log.write_text("\n".join(_log(MOE, {"experts": 2.0, "compute": 3.0})) + "\n")

@@ -1,4 +1,4 @@
-"""Fleets: replicas behind a router on one clock (simcap.fleet) and the routers themselves."""
+"""Fleets: replicas behind a router on one clock (simcap.fleet.replicas) and the routers themselves."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simcap.report import to_json
-from simcap.router import (
+from simcap.metrics.report import to_json
+from simcap.fleet.router import (
     PrefixCache, PrefixIndex, ReplicaState, RouteRequest, affinity_key, make_router, session_hash,
 )
-from simcap.scenario import ROUTERS, parse_scenario
-from simcap.simulator import simulate
-from simcap.workload import RequestSpec
+from simcap.config.scenario import ROUTERS, parse_scenario
+from simcap.fleet.run import simulate
+from simcap.workloads.requests import RequestSpec
 from tests.conftest import make_scenario
 from tests.test_fast_forward import noisy_scenarios, scenarios
 
@@ -179,7 +179,7 @@ def test_prefix_cache_router_keeps_a_prefix_group_together():
                         weights={"prefix_cache": 1.0, "queue": 0.0}),
     )
     result = simulate(scenario)
-    from simcap.workload import Workload
+    from simcap.workloads.requests import Workload
 
     wl = Workload(scenario.workload, scenario.seed)
     by_group: dict[int, set[int]] = {}
@@ -301,7 +301,7 @@ def test_fleet_sizing_finds_the_fewest_passing_replicas():
     """One replica serves 8 requests at a time, each in 20 steps of 10 ms: about 40 req/s.
     At 100 req/s, 2 replicas fall behind and 3 keep up; the search must say 3 and have
     tested 2 (fail) and 3 (pass)."""
-    from simcap.fleet_sizing import size_fleet
+    from simcap.studies.fleet_sizing import size_fleet
 
     result = size_fleet(sizing_scenario(), 100.0, routers=["roundrobin", "least_request"],
                         duration_s=20.0, replicates=1, max_replicas=8,
@@ -316,7 +316,7 @@ def test_fleet_sizing_finds_the_fewest_passing_replicas():
 
 
 def test_fleet_sizing_says_when_no_count_is_enough():
-    from simcap.fleet_sizing import size_fleet
+    from simcap.studies.fleet_sizing import size_fleet
 
     result = size_fleet(sizing_scenario(), 100.0, duration_s=10.0, replicates=1, max_replicas=2)
     assert result.routers[0].replicas is None
@@ -324,7 +324,7 @@ def test_fleet_sizing_says_when_no_count_is_enough():
 
 
 def test_routing_stops_mattering_by_hand():
-    from simcap.fleet_sizing import routing_stops_mattering
+    from simcap.studies.fleet_sizing import routing_stops_mattering
 
     curve = {"a": {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, "b": {1: 1.0, 2: 1.5, 4: 3.9, 8: 7.9}}
     assert routing_stops_mattering(curve) == 4  # 1 agrees, 2 does not, 4 and 8 do
@@ -333,8 +333,8 @@ def test_routing_stops_mattering_by_hand():
 
 
 def test_capacity_of_a_fleet_grows_with_replicas():
-    from simcap.capacity import find_capacity
-    from simcap.fleet_sizing import with_fleet
+    from simcap.studies.capacity import find_capacity
+    from simcap.studies.fleet_sizing import with_fleet
 
     scenario = sizing_scenario()
     one = find_capacity(scenario, duration_s=20.0, replicates=1, interval=False)
@@ -363,8 +363,8 @@ def test_fleet_command_and_capacity_replicas(tmp_path):
 
 
 def test_teaching_picture_is_written(tmp_path):
-    from simcap.plots import write_simulation_plots
-    from simcap.fleet_sizing import with_fleet
+    from simcap.studies.fleet_sizing import with_fleet
+    from simcap.studies.plots import write_simulation_plots
 
     scenario = with_fleet(sizing_scenario().model_copy(update={}), 2, "least_request")
     a = simulate(scenario, records=True, steps=True)
@@ -377,7 +377,7 @@ def test_fleet_sizing_on_ray_matches_local():
     """The sweep's Ray backend runs a fleet-sizing search's runs; same answer, same runs."""
     import ray  # in the test extra
 
-    from simcap.fleet_sizing import size_fleet
+    from simcap.studies.fleet_sizing import size_fleet
 
     kwargs = dict(routers=["roundrobin"], duration_s=10.0, replicates=1, max_replicas=4)
     local = size_fleet(sizing_scenario(), 100.0, **kwargs)
@@ -394,7 +394,7 @@ def test_fleet_sizing_on_ray_matches_local():
 def test_sweep_over_fleets_reports_fleet_fields(tmp_path):
     import yaml
 
-    from simcap.sweep import run_sweep
+    from simcap.studies.sweep import run_sweep
 
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(sizing_scenario().model_dump(mode="json")))
@@ -435,9 +435,9 @@ def test_router_sees_scraped_gauges_not_the_present(router, expected):
 def test_early_stop_of_a_fleet_is_conservative(router):
     """An overloaded fleet is stopped once its TTFT target must fail, and the full run does
     fail it; a fleet that keeps up is never stopped, and its result is the full run's."""
-    from simcap.capacity import at_rate
-    from simcap.early_stop import SloStop
-    from simcap.fleet_sizing import with_fleet
+    from simcap.simulation.early_stop import SloStop
+    from simcap.studies.capacity import at_rate
+    from simcap.studies.fleet_sizing import with_fleet
 
     base = with_fleet(sizing_scenario(), 2, router)
     for rate, overloaded in ((150.0, True), (40.0, False)):
@@ -519,7 +519,7 @@ def test_disaggregated_fast_path_equals_reference_path(scenario):
 
 
 def test_disaggregated_kv_bytes_come_from_the_memory_plan():
-    from simcap.scenario import kv_transfer_bytes_per_token, load_scenario
+    from simcap.config.scenario import kv_transfer_bytes_per_token, load_scenario
 
     base = load_scenario("examples/ascend910b4-kv.yaml")
     data = base.model_dump(mode="json")
@@ -535,7 +535,7 @@ def test_pool_sizing_finds_the_best_split_of_the_fewest_replicas():
     one replica) while decoding 5 tokens is cheap: at 0.6 req/s one prefill replica falls
     behind and two keep up, so the answer is 2 prefill + 1 decode, after every split of 2
     replicas failed and 1:2 failed at 3."""
-    from simcap.fleet_sizing import size_pools
+    from simcap.studies.fleet_sizing import size_pools
 
     scenario = make_scenario(
         engine=dict(max_num_batched_tokens=4096),

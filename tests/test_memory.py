@@ -1,4 +1,4 @@
-"""KV arithmetic (simcap.memory): hand-computed cases, the field's two deployments, bad input."""
+"""KV arithmetic (simcap.catalog.memory): hand-computed cases, the field's two deployments, bad input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simcap.errors import ScenarioError
-from simcap.memory import (
+from simcap.catalog.memory import (
     GB,
     GiB,
     KVPlan,

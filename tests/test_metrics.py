@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simcap.metrics import (
+from simcap.metrics.summary import (
     _merge_neighbours,
     _merge_table,
     PERCENTILES,
@@ -16,7 +16,7 @@ from simcap.metrics import (
     early_stopping_min_queries,
     summarize,
 )
-from simcap.records import RequestRecord
+from simcap.metrics.records import RequestRecord
 
 
 def rec(rid, arrival, chunks, tokens=None, finish=None, prompt=10, **kw):
@@ -547,7 +547,7 @@ def test_merge_table_of_weighted_values_mostly_ascending_or_shuffled(shuffled, d
 
 def test_simulator_token_counts_any_size():
     """The simulator's buffered token counts reach the metrics as int64, whatever their size."""
-    from simcap.simulator import _token_counts
+    from simcap.simulation.simulator import _token_counts
 
     for counts in ([], [0], [1, 4, 255], [1, 256, 3], [70000, 2]):
         got = _token_counts(counts)
@@ -558,7 +558,7 @@ def test_simulator_stretch_gaps_hand_case():
     """Buffered decode stretches: ``add`` says how many times the buffer holds (what the
     flush threshold reads); ``take`` gives the gaps between chunks within each stretch (not
     start -> first chunk, nor across stretches) and the batch size of each, then empties."""
-    from simcap.simulator import _StretchGaps
+    from simcap.simulation.simulator import _StretchGaps
 
     buffer = _StretchGaps()
     assert buffer.add([0.0, 1.0, 3.0], 2) == 3  # start 0.0, chunks at 1.0 and 3.0

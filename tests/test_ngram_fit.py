@@ -83,7 +83,7 @@ def test_a_request_cut_short_by_another_is_not_counted_as_never_drafting():
 
 def test_onset_from_stream_chunks():
     from simcap.calibrate.ngram import onset_from_records
-    from simcap.records import RequestRecord
+    from simcap.metrics.records import RequestRecord
 
     def rec(i, tokens):
         return RequestRecord(i, 0.0, 16, sum(tokens), chunk_times=[1.0] * len(tokens), chunk_tokens=tokens,

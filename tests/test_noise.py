@@ -9,20 +9,14 @@ import pytest
 import yaml
 
 from simcap.calibrate import Recipe, fit_step_samples, profile_dict
+from simcap.calibrate.noise_fit import empirical_from_ratios, fit_noise, ks_distance
 from simcap.calibrate.readers import StepSamples
-from simcap.engine.noise import (
-    StepNoise,
-    empirical_from_ratios,
-    fit_noise,
-    inverse_cdf,
-    ks_distance,
-    mean_factor,
-)
+from simcap.config.scenario import EmpiricalNoise, LognormalNoise, StepNoiseConfig
+from simcap.engine.noise import StepNoise, inverse_cdf, mean_factor
 from simcap.engine.step_time import FEATURES
 from simcap.errors import ScenarioError
-from simcap.report import to_json
-from simcap.scenario import EmpiricalNoise, LognormalNoise, StepNoiseConfig
-from simcap.simulator import simulate
+from simcap.fleet.run import simulate
+from simcap.metrics.report import to_json
 from tests.conftest import make_scenario
 
 EMP = {"kind": "empirical", "quantiles": [0.5, 1.0, 2.0]}

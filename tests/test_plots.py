@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simcap.capacity import find_capacity
-from simcap.plots import (
+from simcap.studies.capacity import find_capacity
+from simcap.studies.plots import (
     itl_by_step_kind,
     itl_stats,
     pick_window,
@@ -18,8 +18,8 @@ from simcap.plots import (
     plot_itl_histogram,
     write_simulation_plots,
 )
-from simcap.scenario import parse_scenario
-from simcap.simulator import simulate
+from simcap.config.scenario import parse_scenario
+from simcap.fleet.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"

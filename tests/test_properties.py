@@ -14,12 +14,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from simcap.config.scenario import SpeculativeConfig
 from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
 from simcap.engine.speculative import AcceptanceModel, Proposer
-from simcap.scenario import SpeculativeConfig
-from simcap.report import to_json
-from simcap.simulator import simulate
+from simcap.fleet.run import simulate
+from simcap.metrics.report import to_json
 from tests.conftest import make_engine, make_scenario, run_to_completion
 
 VERSIONS = st.sampled_from(["0.11", "0.23", "0.26", "0.32"])

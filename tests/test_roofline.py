@@ -18,9 +18,9 @@ from simcap.engine.step_time import (
     StepTimeModel,
     make_step_model,
 )
+from simcap.catalog.memory import ModelShape
+from simcap.config.scenario import StepTimeConfig
 from simcap.errors import ScenarioError
-from simcap.memory import ModelShape
-from simcap.scenario import StepTimeConfig
 from tests.conftest import make_request, make_scheduler
 
 # 1e12 B/s memory, 1e14 FLOP/s bf16, 1e11 B/s link with 5 us latency

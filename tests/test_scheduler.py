@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from simcap.engine.request import RequestStatus
-from simcap.simulator import simulate
-from simcap.workload import RequestSpec
+from simcap.fleet.run import simulate
+from simcap.workloads.requests import RequestSpec
 from tests.conftest import (
     check_step_invariants,
     make_request,

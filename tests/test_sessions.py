@@ -8,11 +8,11 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from simcap.metrics import summarize
-from simcap.plots import write_simulation_plots
-from simcap.scenario import parse_scenario
-from simcap.sessions import SESSION_KEY_BASE, Conversation, SessionPlan, SessionWorkload, Turn
-from simcap.simulator import simulate
+from simcap.config.scenario import parse_scenario
+from simcap.fleet.run import simulate
+from simcap.metrics.summary import summarize
+from simcap.studies.plots import write_simulation_plots
+from simcap.workloads.sessions import SESSION_KEY_BASE, Conversation, SessionPlan, SessionWorkload, Turn
 
 
 def make(sessions: dict, *, arrival=None, engine=None, workload=None, speculative=None, seed=0):

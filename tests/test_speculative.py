@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from simcap.config.scenario import SpeculativeConfig
 from simcap.engine.scheduler import Scheduler
 from simcap.engine.speculative import AcceptanceModel, Proposer, rates_for_length
-from simcap.scenario import SpeculativeConfig
-from simcap.simulator import simulate
+from simcap.fleet.run import simulate
 from tests.conftest import make_engine, make_request, make_scenario, run_to_completion
 
 

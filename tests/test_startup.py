@@ -67,7 +67,7 @@ def test_import_simcap_loads_no_third_party_package():
 
 def test_import_scenario_loads_no_numpy():
     """A trace's reader imports numpy when it reads one; ``simcap kv`` never needs it."""
-    loaded = loaded_by("import simcap.scenario")
+    loaded = loaded_by("import simcap.config.scenario")
     assert not loaded & {*HEAVY, "numpy", "simpy", "rich", "typer"}
     assert not loaded_by_cli("kv", "examples/ascend910b4-kv.yaml") & {*HEAVY, "numpy", "simpy"}
 
@@ -144,7 +144,7 @@ def test_lazy_exports_resolve_and_list():
             assert getattr(package, name) is not None
         with pytest.raises(AttributeError):
             package.no_such_name  # noqa: B018
-    assert simcap.simulate.__module__ == "simcap.simulator"
+    assert simcap.simulate.__module__ == "simcap.fleet.run"
     # ``simcap.live.validate`` is the module, whatever was imported before; the function is
     # ``simcap.live.validate.validate``.
     assert loaded_by(
@@ -201,17 +201,17 @@ def test_command_builds_scenario_models_without_pydantic_plugins(tmp_path):
 # and while the simulation runs, and after the command.
 _GC_PROBE = """
 import gc, json, sys
-import simcap.scenario, simcap.simulator
+import simcap.config.scenario, simcap.simulation.simulator
 seen = {}
 def noting(stage, function):
     def noted(*args, **kwargs):
         seen[stage] = {"threshold": gc.get_threshold()[0], "frozen": gc.get_freeze_count()}
         return function(*args, **kwargs)
     return noted
-import simcap.calibrate, simcap.sweep
-simcap.scenario.load_scenario = noting("load", simcap.scenario.load_scenario)
-simcap.simulator._World.run = noting("run", simcap.simulator._World.run)
-simcap.sweep.run_sweep = noting("sweep", simcap.sweep.run_sweep)
+import simcap.calibrate, simcap.studies.sweep
+simcap.config.scenario.load_scenario = noting("load", simcap.config.scenario.load_scenario)
+simcap.simulation.simulator.EngineWorld.run = noting("run", simcap.simulation.simulator.EngineWorld.run)
+simcap.studies.sweep.run_sweep = noting("sweep", simcap.studies.sweep.run_sweep)
 simcap.calibrate.calibrate = noting("calibrate", simcap.calibrate.calibrate)
 before = gc.get_threshold()
 from simcap.cli import app
@@ -229,7 +229,7 @@ def test_command_collects_rarely_while_starting_then_as_usual():
     """Start-up (imports, the scenario's models) runs with rare collections; the simulation
     with the collector's own thresholds, what start-up loaded frozen; after the command, good
     or bad input, the collector is as it was."""
-    from simcap.startup import COLLECT_EVERY
+    from simcap.runtime.startup import COLLECT_EVERY
 
     argvs = [["simulate", "examples/chat.yaml", "--set", "workload.num_requests=20", "--json"],
              ["simulate", "examples/chat.yaml", "--set", "workload.num_requests=-1"]]

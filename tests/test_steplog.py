@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import simcap.steplog as steplog
-from simcap.steplog import StepLog
+import simcap.simulation.steplog as steplog
+from simcap.simulation.steplog import StepLog
 
 
 USAGES = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.5]))  # (repeats: runs)

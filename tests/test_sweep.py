@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from simcap.cli import app
 from simcap.errors import ScenarioError
-from simcap.sweep import DEFAULT_METRICS, grid_points, parse_grid, run_sweep
+from simcap.studies.sweep import DEFAULT_METRICS, grid_points, parse_grid, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,10 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from simcap.cli import app
+from simcap.config.scenario import parse_scenario
 from simcap.errors import ScenarioError
-from simcap.scenario import parse_scenario
-from simcap.simulator import simulate
-from simcap.workload import Workload
+from simcap.fleet.run import simulate
+from simcap.workloads.requests import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCERPT = ROOT / "calibration" / "data" / "traces" / "AzureLLMInferenceTrace_conv.head300.csv"
@@ -317,7 +317,7 @@ def test_the_digest_names_the_trace_by_content_not_path(tmp_path):
 
 
 def test_a_scenario_without_a_trace_dumps_as_before(tmp_path):
-    from simcap.scenario import load_scenario
+    from simcap.config.scenario import load_scenario
 
     dumped = load_scenario(ROOT / "examples" / "chat.yaml").model_dump(mode="json")["workload"]
     assert "trace" not in dumped and set(dumped) >= {"arrival", "input_len", "output_len"}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from simcap.scenario import parse_scenario
-from simcap.workload import Workload
+from simcap.config.scenario import parse_scenario
+from simcap.workloads.requests import Workload
 
 
 def _scenario(prefix: dict | None = None):

@@ -30,10 +30,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simcap.crossover import CrossoverResult, find_crossovers, locate_crossover  # noqa: E402
-from simcap.plots import plot_crossover  # noqa: E402
-from simcap.profile import load_profile  # noqa: E402
-from simcap.scenario import StepTimeConfig, load_scenario  # noqa: E402
+from simcap.config.profiles import load_profile  # noqa: E402
+from simcap.config.scenario import StepTimeConfig, load_scenario  # noqa: E402
+from simcap.studies.crossover import CrossoverResult, find_crossovers, locate_crossover  # noqa: E402
+from simcap.studies.plots import plot_crossover  # noqa: E402
 
 SCENARIO = HERE / "scenario.yaml"
 FIELD = ROOT / "calibration" / "data" / "field" / "measurements.json"

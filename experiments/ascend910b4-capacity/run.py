@@ -11,7 +11,7 @@ Two passes, both with 300 s of Poisson arrivals per run and two replicates (seed
 1. search: bracket and bisect the safe rate (relative tolerance 2%), probe the saturation
    rate, and rerun the search per bootstrap coefficient set of the profile for an interval;
    in the interval's searches a run stops once its TTFT p95 can no longer hold, after its
-   arrival window (:mod:`simcap.early_stop`; each search takes the same path as with every
+   arrival window (:mod:`simcap.simulation.early_stop`; each search takes the same path as with every
    run completed; the main search's runs all complete, to report their p95s);
 2. the field's grid: nine requested rates evenly spaced from 0.2x to 1.2x the saturation
    rate found in pass 1, judged by the field's rule (highest rate that passed in both runs,
@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 import simcap
-from simcap.report import write_generated_block
-from simcap.capacity import find_capacity
-from simcap.plots import plot_capacity
+from simcap.metrics.report import write_generated_block
+from simcap.studies.capacity import find_capacity
+from simcap.studies.plots import plot_capacity
 
 HERE = Path(__file__).resolve().parent
 DURATION_S = 300.0

@@ -32,11 +32,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simcap.plots import plot_sessions  # noqa: E402
-from simcap.report import to_json, write_generated_block  # noqa: E402
-from simcap.scenario import load_scenario  # noqa: E402
-from simcap.sessions import SessionWorkload  # noqa: E402
-from simcap.simulator import simulate  # noqa: E402
+from simcap.config.scenario import load_scenario  # noqa: E402
+from simcap.fleet.run import simulate  # noqa: E402
+from simcap.metrics.report import to_json, write_generated_block  # noqa: E402
+from simcap.studies.plots import plot_sessions  # noqa: E402
+from simcap.workloads.sessions import SessionWorkload  # noqa: E402
 
 SCENARIO = HERE / "scenario.yaml"
 PUBLISHED = {"input_tokens_per_s": 13271.0, "prefill_tokens_per_s": 1088.0}

@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 
 import simcap
-from simcap.report import write_generated_block
 from simcap.calibrate.fit_bench import apply_coefficients
-from simcap.capacity import bootstrap_sets
-from simcap.memory import (
+from simcap.metrics.report import write_generated_block
+from simcap.studies.capacity import bootstrap_sets
+from simcap.catalog.memory import (
     GB,
     GiB,
     MemorySpec,
@@ -41,7 +41,7 @@ from simcap.memory import (
     load_hf_config,
     plan_kv,
 )
-from simcap.plots import (
+from simcap.studies.plots import (
     DECODE_COLOR,
     ITL_BANDS,
     PREFILL_COLOR,
@@ -50,7 +50,7 @@ from simcap.plots import (
     itl_stats,
     plot_step_timeline,
 )
-from simcap.scenario import StepTimeConfig
+from simcap.config.scenario import StepTimeConfig
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -213,7 +213,7 @@ def results_markdown(res: dict) -> str:
         row("KV pool, blocks of 128", lambda x: f"{x['kv_pool_blocks']:,}"),
         "",
         "KV pools: measured at 32,768 and 8,192; at 16,384 and 2,048 predicted by "
-        "`simcap.memory.plan_kv` with an activation coefficient of "
+        "`simcap.catalog.memory.plan_kv` with an activation coefficient of "
         f"{cal['activation_gb_per_batched_token'] * GB / 1e3:.2f} kB per batched token per card "
         "(fitted from the two measured pools, which the planner gives back exactly). Profile "
         f"`{prof.get('path')}` sha256 `{str(prof.get('sha256'))[:12]}`. Wall time on a shared "

@@ -30,8 +30,8 @@ import numpy as np
 from simcap.calibrate import Form, StepSamples, fit_step_samples, parse_iteration_log
 from simcap.calibrate.core import TERMS
 from simcap.calibrate.readers import _rows_to_samples
-from simcap.metrics import summarize
-from simcap.records import RequestRecord
+from simcap.metrics.records import RequestRecord
+from simcap.metrics.summary import summarize
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"

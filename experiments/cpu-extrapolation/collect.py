@@ -34,13 +34,13 @@ from pathlib import Path
 
 import httpx
 
+from simcap.config.scenario import parse_scenario
 from simcap.live.calibration import log_size, read_log_window
 from simcap.live.client import run_live
 from simcap.live.hostload import CpuWatch
 from simcap.live.machine import read_cpuinfo
 from simcap.live.server import VllmServer, tiny_model_dir, tiny_moe_model_dir
 from simcap.live.validate import reset_prefix_cache
-from simcap.scenario import parse_scenario
 
 HERE = Path(__file__).resolve().parent
 LEVELS = (1, 2, 4, 8, 16, 32)

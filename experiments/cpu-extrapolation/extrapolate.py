@@ -43,11 +43,11 @@ from simcap.calibrate import Form, fit_step_samples  # noqa: E402
 from simcap.calibrate.core import TERMS  # noqa: E402
 from simcap.calibrate.fit_roofline import (  # noqa: E402
     ContextSource, coef_names, decode_context_of_records, fit_roofline_samples, roofline_config, step_inputs)
-from simcap.calibrate.metrics import metric_value  # noqa: E402
+from simcap.calibrate.metric_keys import metric_value  # noqa: E402
+from simcap.config.scenario import parse_scenario  # noqa: E402
 from simcap.engine.step_time import roofline_basis, roofline_forward  # noqa: E402
+from simcap.fleet.run import simulate  # noqa: E402
 from simcap.live.calibration import host_overhead_from_itl  # noqa: E402
-from simcap.scenario import parse_scenario  # noqa: E402
-from simcap.simulator import simulate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 HARDWARE = "cpu-amd-epyc-zen4-2vcpu"

@@ -31,10 +31,10 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simcap.calibrate import Recipe  # noqa: E402
-from simcap.calibrate.metrics import metric_value  # noqa: E402
+from simcap.calibrate.metric_keys import metric_value  # noqa: E402
 from simcap.calibrate.readers import read_benchmarks  # noqa: E402
-from simcap.scenario import parse_scenario  # noqa: E402
-from simcap.simulator import simulate  # noqa: E402
+from simcap.config.scenario import parse_scenario  # noqa: E402
+from simcap.fleet.run import simulate  # noqa: E402
 
 RECIPES = ROOT / "calibration" / "recipes"
 A800_FIT = {"no-spec": {1, 2, 4}, "eagle3": {1, 2}}
@@ -84,8 +84,8 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics) -
     # calibrate() reads the recipe's datasets; feed it the subset through a filtered copy
     sub = copy.copy(recipe)
     started = time.perf_counter()
-    from simcap.calibrate.fit_bench import fit_benchmarks, fit_benchmarks_roofline
     from simcap.calibrate.core import Form
+    from simcap.calibrate.fit_bench import fit_benchmarks, fit_benchmarks_roofline
     if recipe.step_time.get("form") == "roofline":
         fit = fit_benchmarks_roofline(fit_pts, recipe.step_time, recipe.form, prior=recipe.prior,
                                       fit_metrics=recipe.fit_metrics, weights=recipe.weights,

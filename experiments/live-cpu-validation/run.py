@@ -14,14 +14,14 @@ here and stopped (its whole process group) before the next one starts.
 1. **Capacity** (``capacity.yaml``: Poisson arrivals, prompts 128-512 tokens, 16-48 output
    tokens, SLO TTFT p95 <= 1 s). The first server instance is calibrated at light load only
    (:func:`~simcap.live.calibration.calibrate_live` with at most 2 clients, its per-step log):
-   that profile is the prediction. Then :func:`~simcap.live.capacity.live_capacity` runs the
+   that profile is the prediction. Then :func:`~simcap.live.rate_search.live_capacity` runs the
    field's method on the server (open loop, each rate held for the duration, every rate
    replicated, prefix cache reset between runs, the measured arrival rate as the axis), bisecting
    from the predicted safe rate, with the prediction (the same search and rules on the
    simulator) beside it. The server is then restarted and the search repeated with the same
    prediction: the spread between instances is the server's own run-to-run spread.
 2. **Crossover** (``crossover.yaml``: closed loops, ngram k=3 on repeating prompts):
-   :func:`~simcap.live.crossover.live_crossover` starts the speculative server, calibrates a
+   :func:`~simcap.live.crossover_arms.live_crossover` starts the speculative server, calibrates a
    profile at the lowest concurrencies only, measures every concurrency, then starts the
    baseline server and measures it again; the prediction is ``simcap crossover`` on the
    calibrated profile and the acceptance measured at the lowest concurrency. Repeated (new
@@ -44,14 +44,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from simcap.config.scenario import load_scenario
 from simcap.live.calibration import calibrate_live
-from simcap.live.capacity import live_capacity
-from simcap.live.crossover import comparison_lines, live_crossover
+from simcap.live.crossover_arms import comparison_lines, live_crossover
 from simcap.live.launch import launch_server, load_server_config
 from simcap.live.machine import cpu_info, describe_cpu
-from simcap.plots import plot_capacity, plot_crossover
-from simcap.report import write_generated_block
-from simcap.scenario import load_scenario
+from simcap.live.rate_search import live_capacity
+from simcap.metrics.report import write_generated_block
+from simcap.studies.plots import plot_capacity, plot_crossover
 
 HERE = Path(__file__).resolve().parent
 CALIBRATE_UP_TO = 2  # clients: the capacity profile sees light load only

@@ -29,11 +29,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
+from simcap.config.scenario import parse_scenario  # noqa: E402
+from simcap.fleet.run import simulate  # noqa: E402
 from simcap.live.calibration import calibrate_live  # noqa: E402
 from simcap.live.server import VllmServer  # noqa: E402
 from simcap.live.validate import closed_trace_of, metric_value, validate  # noqa: E402
-from simcap.scenario import parse_scenario  # noqa: E402
-from simcap.simulator import simulate  # noqa: E402
 
 K = 3
 SERVER_ARGS = [

@@ -1,4 +1,4 @@
-"""Calibration: measurements -> a fitted :class:`~simcap.profile.Profile`, with a fit report.
+"""Calibration: measurements -> a fitted :class:`~simcap.config.profiles.Profile`, with a fit report.
 
 Reading guide. Two kinds of measurements, two fits, one output:
 
@@ -34,17 +34,17 @@ The modules, in the order ``simcap calibrate`` uses them:
 2. :mod:`~simcap.calibrate.recipe` -- :class:`Recipe`; ``--base``, ``--fix`` and the inputs.
 3. :mod:`~simcap.calibrate.pipeline` -- :func:`calibrate`: read the data, pick the fit, run it.
 4. :mod:`~simcap.calibrate.readers` -- step samples, iteration logs, benchmark results.
-5. :mod:`~simcap.calibrate.metrics` -- metric names of measurements, values of simulated runs.
+5. :mod:`~simcap.calibrate.metric_keys` -- metric names of measurements, values of simulated runs.
 6. :mod:`~simcap.calibrate.fit_steps` and :mod:`~simcap.calibrate.fit_bench` -- the two fits
    and their bootstraps; :mod:`~simcap.calibrate.result` -- the :class:`Fit` they return.
 7. :mod:`~simcap.calibrate.profile_io` -- the profile YAML written from a fit.
-8. :mod:`~simcap.calibrate.report` -- tables and the residual plot.
+8. :mod:`~simcap.calibrate.fit_report` -- tables and the residual plot.
 9. :mod:`~simcap.calibrate.uncertainty` -- :func:`simulate_with_ci` (``simcap simulate --ci``).
 """
 
 from __future__ import annotations
 
-from simcap._lazy import lazy_exports
+from simcap.runtime.lazy import lazy_exports
 
 # Imported on first use, so that a command needing one part (``simulate --ci``, a report) does not
 # load the fits and scipy.optimize.
@@ -57,8 +57,8 @@ _LAZY = {
     "fit_benchmarks": "simcap.calibrate.fit_bench",
     "fit_step_samples": "simcap.calibrate.fit_steps",
     "noise_family": "simcap.calibrate.fit_steps",
-    "metric_of_key": "simcap.calibrate.metrics",
-    "metric_value": "simcap.calibrate.metrics",
+    "metric_of_key": "simcap.calibrate.metric_keys",
+    "metric_value": "simcap.calibrate.metric_keys",
     "calibrate": "simcap.calibrate.pipeline",
     "profile_dict": "simcap.calibrate.profile_io",
     "write_profile": "simcap.calibrate.profile_io",
@@ -74,9 +74,9 @@ _LAZY = {
     "base_from_profile": "simcap.calibrate.recipe",
     "parse_fix": "simcap.calibrate.recipe",
     "recipe_for": "simcap.calibrate.recipe",
-    "render_fit": "simcap.calibrate.report",
-    "render_intervals": "simcap.calibrate.report",
-    "residual_plot": "simcap.calibrate.report",
+    "render_fit": "simcap.calibrate.fit_report",
+    "render_intervals": "simcap.calibrate.fit_report",
+    "residual_plot": "simcap.calibrate.fit_report",
     "Fit": "simcap.calibrate.result",
     "CI_METRICS": "simcap.calibrate.uncertainty",
     "simulate_with_ci": "simcap.calibrate.uncertainty",

@@ -10,13 +10,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from simcap.calibrate.core import TYPICAL, CalibrationError, Form, _fmt
-from simcap.calibrate.metrics import _is_fraction, metric_value
+from simcap.calibrate.metric_keys import _is_fraction, metric_value
 from simcap.calibrate.readers import BenchmarkPoint
 from simcap.calibrate.result import Fit, _percentile_ci, _quality
+from simcap.config.scenario import StepTimeConfig, parse_scenario
 from simcap.engine.step_time import ROOFLINE_COEFFICIENTS, ROOFLINE_SECONDS, ROOFLINE_TERMS
 from simcap.errors import ScenarioError
-from simcap.scenario import StepTimeConfig, parse_scenario
-from simcap.simulator import SimulationError, simulate
+from simcap.fleet.run import simulate
+from simcap.simulation.simulator import SimulationError
 
 
 class _Objective:

@@ -45,14 +45,14 @@ from pydantic import ValidationError
 from scipy.optimize import least_squares, nnls
 
 from simcap.calibrate.core import CalibrationError, Form, _fmt
+from simcap.calibrate.fit_steps import host_overhead_of, noise_of_fit, step_residuals
 from simcap.calibrate.readers import StepSamples
 from simcap.calibrate.result import Fit, _percentile_ci
-from simcap.calibrate.fit_steps import host_overhead_of, noise_of_fit, step_residuals
 from simcap.engine.step_time import (
     ROOFLINE_COEFFICIENTS, ROOFLINE_TERMS, roofline_basis, roofline_forward)
+from simcap.config.scenario import StepTimeConfig, format_validation_error
 from simcap.errors import ScenarioError
-from simcap.records import RequestRecord
-from simcap.scenario import StepTimeConfig, format_validation_error
+from simcap.metrics.records import RequestRecord
 
 PIN_THRESHOLD = 0.5  # prior share below which a term counts as pinned by the data
 
@@ -159,7 +159,7 @@ def hardware_arg(value: str) -> Any:
     profile does not depend on the file's place)."""
     from pathlib import Path
 
-    from simcap.yaml_files import read_yaml_mapping
+    from simcap.config.yaml_files import read_yaml_mapping
 
     if Path(value).is_file():
         data, _ = read_yaml_mapping(value, "hardware", "memory_bandwidth_gbps, peak_tflops, ...")
@@ -172,7 +172,7 @@ def model_arg(value: str) -> Any:
     dropped)."""
     from pathlib import Path
 
-    from simcap.memory import load_hf_config
+    from simcap.catalog.memory import load_hf_config
 
     path = Path(value)
     if path.is_dir() and (path / "config.json").is_file():

@@ -10,9 +10,9 @@ import numpy as np
 from scipy.optimize import nnls
 
 from simcap.calibrate.core import TERMS, CalibrationError, Form, _fmt
+from simcap.calibrate.noise_fit import fit_noise
 from simcap.calibrate.readers import _NEEDS, StepSamples
 from simcap.calibrate.result import Fit, _percentile_ci
-from simcap.engine.noise import fit_noise
 
 
 def fit_step_samples(

@@ -13,7 +13,7 @@ from simcap.calibrate.fit_steps import fit_step_samples
 from simcap.calibrate.readers import _is_step_input, read_benchmarks, read_step_samples, split_input
 from simcap.calibrate.recipe import Recipe
 from simcap.calibrate.result import Fit
-from simcap.scenario import MAX_INT64, MAX_TOKENS
+from simcap.config.scenario import MAX_INT64, MAX_TOKENS
 
 
 MAX_BOOTSTRAP = 100_000  # resamples (each a refit)
@@ -184,7 +184,7 @@ def read_records(path: str | Path) -> list:
     import gzip
     import json
 
-    from simcap.records import RequestRecord
+    from simcap.metrics.records import RequestRecord
 
     path = Path(path)
     try:

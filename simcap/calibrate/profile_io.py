@@ -13,7 +13,7 @@ from simcap._version import __version__
 from simcap.calibrate.core import TERMS, CalibrationError, _fmt
 from simcap.calibrate.recipe import Recipe
 from simcap.calibrate.result import Fit
-from simcap.scenario import StepTimeConfig
+from simcap.config.scenario import StepTimeConfig
 
 
 def profile_dict(

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from simcap.calibrate.core import TERMS, CalibrationError
-from simcap.calibrate.metrics import metric_of_key
+from simcap.calibrate.metric_keys import metric_of_key
 
 
 _COLUMNS = {

@@ -12,8 +12,8 @@ import yaml
 
 from simcap.calibrate.core import TERMS, CalibrationError
 from simcap.calibrate.readers import _read_text, split_input
-from simcap.profile import load_profile
-from simcap.yaml_files import load_yaml
+from simcap.config.profiles import load_profile
+from simcap.config.yaml_files import load_yaml
 
 
 @dataclass

@@ -30,7 +30,7 @@ class Fit:
     notes: list[str] = field(default_factory=list)
     quality: dict[str, Any] = field(default_factory=dict)
     # step_time.noise fitted from the residual ratios (None: not fitted, or too few steps),
-    # and its report per step kind (simcap.engine.noise.fit_noise).
+    # and its report per step kind (simcap.calibrate.noise_fit.fit_noise).
     noise: dict[str, Any] | None = None
     noise_report: dict[str, Any] | None = None
     # The roofline form: the profile's whole step_time section (None: the linear form's keys

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from simcap.calibrate.metrics import metric_value
+from simcap.calibrate.metric_keys import metric_value
+from simcap.config.profiles import load_profile
+from simcap.config.scenario import Scenario, StepTimeConfig
 from simcap.errors import ScenarioError
-from simcap.profile import load_profile
-from simcap.scenario import Scenario, StepTimeConfig
-from simcap.simulator import Result, simulate
+from simcap.fleet.run import simulate
+from simcap.simulation.simulator import Result
 
 
 CI_METRICS = (

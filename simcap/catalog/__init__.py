@@ -5,7 +5,7 @@
   interconnect: {name, bandwidth_gbps (per direction, per GPU), latency_us}, sources: {field:
   citation}}``.
 - ``models/NAME.json``: a Hugging Face ``config.json`` (plus ``_source`` / ``_assumption``
-  notes), read by :meth:`simcap.memory.ModelShape.from_hf_config`.
+  notes), read by :meth:`simcap.catalog.memory.ModelShape.from_hf_config`.
 
 The roofline step-time form (:mod:`simcap.engine.step_time`) names one of each, or gives either
 inline; every problem is a one-line :class:`ScenarioError` naming the field.
@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from simcap.catalog.memory import ModelShape, load_hf_config
 from simcap.errors import ScenarioError
-from simcap.memory import ModelShape, load_hf_config
 
 PEAK_KEYS = ("bf16", "fp16", "fp8", "int8", "fp32")
 

@@ -5,7 +5,7 @@
 - :mod:`simcap.engine.step_time`: seconds per step from the batch's features (linear or
   roofline form).
 
-:mod:`simcap.simulator` adds the SimPy clock around them.
+:mod:`simcap.simulation.simulator` adds the SimPy clock around them.
 """
 
 from simcap.engine.kv_cache import KVCacheManager

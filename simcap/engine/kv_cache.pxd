@@ -1,4 +1,4 @@
-# Compile-time declarations for Cython (simcap/_build.py), read beside kv_cache.py: the pool's
+# Compile-time declarations for Cython (simcap/runtime/build.py), read beside kv_cache.py: the pool's
 # three classes as extension types (attributes read as C struct fields, not looked up by name);
 # ``__dict__`` keeps any other attribute settable, as on the Python classes. The hot methods are
 # cpdef (a C call from typed code) and type the requests and parts they use.

@@ -10,11 +10,11 @@ Kinds: ``prefill`` (the step computes prompt tokens), ``spec`` (it verifies draf
 computes no prompt tokens; falls back to ``decode`` when absent) and ``decode`` (the rest).
 A kind without a distribution gets the factor 1.
 
-Distributions (see :class:`~simcap.scenario.EmpiricalNoise`, :class:`~simcap.scenario.LognormalNoise`):
+Distributions (see :class:`~simcap.config.scenario.EmpiricalNoise`, :class:`~simcap.config.scenario.LognormalNoise`):
 
 - ``empirical``: ``quantiles[i]`` at probability ``i / (n - 1)``; the factor is the inverse
   CDF at a uniform ``u``, linear between neighbouring quantiles (``numpy.interp``). Its mean
-  is the trapezoid ``sum((q[i] + q[i+1]) / 2) / (n - 1)``; :func:`fit_noise` scales the
+  is the trapezoid ``sum((q[i] + q[i+1]) / 2) / (n - 1)``; :func:`simcap.calibrate.noise_fit.fit_noise` scales the
   fitted quantiles so that this mean is exactly 1 (the step-time model keeps the mean, the
   noise adds the spread); quantiles given by hand are used as given.
 - ``lognormal``: ``exp(sigma * z - sigma^2 / 2)`` with ``z`` the standard normal quantile of
@@ -32,12 +32,28 @@ it ran (:meth:`StepNoise.price_stretch`).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from simcap.engine.scheduler import SchedulerOutput
-from simcap.scenario import EmpiricalNoise, LognormalNoise, StepNoiseConfig
+
+
+class NoiseDistribution(Protocol):
+    """A factor distribution (``step_time.noise.<kind>``): ``kind`` ``empirical`` with
+    ``quantiles``, or ``lognormal`` with ``sigma``."""
+
+    kind: str
+    quantiles: Any
+    sigma: Any
+
+
+class NoiseSettings(Protocol):
+    """``step_time.noise``: a distribution per step kind (None: factor 1)."""
+
+    decode: NoiseDistribution | None
+    prefill: NoiseDistribution | None
+    spec: NoiseDistribution | None
 
 KINDS = ("decode", "prefill", "spec")
 NOISE_STREAM = 2  # SeedSequence([seed, 2]); 1 is the speculation streams'
@@ -53,10 +69,10 @@ def step_kind(out: SchedulerOutput) -> str:
     return "decode"
 
 
-def inverse_cdf(dist: EmpiricalNoise | LognormalNoise, u: np.ndarray) -> np.ndarray:
+def inverse_cdf(dist: NoiseDistribution, u: np.ndarray) -> np.ndarray:
     """Factors at uniforms ``u`` (in [0, 1))."""
     u = np.asarray(u, dtype=float)
-    if isinstance(dist, EmpiricalNoise):
+    if dist.kind == "empirical":
         q = np.asarray(dist.quantiles, dtype=float)
         return np.interp(u * (len(q) - 1), np.arange(len(q), dtype=float), q)
     from scipy.special import ndtri  # the lognormal form only: scipy is slow to import
@@ -65,9 +81,9 @@ def inverse_cdf(dist: EmpiricalNoise | LognormalNoise, u: np.ndarray) -> np.ndar
     return np.exp(s * ndtri(u) - 0.5 * s * s)
 
 
-def mean_factor(dist: EmpiricalNoise | LognormalNoise) -> float:
+def mean_factor(dist: NoiseDistribution) -> float:
     """The distribution's mean factor (lognormal: 1; empirical: the trapezoid rule, exact)."""
-    if isinstance(dist, LognormalNoise):
+    if dist.kind == "lognormal":
         return 1.0
     q = np.asarray(dist.quantiles, dtype=float)
     return float(np.sum(q[1:] + q[:-1]) / (2 * (len(q) - 1)))
@@ -87,7 +103,7 @@ class StepNoise:
 
     BLOCK = 4096  # uniforms drawn at once
 
-    def __init__(self, config: StepNoiseConfig, rng: np.random.Generator) -> None:
+    def __init__(self, config: NoiseSettings, rng: np.random.Generator) -> None:
         self.config = config
         self.rng = rng
         dists = {"decode": config.decode, "prefill": config.prefill, "spec": config.spec or config.decode}
@@ -98,7 +114,7 @@ class StepNoise:
 
     @classmethod
     def from_config(
-        cls, config: StepNoiseConfig | None, seed: int, replica: int = 0
+        cls, config: NoiseSettings | None, seed: int, replica: int = 0
     ) -> "StepNoise | None":
         """The scenario's noise (None when off or no kind has a distribution); replica r > 0
         of a fleet draws from a stream of its own."""
@@ -165,7 +181,7 @@ class StepNoise:
         reference path prices them. Periods no longer grow along a stretch, so steps are
         priced in chunks (the first sized by the noiseless period, then doubling) until one
         starts at or after ``horizon`` (``now`` plus the periods, added one at a time, as
-        the caller adds them: :func:`simcap.fast_forward.decode_starts`).
+        the caller adds them: :func:`simcap.simulation.fast_forward.decode_starts`).
         """
         n = len(running)
         periods: list[float] = []
@@ -195,86 +211,3 @@ class StepNoise:
                 t += p
             chunk *= 2
         return periods
-
-
-# --------------------------------------------------------------------------- fitting
-
-NUM_QUANTILES = 41  # every 2.5 % (21, every 5 %, below FEW_SAMPLES steps)
-FEW_SAMPLES = 200
-MIN_SAMPLES = 20  # fewer steps of a kind: no distribution for it
-
-
-def empirical_from_ratios(ratios: np.ndarray, num_quantiles: int | None = None) -> EmpiricalNoise:
-    """Quantiles of ``ratios`` at ``i / (n - 1)``, scaled so that the inverse CDF's mean is 1.
-
-    Inner quantiles are the sample's; the two ends are not its min and max (one stray step,
-    e.g. 8x the prediction, would spread the top 2.5 % evenly up to it and inflate the mean)
-    but set so that each end segment has the mean of the samples it covers: top
-    ``2 * mean(r >= q[n-2]) - q[n-2]``, bottom ``2 * mean(r <= q[1]) - q[1]`` (not below the
-    smallest ratio).
-    """
-    r = np.sort(np.asarray(ratios, dtype=float))
-    n = num_quantiles or (NUM_QUANTILES if r.size >= FEW_SAMPLES else 21)
-    q = np.quantile(r, np.linspace(0.0, 1.0, n))
-    if n > 2:
-        q[-1] = max(2.0 * r[r >= q[-2]].mean() - q[-2], q[-2])
-        q[0] = min(max(2.0 * r[r <= q[1]].mean() - q[1], r[0]), q[1])
-    raw = EmpiricalNoise(kind="empirical", quantiles=tuple(float(x) for x in q))
-    q = q / mean_factor(raw)
-    return EmpiricalNoise(kind="empirical", quantiles=tuple(float(f"{x:.5g}") for x in q), samples=int(r.size))
-
-
-def lognormal_from_ratios(ratios: np.ndarray) -> LognormalNoise:
-    """Mean-one lognormal with the standard deviation of ``log(ratios)``."""
-    r = np.asarray(ratios, dtype=float)
-    return LognormalNoise(kind="lognormal", sigma=float(f"{np.std(np.log(r)):.5g}"), samples=int(r.size))
-
-
-def ks_distance(ratios: np.ndarray, dist: EmpiricalNoise | LognormalNoise) -> float:
-    """Kolmogorov-Smirnov distance between the ratios scaled to mean 1 and ``dist``."""
-    r = np.sort(np.asarray(ratios, dtype=float) / np.mean(ratios))
-    u = np.linspace(0.0, 1.0, 20001)[1:-1]
-    x = np.sort(inverse_cdf(dist, u))
-    model_cdf = np.searchsorted(x, r, side="right") / x.size
-    n = r.size
-    emp_hi = np.arange(1, n + 1) / n
-    emp_lo = np.arange(0, n) / n
-    return float(max(np.max(np.abs(emp_hi - model_cdf)), np.max(np.abs(emp_lo - model_cdf))))
-
-
-def fit_noise(
-    measured: np.ndarray, predicted: np.ndarray, kinds: Sequence[str], family: str = "empirical",
-    min_samples: int = MIN_SAMPLES,
-) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The ``step_time.noise`` section fitted from per-step measured and predicted forward
-    seconds, and a report per kind (samples, ratio spread, KS of both families).
-
-    Steps whose prediction or measurement is not positive are left out; a kind with fewer
-    than ``min_samples`` steps gets no distribution (``spec`` then falls back to ``decode``'s).
-    """
-    measured = np.asarray(measured, dtype=float)
-    predicted = np.asarray(predicted, dtype=float)
-    kinds_arr = np.asarray(kinds)
-    section: dict[str, Any] = {}
-    report: dict[str, Any] = {"family": family, "min_samples": min_samples, "kinds": {}}
-    for kind in KINDS:
-        sel = (kinds_arr == kind) & (predicted > 0) & (measured > 0)
-        r = measured[sel] / predicted[sel]
-        entry: dict[str, Any] = {"samples": int(r.size)}
-        if r.size:
-            pct = np.percentile(r, [5, 50, 95])
-            entry.update(mean_ratio=round(float(r.mean()), 4), p5=round(float(pct[0]), 4),
-                         p50=round(float(pct[1]), 4), p95=round(float(pct[2]), 4),
-                         cv=round(float(r.std() / r.mean()), 4))
-        if r.size >= min_samples:
-            emp = empirical_from_ratios(r)
-            logn = lognormal_from_ratios(r)
-            entry["ks_empirical"] = round(ks_distance(r, emp), 4)
-            entry["ks_lognormal"] = round(ks_distance(r, logn), 4)
-            entry["lognormal_sigma"] = logn.sigma
-            chosen = emp if family == "empirical" else logn
-            section[kind] = chosen.model_dump(exclude_none=True)
-        else:
-            entry["note"] = f"fewer than {min_samples} steps: no noise for this kind"
-        report["kinds"][kind] = entry
-    return (section or None), report

@@ -1,4 +1,4 @@
-# Compile-time declarations for Cython (simcap/_build.py), read beside request.py: Request as an
+# Compile-time declarations for Cython (simcap/runtime/build.py), read beside request.py: Request as an
 # extension type (attributes read as C struct fields, not looked up by name).
 # Every field is a Python object, so the compiled class holds and computes what the source does;
 # tests/test_compiled.py checks that these fields are the ones the class sets.

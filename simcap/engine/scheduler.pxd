@@ -1,4 +1,4 @@
-# Compile-time declarations for Cython (simcap/_build.py), read beside scheduler.py: Scheduler as
+# Compile-time declarations for Cython (simcap/runtime/build.py), read beside scheduler.py: Scheduler as
 # an extension type (attributes read as C struct fields, not looked up by name); ``__dict__``
 # keeps any other attribute settable, as on the Python class.
 # Every field is a Python object, so the compiled class holds and computes what the source does;

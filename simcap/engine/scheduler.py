@@ -26,11 +26,27 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from simcap.engine.kv_cache import KVCacheManager
 from simcap.engine.request import Request, RequestStatus
-from simcap.scenario import EngineConfig
+
+
+class SchedulerSettings(Protocol):
+    """The engine flags the scheduler reads, under vLLM's names (its ``SchedulerConfig`` and
+    ``CacheConfig``); a scenario's ``engine`` section (:class:`simcap.config.scenario.EngineConfig`)
+    is one."""
+
+    vllm_version: str
+    scheduler_reserve_full_isl: bool | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int
+    block_size: int
+    num_blocks: int
+    watermark: float
+    enable_prefix_caching: bool
 
 # (module constants: an enum member read through its class costs more than the rest of a
 # status change)
@@ -62,7 +78,7 @@ class SchedulerFeatures:
     pad_waiting_spec_decode: bool
 
     @classmethod
-    def for_engine(cls, engine: EngineConfig) -> "SchedulerFeatures":
+    def for_engine(cls, engine: SchedulerSettings) -> "SchedulerFeatures":
         defaults = VERSION_FEATURES[engine.vllm_version]
         reserve = engine.scheduler_reserve_full_isl
         if reserve is None:
@@ -132,7 +148,7 @@ class Scheduler:
     """vLLM V1's FCFS scheduler over a :class:`KVCacheManager` (pure, no clock)."""
 
     def __init__(
-        self, engine: EngineConfig, num_lookahead_tokens: int = 0, num_speculative_tokens: int = 0
+        self, engine: SchedulerSettings, num_lookahead_tokens: int = 0, num_speculative_tokens: int = 0
     ) -> None:
         self.config = engine
         self.features = SchedulerFeatures.for_engine(engine)
@@ -390,10 +406,9 @@ class Scheduler:
         counts: list[int] = []
         finished: list[Request] = []
         max_model_len = self.max_model_len
-        running = RequestStatus.RUNNING
         for idx, req in enumerate(out.reqs):
-            if req.status != running:
-                continue  # preempted later in the same step (cannot happen under FCFS)
+            # (vLLM skips a request preempted later in the same step: under FCFS the one
+            # preempted is always the last running request, never one already scheduled.)
             num_spec = out.num_scheduled_spec_tokens[idx]
             if num_spec:
                 accepted = num_accepted[idx] if num_accepted is not None else 0

@@ -22,12 +22,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from simcap.engine.request import Request
-from simcap.scenario import SpeculativeConfig
+
+
+class SpeculativeSettings(Protocol):
+    """What speculative decoding reads of ``--speculative-config`` (a scenario's
+    ``speculative`` section, :class:`simcap.config.scenario.SpeculativeConfig`, is one)."""
+
+    method: str
+    num_speculative_tokens: int
+    per_position_rates: tuple[float, ...]
+    proposal_rate: float
+    proposal_concentration: float | None
+    proposal_onset_tokens: int
 
 
 def rates_for_length(acceptance_length: float, k: int) -> tuple[float, ...]:
@@ -125,7 +136,7 @@ class AcceptanceModel:
         self.tokens_of: np.ndarray | None = None
 
     @classmethod
-    def from_config(cls, config: SpeculativeConfig, rng: np.random.Generator) -> "AcceptanceModel":
+    def from_config(cls, config: SpeculativeSettings, rng: np.random.Generator) -> "AcceptanceModel":
         return cls(config.per_position_rates, rng)
 
     @property
@@ -277,7 +288,7 @@ class Proposer:
     only once the output does); the uniform is drawn all the same.
     """
 
-    def __init__(self, config: SpeculativeConfig, rng: np.random.Generator, content_seed: int = 0) -> None:
+    def __init__(self, config: SpeculativeSettings, rng: np.random.Generator, content_seed: int = 0) -> None:
         self.k = config.num_speculative_tokens
         self.method = config.method
         self.proposal_rate = config.proposal_rate

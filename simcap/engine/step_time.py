@@ -62,15 +62,40 @@ server, and vLLM before async scheduling) the two add up.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from simcap.catalog import HardwareSpec, dtype_info, resolve_hardware, resolve_model
+from simcap.catalog.memory import GB, ModelShape
 from simcap.engine.scheduler import SchedulerOutput
 from simcap.errors import ScenarioError
-from simcap.memory import GB, ModelShape
-from simcap.scenario import StepTimeConfig
+
+
+class StepTimeSettings(Protocol):
+    """What the step-time models read of a scenario's ``step_time`` section
+    (:class:`simcap.config.scenario.StepTimeConfig` is one): the form, the linear form's terms
+    (:meth:`model_dump`), or the roofline form's hardware, shapes, dtypes, efficiencies and
+    resolved :attr:`physics`."""
+
+    form: str
+    hardware: Any
+    model: Any
+    draft_model: Any
+    weight_dtype: str
+    kv_dtype: str | None
+    compute_dtype: str | None
+    tensor_parallel_size: int
+    routing_skew: float
+    base: float
+    per_request: float
+    mixed_step: float
+    host_overhead: float
+    efficiency: Any
+    combine: str
+    physics: Any
+
+    def model_dump(self) -> dict[str, Any]: ...
 
 FEATURES = (
     "base",
@@ -119,7 +144,7 @@ class StepTimeModel:
 
     @classmethod
     def from_config(
-        cls, config: StepTimeConfig, async_scheduling: bool = False, num_speculative_tokens: int = 0
+        cls, config: StepTimeSettings, async_scheduling: bool = False, num_speculative_tokens: int = 0
     ) -> "StepTimeModel":
         values = config.model_dump()
         values.pop("noise", None)  # per-step factors: simcap.engine.noise, not the mean model
@@ -273,7 +298,7 @@ class RooflinePhysics:
     draft_kv_per_token: float
 
     @classmethod
-    def from_config(cls, cfg: StepTimeConfig) -> "RooflinePhysics":
+    def from_config(cls, cfg: StepTimeSettings) -> "RooflinePhysics":
         """Resolve and check ``cfg`` (form roofline); every problem is one ScenarioError line."""
         hw = resolve_hardware(cfg.hardware, "step_time.hardware")
         weight_bytes, weight_key = dtype_info(cfg.weight_dtype, "step_time.weight_dtype")
@@ -426,7 +451,7 @@ class RooflineStepTimeModel:
 
     @classmethod
     def from_config(
-        cls, config: StepTimeConfig, async_scheduling: bool = False, num_draft_passes: int = 0
+        cls, config: StepTimeSettings, async_scheduling: bool = False, num_draft_passes: int = 0
     ) -> "RooflineStepTimeModel":
         assert config.physics is not None, "form roofline"
         return cls(
@@ -641,7 +666,7 @@ def roofline_forward(X: np.ndarray, coef: np.ndarray, combine: str = "sum") -> n
 
 
 def make_step_model(
-    config: StepTimeConfig, *, async_scheduling: bool = False, speculative_method: str | None = None,
+    config: StepTimeSettings, *, async_scheduling: bool = False, speculative_method: str | None = None,
     num_speculative_tokens: int = 0,
 ) -> StepTimeModel | RooflineStepTimeModel:
     """The step-time model a scenario's ``step_time`` section asks for.

@@ -69,14 +69,14 @@ from simcap.calibrate.ngram import (
     MIN_ONSET_REQUESTS, fit_proposal_concentration, fit_proposal_onset, onset_from_records, rows_after_onset,
 )
 from simcap.calibrate.pipeline import check_options
+from simcap.config.scenario import EngineConfig, SpeculativeConfig, parse_scenario
 from simcap.live.client import (
     LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
 )
-from simcap.live.prom import ServerMetrics, metrics_delta, parse_metrics
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
+from simcap.live.prom import ServerMetrics, metrics_delta, parse_metrics
 from simcap.live.validate import _local_port, reset_prefix_cache
-from simcap.records import RequestRecord
-from simcap.scenario import EngineConfig, SpeculativeConfig, parse_scenario
+from simcap.metrics.records import RequestRecord
 
 SOURCE_LOG = "vllm iteration log"
 SOURCE_PROBES = "black-box probes"
@@ -217,7 +217,7 @@ def _vllm_version(version: str | None) -> str | None:
     """simcap's modelled release for a server version ("0.32.0+cpu" -> "0.32"), if modelled."""
     from typing import get_args
 
-    from simcap.scenario import VllmVersion
+    from simcap.config.scenario import VllmVersion
 
     if not version:
         return None
@@ -413,6 +413,83 @@ def calibrate_live(
 
     facts = _server_facts(base_url, model, api_key)
     model = facts.model
+    engine = _engine_of_server(base_url, facts, max_num_seqs, max_num_batched_tokens, max_model_len,
+                               async_scheduling, notes)
+    max_model_len = engine["max_model_len"]
+    metrics = facts.metrics
+    assert metrics is not None
+    k, method = _drafting(base_url, facts, speculative_method, log, notes)
+
+    live_kw: dict[str, Any] = dict(api_key=api_key, request_timeout_s=request_timeout_s, progress=False,
+                                   prompt_period=prompt_period)
+    if warmup:
+        say("warm-up")
+        warm = Phase("warm-up", min(2, max_num_seqs), 4,
+                     prompt_lengths(max_num_batched_tokens, max_model_len - 9)[:3], (8,))
+        run_live(_phase_scenario(warm, engine, seed + 7919), base_url, model, **live_kw)
+    reset = reset_prefix_cache(base_url, api_key=api_key)
+    if reset != "ok":
+        notes.append(f"prefix cache not reset before calibrating: {reset}")
+
+    watch = CpuWatch(server_pids, DEFAULT_THRESHOLD_CORES, _local_port(base_url)).start()
+    before = _scrape(base_url, api_key)
+    if log is not None:
+        fitted = _fit_from_log(log, out, base_url, model, engine, k, live_kw, seed, say, num_requests,
+                               max_concurrency, roofline, bootstrap, noise, notes)
+    else:
+        fitted = _fit_from_probes(out, base_url, model, engine, live_kw, seed, say, bootstrap, noise, notes)
+    cpu = watch.stop()
+    if cpu.get("disturbed"):
+        notes.append(
+            f"calibration disturbed: other processes used {cpu['foreign_cores']:.2f} cores (steal "
+            f"{cpu['steal_cores']:.2f}; top: {', '.join(cpu['top_foreign'][:3]) or '-'}); the step "
+            "times are slower than the server's own; rerun on a quiet machine"
+        )
+    delta = metrics_delta(before, fitted.after)
+    speculative = None
+    if k:
+        assert method is not None
+        speculative = _speculative_section(base_url, delta, k, method, fitted, notes)
+    source, host = fitted.source, fitted.host
+    description = (
+        f"Fitted live by simcap live calibrate from {source} of vLLM {facts.version or '?'} serving "
+        f"{model!r} at {base_url}."
+    )
+    assumptions = [
+        "engine.block_size, num_gpu_blocks, enable_prefix_caching: the server's vllm:cache_config_info",
+        "engine.max_num_seqs, max_num_batched_tokens: given on the command line (not published by the server)",
+        f"engine.max_model_len: {'given' if facts.max_model_len != max_model_len else 'the server /v1/models'}",
+        f"engine.async_scheduling: {str(async_scheduling).lower()}"
+        + (" (the CPU platform forces it off)" if not async_scheduling else " (given)"),
+    ]
+    if source == SOURCE_PROBES:
+        assumptions.append(PROBE_WARNING)
+    recipe = Recipe(name=name or _default_name(out), hardware=hardware, model=model, description=description,
+                    engine=engine, speculative=speculative, assumptions=assumptions, seed=seed)
+    profile = profile_dict(fitted.fit, recipe, command=command)
+    profile["provenance"]["live"] = {
+        "fitted_from": source,
+        "base_url": base_url,
+        "served_model": model,
+        "server_version": facts.version,
+        "data_file": fitted.data_path.name,
+        "workload": fitted.phases,
+        "host_overhead_estimate": host,
+        "server_counters": {key: v for key, v in delta.items() if key != "cache_config"},
+        "cache_config_info": dict(metrics.cache_config),
+        "cpu": cpu,
+        "notes": list(notes),
+    }
+    write_profile(profile, out)
+    return LiveCalibration(out, profile, fitted.fit, source, fitted.data_path, engine, speculative, host,
+                           fitted.phases, {"version": facts.version, "model": model, "base_url": base_url}, notes,
+                           time.monotonic() - t_start)
+
+
+def _engine_of_server(base_url: str, facts: Any, max_num_seqs: int, max_num_batched_tokens: int,
+                      max_model_len: int | None, async_scheduling: bool, notes: list[str]) -> dict[str, Any]:
+    """The profile's ``engine`` section: the server's KV pool and release, the given limits."""
+    model = facts.model
     if max_model_len is None:
         if facts.max_model_len is None:
             raise LiveError(f"{base_url}: /v1/models gives no max_model_len for {model!r}: give --max-model-len")
@@ -444,184 +521,164 @@ def calibrate_live(
         EngineConfig(**engine)
     except ValueError as exc:
         raise LiveError(f"engine settings: {str(exc).splitlines()[-1].strip()}") from None
+    return engine
 
-    k = metrics.num_speculative_tokens or 0
-    method = None
-    if k:
-        method = speculative_method or facts.speculative_method
-        if method is None:
-            raise LiveError(
-                f"{base_url}: the server drafts k={k} tokens (speculative decoding) but does not say "
-                f"which method: give --speculative-method ({', '.join(SPEC_METHODS)})"
-            )
-        if method not in SPEC_METHODS:
-            raise LiveError(f"speculative method {method!r}: simcap models {', '.join(SPEC_METHODS)}")
-        if log is None:
-            raise LiveError(
-                f"{base_url}: the server drafts k={k} tokens; black-box probes cannot tell verified "
-                "drafts from decode work: run the server with --enable-logging-iteration-details "
-                "and pass its log with --log"
-            )
-    elif speculative_method:
-        notes.append(f"--speculative-method {speculative_method} ignored: the server does not draft")
 
-    live_kw: dict[str, Any] = dict(api_key=api_key, request_timeout_s=request_timeout_s, progress=False,
-                                   prompt_period=prompt_period)
-    if warmup:
-        say("warm-up")
-        warm = Phase("warm-up", min(2, max_num_seqs), 4,
-                     prompt_lengths(max_num_batched_tokens, max_model_len - 9)[:3], (8,))
-        run_live(_phase_scenario(warm, engine, seed + 7919), base_url, model, **live_kw)
-    reset = reset_prefix_cache(base_url, api_key=api_key)
-    if reset != "ok":
-        notes.append(f"prefix cache not reset before calibrating: {reset}")
+def _drafting(base_url: str, facts: Any, speculative_method: str | None, log: Path | None,
+              notes: list[str]) -> tuple[int, str | None]:
+    """The server's drafts per step (k, 0: none) and the method that drafts them."""
+    k = facts.metrics.num_speculative_tokens or 0
+    if not k:
+        if speculative_method:
+            notes.append(f"--speculative-method {speculative_method} ignored: the server does not draft")
+        return 0, None
+    method = speculative_method or facts.speculative_method
+    if method is None:
+        raise LiveError(
+            f"{base_url}: the server drafts k={k} tokens (speculative decoding) but does not say "
+            f"which method: give --speculative-method ({', '.join(SPEC_METHODS)})"
+        )
+    if method not in SPEC_METHODS:
+        raise LiveError(f"speculative method {method!r}: simcap models {', '.join(SPEC_METHODS)}")
+    if log is None:
+        raise LiveError(
+            f"{base_url}: the server drafts k={k} tokens; black-box probes cannot tell verified "
+            "drafts from decode work: run the server with --enable-logging-iteration-details "
+            "and pass its log with --log"
+        )
+    return k, method
 
+
+@dataclass
+class _Fitted:
+    """What a calibration source gave: the fit and the data behind it."""
+
+    source: str
+    fit: Fit
+    data_path: Path
+    phases: list[dict[str, Any]]
+    host: dict[str, Any] | None = None  # the log's host-overhead estimate
+    rows: list[dict[str, float]] = field(default_factory=list)  # the log's iteration rows
+    records: list[RequestRecord] = field(default_factory=list)  # the workload's requests
+    after: ServerMetrics | None = None  # /metrics right after the workload (None: unreadable)
+
+
+def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[str, Any], k: int,
+                  live_kw: dict[str, Any], seed: int, say: Callable[[str], None], num_requests: int,
+                  max_concurrency: int | None, roofline: dict[str, Any] | None, bootstrap: int,
+                  noise: str | None, notes: list[str]) -> _Fitted:
+    """Run the calibration phases and fit the steps the server logged meanwhile."""
+    offset = log_size(log)
+    phases = default_phases(engine["max_num_seqs"], engine["max_num_batched_tokens"], engine["max_model_len"],
+                            num_requests, max_concurrency)
     phases_out: list[dict[str, Any]] = []
     records: list[RequestRecord] = []
-    watch = CpuWatch(server_pids, DEFAULT_THRESHOLD_CORES, _local_port(base_url)).start()
-    before = _scrape(base_url, api_key)
-    if log is not None:
-        source = SOURCE_LOG
-        offset = log_size(log)
-        phases = default_phases(max_num_seqs, max_num_batched_tokens, max_model_len, num_requests, max_concurrency)
-        for i, phase in enumerate(phases):
-            say(f"phase {i + 1}: {phase.name}, {phase.num_requests} requests")
-            run = run_live(_phase_scenario(phase, engine, seed + i), base_url, model, **live_kw)
-            phases_out.append(_phase_summary(phase, run))
-            records += run.records
-        text = read_log_window(log, offset)
-        after = _scrape(base_url, api_key)
-        lines = [line for line in text.splitlines() if "Iteration(" in line]
-        rows = [r for r in parse_iteration_log(lines, k) if r["num_prefill_tokens"] + r["num_decode_tokens"] > 0]
-        if not rows:
-            raise LiveError(
-                f"--log {log}: no 'Iteration(i): ...' lines appeared during the calibration workload: "
-                "start the server with --enable-logging-iteration-details and give its log file "
-                "(or omit --log for black-box probes)"
-            )
-        data_path = _sibling(out, ".iterations.log")
-        data_path.parent.mkdir(parents=True, exist_ok=True)
-        data_path.write_text("\n".join(lines) + "\n")
-        host = host_overhead_from_itl(records, rows)
-        if not k and host["client_decode_request_steps"] != host["log_decode_request_steps"]:
-            notes.append(
-                f"the log window holds {host['log_decode_request_steps']} decode request-steps, the "
-                f"client counted {host['client_decode_request_steps']}: other clients may have used "
-                "the server during the calibration"
-            )
-        samples = read_step_samples(data_path, k)
-        if roofline is not None:
-            fit = fit_log_roofline(samples, records, host["host_overhead_s"], roofline,
-                                   bootstrap=bootstrap, seed=seed, noise=noise)
-        else:
-            fit = fit_log_samples(samples, k, host["host_overhead_s"], bootstrap=bootstrap, seed=seed,
-                                  noise=noise)
-        fit.notes.append(
-            f"host_overhead {host['host_overhead_s']:.4g} s per step: client decode step period "
-            f"{_ms(host['step_period_s'])} minus the logged forward time {_ms(host['logged_elapsed_s'])} "
-            "(decode-request weighted)"
+    for i, phase in enumerate(phases):
+        say(f"phase {i + 1}: {phase.name}, {phase.num_requests} requests")
+        run = run_live(_phase_scenario(phase, engine, seed + i), base_url, model, **live_kw)
+        phases_out.append(_phase_summary(phase, run))
+        records += run.records
+    text = read_log_window(log, offset)
+    after = _scrape(base_url, live_kw["api_key"])
+    lines = [line for line in text.splitlines() if "Iteration(" in line]
+    rows = [r for r in parse_iteration_log(lines, k) if r["num_prefill_tokens"] + r["num_decode_tokens"] > 0]
+    if not rows:
+        raise LiveError(
+            f"--log {log}: no 'Iteration(i): ...' lines appeared during the calibration workload: "
+            "start the server with --enable-logging-iteration-details and give its log file "
+            "(or omit --log for black-box probes)"
         )
-    else:
-        source = SOURCE_PROBES
-        notes.append(PROBE_WARNING)
-        rows_out, probe_phases = _probe(base_url, model, engine, max_num_seqs, max_num_batched_tokens,
-                                        max_model_len, seed, live_kw, say)
-        phases_out += probe_phases
-        after = _scrape(base_url, api_key)
-        data_path = _sibling(out, ".probes.json")
-        data_path.parent.mkdir(parents=True, exist_ok=True)
-        data_path.write_text(json.dumps({"source": SOURCE_PROBES, "note": PROBE_WARNING, "samples": rows_out}, indent=1))
-        samples = read_step_samples(data_path)
-        fit = fit_step_samples([samples], Form.parse("base,per_prefill_token,per_decode_token"),
-                               host_overhead=0.0, bootstrap=bootstrap, seed=seed, noise=None)
-        if noise:
-            notes.append("step_time.noise not fitted: probes are medians of many steps, not single steps")
-        fit.notes.append("host_overhead 0: probe periods (TTFT, time per output token) include the host work")
-        host = None
-
-    cpu = watch.stop()
-    if cpu.get("disturbed"):
+    data_path = _sibling(out, ".iterations.log")
+    data_path.parent.mkdir(parents=True, exist_ok=True)
+    data_path.write_text("\n".join(lines) + "\n")
+    host = host_overhead_from_itl(records, rows)
+    if not k and host["client_decode_request_steps"] != host["log_decode_request_steps"]:
         notes.append(
-            f"calibration disturbed: other processes used {cpu['foreign_cores']:.2f} cores (steal "
-            f"{cpu['steal_cores']:.2f}; top: {', '.join(cpu['top_foreign'][:3]) or '-'}); the step "
-            "times are slower than the server's own; rerun on a quiet machine"
+            f"the log window holds {host['log_decode_request_steps']} decode request-steps, the "
+            f"client counted {host['client_decode_request_steps']}: other clients may have used "
+            "the server during the calibration"
         )
-    delta = metrics_delta(before, after)
-    speculative = None
-    if k:
-        acc = delta.get("spec_decode_mean_acceptance_length")
-        if acc is None:
-            raise LiveError(f"{base_url}: the server drafted nothing during the calibration workload")
-        speculative = {"method": method, "num_speculative_tokens": k, "acceptance_length": round(min(acc, k + 1), 4)}
-        if method == "ngram" and host is not None and host["log_decode_request_steps"]:
-            drafts = delta.get("spec_decode_num_drafts") or 0.0
-            steps = host["log_decode_request_steps"]
-            # Output tokens before the lookup first matches (requests that ran alone); the
-            # rate then counts the request-steps from there on.
-            onset = fit_proposal_onset(rows)
-            if onset["requests"] < MIN_ONSET_REQUESTS:  # few requests ran alone: the stream chunks
-                onset = onset_from_records(records)
-            proposal_rows = rows
-            if drafts and onset["onset_tokens"] > 1:
-                m = onset["onset_tokens"]
-                speculative["proposal_onset_tokens"] = m
-                steps -= sum(min(m - 1, r.num_output_tokens - 1) for r in records if r.succeeded)
-                proposal_rows = rows_after_onset(rows, m)
-            rate = drafts / steps if steps > 0 else 1.0
-            speculative["proposal_rate"] = round(min(max(rate, 1e-3), 1.0), 4)
-            proposals: dict[str, Any] = {"concentration": None, "note": "rate 1: every request-step drafts"}
-            if drafts and speculative["proposal_rate"] < 1.0:
-                # How much requests differ in matching: the per-step log's drafting counts.
-                draft_len = (delta.get("spec_decode_num_draft_tokens") or drafts * k) / drafts
-                proposals = fit_proposal_concentration(
-                    proposal_rows, speculative["proposal_rate"], draft_len, speculative["acceptance_length"] - 1.0)
-                proposals["mean_draft_length"] = round(draft_len, 4)
-                if proposals["concentration"] is not None:
-                    speculative["proposal_concentration"] = proposals["concentration"]
-            notes.append(
-                "ngram proposals: {}rate {:.3g} of decode request-steps{}; {}".format(
-                    f"onset {onset['onset_tokens']} output tokens (median of {onset['requests']} requests, "
-                    f"{onset.get('source', 'alone in the step log')}), " if "proposal_onset_tokens" in speculative else "",
-                    speculative["proposal_rate"],
-                    " from the onset on" if "proposal_onset_tokens" in speculative else "",
-                    f"concentration {proposals['concentration']:.3g} over requests "
-                    f"(step variance {proposals['step_variance']:.3g}, {proposals['pairs']} step pairs)"
-                    if proposals["concentration"] is not None else proposals.get("note", "")))
-        SpeculativeConfig(**speculative)
-    description = (
-        f"Fitted live by simcap live calibrate from {source} of vLLM {facts.version or '?'} serving "
-        f"{model!r} at {base_url}."
+    samples = read_step_samples(data_path, k)
+    if roofline is not None:
+        fit = fit_log_roofline(samples, records, host["host_overhead_s"], roofline,
+                               bootstrap=bootstrap, seed=seed, noise=noise)
+    else:
+        fit = fit_log_samples(samples, k, host["host_overhead_s"], bootstrap=bootstrap, seed=seed,
+                              noise=noise)
+    fit.notes.append(
+        f"host_overhead {host['host_overhead_s']:.4g} s per step: client decode step period "
+        f"{_ms(host['step_period_s'])} minus the logged forward time {_ms(host['logged_elapsed_s'])} "
+        "(decode-request weighted)"
     )
-    assumptions = [
-        "engine.block_size, num_gpu_blocks, enable_prefix_caching: the server's vllm:cache_config_info",
-        "engine.max_num_seqs, max_num_batched_tokens: given on the command line (not published by the server)",
-        f"engine.max_model_len: {'given' if facts.max_model_len != max_model_len else 'the server /v1/models'}",
-        f"engine.async_scheduling: {str(async_scheduling).lower()}"
-        + (" (the CPU platform forces it off)" if not async_scheduling else " (given)"),
-    ]
-    if source == SOURCE_PROBES:
-        assumptions.append(PROBE_WARNING)
-    recipe = Recipe(name=name or _default_name(out), hardware=hardware, model=model, description=description,
-                    engine=engine, speculative=speculative, assumptions=assumptions, seed=seed)
-    profile = profile_dict(fit, recipe, command=command)
-    profile["provenance"]["live"] = {
-        "fitted_from": source,
-        "base_url": base_url,
-        "served_model": model,
-        "server_version": facts.version,
-        "data_file": data_path.name,
-        "workload": phases_out,
-        "host_overhead_estimate": host,
-        "server_counters": {key: v for key, v in delta.items() if key != "cache_config"},
-        "cache_config_info": dict(metrics.cache_config),
-        "cpu": cpu,
-        "notes": list(notes),
-    }
-    write_profile(profile, out)
-    return LiveCalibration(out, profile, fit, source, data_path, engine, speculative, host, phases_out,
-                           {"version": facts.version, "model": model, "base_url": base_url}, notes,
-                           time.monotonic() - t_start)
+    return _Fitted(SOURCE_LOG, fit, data_path, phases_out, host, rows, records, after)
 
+
+def _fit_from_probes(out: Path, base_url: str, model: str, engine: dict[str, Any], live_kw: dict[str, Any],
+                     seed: int, say: Callable[[str], None], bootstrap: int, noise: str | None,
+                     notes: list[str]) -> _Fitted:
+    """Black-box probes (TTFT and time per output token at chosen sizes) and the linear fit."""
+    notes.append(PROBE_WARNING)
+    rows_out, probe_phases = _probe(base_url, model, engine, engine["max_num_seqs"],
+                                    engine["max_num_batched_tokens"], engine["max_model_len"], seed, live_kw, say)
+    after = _scrape(base_url, live_kw["api_key"])
+    data_path = _sibling(out, ".probes.json")
+    data_path.parent.mkdir(parents=True, exist_ok=True)
+    data_path.write_text(json.dumps({"source": SOURCE_PROBES, "note": PROBE_WARNING, "samples": rows_out}, indent=1))
+    samples = read_step_samples(data_path)
+    fit = fit_step_samples([samples], Form.parse("base,per_prefill_token,per_decode_token"),
+                           host_overhead=0.0, bootstrap=bootstrap, seed=seed, noise=None)
+    if noise:
+        notes.append("step_time.noise not fitted: probes are medians of many steps, not single steps")
+    fit.notes.append("host_overhead 0: probe periods (TTFT, time per output token) include the host work")
+    return _Fitted(SOURCE_PROBES, fit, data_path, probe_phases, after=after)
+
+
+def _speculative_section(base_url: str, delta: dict[str, Any], k: int, method: str, fitted: _Fitted,
+                         notes: list[str]) -> dict[str, Any]:
+    """The profile's ``speculative`` section: the acceptance the server counted and, for ngram,
+    how often and from when its lookups propose (the step log and the client records)."""
+    acc = delta.get("spec_decode_mean_acceptance_length")
+    if acc is None:
+        raise LiveError(f"{base_url}: the server drafted nothing during the calibration workload")
+    speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": k,
+                                   "acceptance_length": round(min(acc, k + 1), 4)}
+    host, rows, records = fitted.host, fitted.rows, fitted.records
+    if method == "ngram" and host is not None and host["log_decode_request_steps"]:
+        drafts = delta.get("spec_decode_num_drafts") or 0.0
+        steps = host["log_decode_request_steps"]
+        # Output tokens before the lookup first matches (requests that ran alone); the
+        # rate then counts the request-steps from there on.
+        onset = fit_proposal_onset(rows)
+        if onset["requests"] < MIN_ONSET_REQUESTS:  # few requests ran alone: the stream chunks
+            onset = onset_from_records(records)
+        proposal_rows = rows
+        if drafts and onset["onset_tokens"] > 1:
+            m = onset["onset_tokens"]
+            speculative["proposal_onset_tokens"] = m
+            steps -= sum(min(m - 1, r.num_output_tokens - 1) for r in records if r.succeeded)
+            proposal_rows = rows_after_onset(rows, m)
+        rate = drafts / steps if steps > 0 else 1.0
+        speculative["proposal_rate"] = round(min(max(rate, 1e-3), 1.0), 4)
+        proposals: dict[str, Any] = {"concentration": None, "note": "rate 1: every request-step drafts"}
+        if drafts and speculative["proposal_rate"] < 1.0:
+            # How much requests differ in matching: the per-step log's drafting counts.
+            draft_len = (delta.get("spec_decode_num_draft_tokens") or drafts * k) / drafts
+            proposals = fit_proposal_concentration(
+                proposal_rows, speculative["proposal_rate"], draft_len, speculative["acceptance_length"] - 1.0)
+            proposals["mean_draft_length"] = round(draft_len, 4)
+            if proposals["concentration"] is not None:
+                speculative["proposal_concentration"] = proposals["concentration"]
+        notes.append(
+            "ngram proposals: {}rate {:.3g} of decode request-steps{}; {}".format(
+                f"onset {onset['onset_tokens']} output tokens (median of {onset['requests']} requests, "
+                f"{onset.get('source', 'alone in the step log')}), " if "proposal_onset_tokens" in speculative else "",
+                speculative["proposal_rate"],
+                " from the onset on" if "proposal_onset_tokens" in speculative else "",
+                f"concentration {proposals['concentration']:.3g} over requests "
+                f"(step variance {proposals['step_variance']:.3g}, {proposals['pairs']} step pairs)"
+                if proposals["concentration"] is not None else proposals.get("note", "")))
+    SpeculativeConfig(**speculative)
+    return speculative
 
 def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v * 1e3:.2f} ms"

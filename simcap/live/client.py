@@ -1,20 +1,20 @@
 """The live load generator: a scenario's workload sent to a real vLLM server.
 
 :func:`run_live` sends the same requests the simulator would (``Workload.spec(i)``, same seed)
-over HTTP with streaming, and fills one :class:`~simcap.records.RequestRecord` per request,
-so live and simulated runs go through the one metrics path (:func:`simcap.metrics.summarize`).
+over HTTP with streaming, and fills one :class:`~simcap.metrics.records.RequestRecord` per request,
+so live and simulated runs go through the one metrics path (:func:`simcap.metrics.summary.summarize`).
 
 - Open loop: request ``i`` is sent at ``Workload.arrival_times()[i]`` after the run starts,
   whether or not earlier ones finished (a public trace, ``workload.trace``: its own send
   times and lengths, and for a Mooncake trace its hash ids as shared prompt content). Closed loop: ``concurrency`` workers, each with one
   request in flight (plus ``think_time_s``), pull request ids in order; each record's
   ``client_id`` says which worker sent it.
-- A session workload (:mod:`simcap.sessions`) is sent as sessions: one task per live session
+- A session workload (:mod:`simcap.workloads.sessions`) is sent as sessions: one task per live session
   (open loop: sessions start at ``SessionWorkload.start_times()``; closed loop:
   ``concurrency`` clients, each running one session after another). Turn k+1 is sent once turn
   k's last token has arrived plus its think time; its prompt is the conversation so far as
   exact token ids, the answers as the server streamed them back
-  (:mod:`simcap.live.sessions`), so the completions endpoint only. Each turn's record carries
+  (:mod:`simcap.live.session_prompts`), so the completions endpoint only. Each turn's record carries
   ``session_id`` and ``turn``; a turn that fails ends its session (counted in
   ``LiveRun.sessions["ended_by_error"]``). Request ids are in send order, as the simulator's.
   The server's per-request prefix hit (``usage.prompt_tokens_details.cached_tokens``, vLLM
@@ -44,7 +44,7 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
   server for each request as it is sent, from its own outstanding counts and the servers'
   ``/metrics`` scraped every ``deployment.scrape_interval_s``; each record names its
   ``replica`` (the URL's index), and the result has the per-replica table and the load
-  imbalance (:func:`simcap.fleet.replica_rows`), and per server its counters' cross-check.
+  imbalance (:func:`simcap.fleet.replicas.replica_rows`), and per server its counters' cross-check.
   Every server must take the longest request (its ``max_model_len``). A session workload
   runs on one server (a scenario refuses sessions with a deployment).
 """
@@ -62,16 +62,16 @@ from typing import IO, Any, Awaitable, Callable, Literal, Sequence
 import httpx
 import numpy as np
 
+from simcap.config.scenario import ClosedArrival, Scenario
 from simcap.errors import SimcapError
 from simcap.live.prom import ServerMetrics, cross_check, metrics_delta, scrape
 from simcap.live.prompts import PROBE_TEXT, PromptBuilder
 from simcap.live.routing import LiveRouter, check_fleet_urls
-from simcap.live.sessions import SessionPrompts
-from simcap.metrics import Summary, summarize
-from simcap.records import RequestRecord
-from simcap.scenario import ClosedArrival, Scenario
-from simcap.sessions import Conversation, SessionWorkload
-from simcap.workload import RequestSpec, Workload
+from simcap.live.session_prompts import SessionPrompts
+from simcap.metrics.records import RequestRecord
+from simcap.metrics.summary import Summary, summarize
+from simcap.workloads.requests import RequestSpec, Workload
+from simcap.workloads.sessions import Conversation, SessionWorkload
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS = ("completions", "chat")
@@ -124,7 +124,7 @@ class LiveRun:
     interrupted: bool = False
     out_path: str | None = None
     # A session workload: sessions started, ended by an errored turn, and the overflow counts
-    # (truncated_turns, dropped_turns, ended_sessions) of simcap.sessions; None otherwise.
+    # (truncated_turns, dropped_turns, ended_sessions) of simcap.workloads.sessions; None otherwise.
     sessions: dict[str, int] | None = None
     # Records whose usage carried prompt_tokens_details.cached_tokens (vLLM with
     # --enable-prompt-tokens-details): their num_cached_tokens is the server's prefix hit.
@@ -151,7 +151,7 @@ class LiveRun:
         cross-check; None for one server."""
         if not self.is_fleet:
             return None
-        from simcap.fleet import load_imbalance, replica_rows
+        from simcap.fleet.replicas import load_imbalance, replica_rows
 
         rows = replica_rows(self.records, len(self.base_urls), slo)
         for row, url, (before, after) in zip(rows, self.base_urls, self.server_metrics):
@@ -543,288 +543,333 @@ async def _run_live_async(
     check_live_sessions(scenario, endpoint)
     base_urls = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else base_url)]
     check_fleet_urls(scenario, len(base_urls))
-    base_url = base_urls[0]
-    workload = Workload(scenario.workload, scenario.seed)
-    sessions = None if scenario.workload.sessions is None else SessionWorkload(scenario.workload, scenario.seed)
-    arrival = scenario.workload.arrival
-    closed = isinstance(arrival, ClosedArrival)
-    chat = endpoint == "chat"
-    urls = [u + ("/v1/chat/completions" if chat else "/v1/completions") for u in base_urls]
-    fleet = len(base_urls) > 1
-    router: LiveRouter | None = None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     check_request_timeout(request_timeout_s)
+    run = _Run(scenario, base_urls, model, endpoint, request_timeout_s, return_token_ids, on_record, api_key)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(request_timeout_s, connect=min(30.0, request_timeout_s or 30.0), pool=None)
-    notes: list[str] = []
-    fixups: list[dict[str, int]] = []
-    records: dict[int, RequestRecord] = {}
-    specs: dict[int, RequestSpec] = {}
-    session_counts = dict.fromkeys(
-        ("sessions", "ended_by_error", "truncated_turns", "dropped_turns", "ended_sessions"), 0
-    )
-    cached_reported = 0
-    sink = _Sink(None)  # opened (truncating out_path) once the server is known to serve
-    prog = None
     try:
         async with httpx.AsyncClient(
             transport=transport, limits=limits, timeout=timeout, headers=auth_headers(api_key)
         ) as client:
-            what, longest = _longest_request(scenario)
-            for u in base_urls:  # every server must take the longest request
-                model, max_len = await resolve_model(client, u, model)
-                if max_len is not None and longest > max_len:
-                    where = f" at {u}" if fleet else ""
-                    raise LiveError(
-                        f"{what}: prompt + output up to {longest} tokens exceed the "
-                        f"server's max_model_len ({max_len}) for model {model!r}{where}"
-                    )
-            context_len = scenario.engine.max_model_len
-            if sessions is not None and max_len is not None and max_len < context_len:
-                notes.append(
-                    f"sessions: contexts are kept within the server's max_model_len {max_len} "
-                    f"(scenario: {context_len})"
-                )
-                context_len = max_len
-            pool = list(token_pool) if token_pool is not None else await discover_token_pool(client, base_url, model)
-            builder = PromptBuilder(pool, seed=scenario.seed, period=prompt_period)
-            chat_text = _ChatText(client, base_url, model, builder) if chat else None
-            if chat:
-                notes.append(
-                    "chat endpoint: prompts are detokenized text, retokenized by the server with "
-                    "its chat template; prompt lengths are approximate (recorded from usage)"
-                )
-
-            async def body_for(spec: RequestSpec) -> bytes:
-                prompt = await chat_text.text(spec) if chat_text else builder.prompt_ids(spec)
-                return json.dumps(request_body(endpoint, model, spec, prompt, return_token_ids)).encode()
-
-            sink = _Sink(out_path)
-            befores = [await scrape(client, u) for u in base_urls]
-            before = befores[0]
-            for u, b in zip(base_urls, befores):
-                if b is None:
-                    where = f" ({u})" if fleet else ""
-                    notes.append(f"server{where} has no readable /metrics: no server-side cross-check")
-            if fleet:
-                router = LiveRouter(
-                    scenario, len(base_urls), block_size=before.block_size if before else None,
-                    capacities=[b.num_gpu_blocks - 1 if b and b.num_gpu_blocks else None for b in befores],
-                )
-            if sessions is not None:  # turns per run are not known in advance
-                n_total = None
-                times = None if closed else sessions.start_times()
-            elif closed:
-                n_total = workload.num_requests
-                times = None
-            else:
-                times = workload.arrival_times()
-                n_total = len(times)
-            prog = _progress(n_total, progress)
-
-            tasks: list[asyncio.Task] = []
-            stopping = False
-
-            async def one(
-                spec: RequestSpec, body: bytes, t0: float, client_id: int | None = None,
-                token_ids: list[int] | None = None,
-            ) -> RequestRecord:
-                nonlocal cached_reported
-                rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens,
-                                    client_id=client_id, session_id=spec.session_id, turn=spec.turn)
-                records[spec.request_id] = rec
-                replica = 0
-                if router is not None:
-                    replica = rec.replica = router.send(spec, client_id)
-                try:
-                    usage = await stream_request(client, urls[replica], body, rec, t0, chat, fixups,
-                                                 request_timeout_s, token_ids)
-                finally:
-                    if router is not None:
-                        router.ended(replica)
-                if usage is not None and isinstance((usage.get("prompt_tokens_details") or {}).get("cached_tokens"), int):
-                    cached_reported += 1
-                if rec.error and api_key:
-                    rec.error = redact(rec.error, api_key)
-                if stopping:
-                    return rec  # cut short by the interruption, not finished: not written
-                sink.write(rec)
-                if on_record is not None:
-                    on_record(rec)
-                if prog is not None:
-                    prog.advance(prog.task_ids[0])
-                if cancel_requested():  # (a cancellation wait_for swallowed: stop here)
-                    raise asyncio.CancelledError
-                return rec
-
-            next_request_id = 0  # sessions: request ids in send order, as the simulator's
-
-            async def session(i: int, t0: float, client_id: int | None = None) -> None:
-                """Session i: each turn sent when the previous answer's last token is back
-                plus the think time, its prompt the conversation so far (exact ids)."""
-                nonlocal next_request_id
-                assert sessions is not None
-                cfg = sessions.sessions
-                prompts = SessionPrompts(Conversation(sessions.plan(i), context_len, cfg.on_overflow), builder)
-                session_counts["sessions"] += 1
-                try:
-                    while not stopping:
-                        turn = prompts.request(next_request_id)
-                        if turn is None:
-                            break
-                        spec, ids = turn
-                        next_request_id += 1
-                        specs[spec.request_id] = spec
-                        body = json.dumps(request_body(endpoint, model, spec, ids, True)).encode()
-                        answer: list[int] = []
-                        rec = await one(spec, body, t0, client_id, answer)
-                        if not rec.succeeded:
-                            session_counts["ended_by_error"] += 1  # its context is unknown: end it
-                            break
-                        think = prompts.answered(answer)
-                        if prompts.done:
-                            break
-                        assert rec.finish_time is not None
-                        delay = t0 + rec.finish_time + think - time.perf_counter()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                finally:
-                    conv = prompts.conversation
-                    session_counts["truncated_turns"] += conv.truncated_turns
-                    session_counts["dropped_turns"] += conv.dropped_turns
-                    session_counts["ended_sessions"] += conv.ended
-
-            sched_lag: list[float] = []
-
-            async def on_schedule(times, start: Callable[[int, float], Awaitable[Any]]) -> float:
-                """Open loop: ``start(i, t0)`` as a task at ``times[i]`` after t0 (now), each
-                send's lag behind its time kept; then wait for every task. Returns t0."""
-                t0 = time.perf_counter()
-                for i, t in enumerate(times.tolist()):
-                    delay = t0 + t - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    sched_lag.append(time.perf_counter() - t0 - t)
-                    tasks.append(asyncio.create_task(start(i, t0)))
-                await asyncio.gather(*tasks)
-                return t0
-            scraper = None
-            if router is not None and router.reads_gauges:
-                scraper = asyncio.create_task(_scrape_every(client, base_urls, router))
-            try:
-                if sessions is not None and closed:
-                    assert isinstance(arrival, ClosedArrival)
-                    limit, duration = sessions.num_sessions, sessions.duration_s
-                    counter = iter(range(limit) if limit is not None else itertools.count())
-                    t0 = time.perf_counter()
-
-                    async def session_client(c: int) -> None:
-                        for i in counter:
-                            if duration is not None and time.perf_counter() - t0 >= duration:
-                                return
-                            await session(i, t0, c)
-                            if arrival.think_time_s:
-                                await asyncio.sleep(arrival.think_time_s)
-
-                    tasks.extend(asyncio.create_task(session_client(c)) for c in range(arrival.concurrency))
-                    await asyncio.gather(*tasks)
-                elif sessions is not None:
-                    assert times is not None
-                    t0 = await on_schedule(times, session)
-                elif closed:
-                    assert isinstance(arrival, ClosedArrival)
-                    counter = iter(range(n_total) if n_total is not None else itertools.count())
-                    duration = workload.duration_s
-                    t0 = time.perf_counter()
-
-                    async def worker(c: int) -> None:
-                        for i in counter:
-                            if duration is not None and time.perf_counter() - t0 >= duration:
-                                return
-                            spec = workload.spec(i)
-                            specs[i] = spec
-                            await one(spec, await body_for(spec), t0, c)
-                            if arrival.think_time_s:
-                                await asyncio.sleep(arrival.think_time_s)
-
-                    tasks.extend(asyncio.create_task(worker(c)) for c in range(arrival.concurrency))
-                    await asyncio.gather(*tasks)
-                else:
-                    assert times is not None
-                    bodies = []
-                    for i in range(n_total):
-                        spec = workload.spec(i)
-                        specs[i] = spec
-                        bodies.append(await body_for(spec))
-                    t0 = await on_schedule(times, lambda i, t0: one(specs[i], bodies[i], t0))
-            except BaseException:
-                # Interrupted (Ctrl-C cancels this task): stop every request in flight before
-                # the client and the records file close, so only finished requests are kept.
-                stopping = True
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-            finally:
-                if scraper is not None:
-                    scraper.cancel()
-                    await asyncio.gather(scraper, return_exceptions=True)
-            wall = time.perf_counter() - t0
-            afters = []
-            for i, (u, b) in enumerate(zip(base_urls, befores)):
-                mine = [r for r in records.values() if not fleet or r.replica == i]
-                afters.append(await _scrape_settled(client, u, b, mine))
-            after = afters[0]
+            await run.connect(client, token_pool, prompt_period)
+            run.sink = _Sink(out_path)
+            await run.scrape_before()
+            run.prog = _progress(run.n_total, progress)
+            await run.drive()
+            await run.scrape_after()
     finally:
-        if prog is not None:
-            prog.stop()
-        sink.close()
+        if run.prog is not None:
+            run.prog.stop()
+        run.sink.close()
+    return run.result(out_path)
 
-    recs = [records[i] for i in sorted(records)]
-    # The rate sent: of requests, or of sessions (their first turns).
-    sent = [r.arrival_time for r in recs if sessions is None or r.turn == 0]
-    sends = np.sort(np.asarray(sent, dtype=float))
-    achieved = (len(sends) - 1) / float(sends[-1] - sends[0]) if len(sends) > 1 and sends[-1] > sends[0] else None
-    requested = scheduled = lag = None
-    if not closed:
-        if times is not None and len(times) > 1 and times[-1] > 0:
-            scheduled = (len(times) - 1) / float(times[-1])
-        # (a trace at its own times asks for its own mean rate)
-        requested = float(arrival.rate) if arrival is not None else scheduled  # type: ignore[union-attr]
-        lag = max(sched_lag) if sched_lag else None
-    if fixups:
-        notes.append(f"{len(fixups)} request(s): chunk token counts differed from usage; usage used")
-    if sessions is not None:
-        if session_counts["ended_by_error"]:
-            notes.append(f"{session_counts['ended_by_error']} session(s) ended at an errored turn")
-        if not cached_reported:
-            notes.append(
-                "the server reported no per-request cached tokens (start vLLM with "
-                "--enable-prompt-tokens-details): per-turn prefix hits are unknown; the run's "
-                "hit rate is the server's /metrics"
+
+class _Run:
+    """One live run: the servers, the workload and what has come back so far.
+
+    :meth:`connect` checks every server takes the longest request and builds the prompts;
+    :meth:`drive` sends the workload as its arrival process says (closed-loop clients, open
+    loop on its schedule, or sessions of either kind), each request by :meth:`one`, and on an
+    interruption stops every request in flight, so only finished requests are kept;
+    :meth:`result` is the :class:`LiveRun`.
+    """
+
+    def __init__(self, scenario: Scenario, base_urls: list[str], model: str | None, endpoint: Endpoint,
+                 request_timeout_s: float | None, return_token_ids: bool,
+                 on_record: Callable[[RequestRecord], None] | None, api_key: str | None) -> None:
+        self.scenario = scenario
+        self.base_urls = base_urls
+        self.model = model
+        self.endpoint = endpoint
+        self.request_timeout_s = request_timeout_s
+        self.return_token_ids = return_token_ids
+        self.on_record = on_record
+        self.api_key = api_key
+        self.workload = Workload(scenario.workload, scenario.seed)
+        self.sessions = (None if scenario.workload.sessions is None
+                         else SessionWorkload(scenario.workload, scenario.seed))
+        self.arrival = scenario.workload.arrival
+        self.closed = isinstance(self.arrival, ClosedArrival)
+        self.chat = endpoint == "chat"
+        self.urls = [u + ("/v1/chat/completions" if self.chat else "/v1/completions") for u in base_urls]
+        self.fleet = len(base_urls) > 1
+        self.router: LiveRouter | None = None
+        self.notes: list[str] = []
+        self.fixups: list[dict[str, int]] = []
+        self.records: dict[int, RequestRecord] = {}
+        self.specs: dict[int, RequestSpec] = {}
+        self.session_counts = dict.fromkeys(
+            ("sessions", "ended_by_error", "truncated_turns", "dropped_turns", "ended_sessions"), 0
+        )
+        self.cached_reported = 0
+        self.sink = _Sink(None)  # opened (truncating out_path) once the server is known to serve
+        self.prog = None
+        self.tasks: list[asyncio.Task] = []
+        self.stopping = False
+        self.next_request_id = 0  # sessions: request ids in send order, as the simulator's
+        self.sched_lag: list[float] = []
+        self.n_total: int | None = None
+        self.times: np.ndarray | None = None
+        self.wall = 0.0
+        self.befores: list[ServerMetrics | None] = []
+        self.afters: list[ServerMetrics | None] = []
+
+    async def connect(self, client: httpx.AsyncClient, token_pool: Sequence[int] | None,
+                      prompt_period: int | None) -> None:
+        """Every server takes the longest request; the prompts' tokens; the schedule."""
+        self.client = client
+        scenario, sessions = self.scenario, self.sessions
+        what, longest = _longest_request(scenario)
+        max_len = None
+        for u in self.base_urls:  # every server must take the longest request
+            self.model, max_len = await resolve_model(client, u, self.model)
+            if max_len is not None and longest > max_len:
+                where = f" at {u}" if self.fleet else ""
+                raise LiveError(
+                    f"{what}: prompt + output up to {longest} tokens exceed the "
+                    f"server's max_model_len ({max_len}) for model {self.model!r}{where}"
+                )
+        self.context_len = scenario.engine.max_model_len
+        if sessions is not None and max_len is not None and max_len < self.context_len:
+            self.notes.append(
+                f"sessions: contexts are kept within the server's max_model_len {max_len} "
+                f"(scenario: {self.context_len})"
             )
-    return LiveRun(
-        records=recs,
-        specs=specs,
-        base_url=base_url,
-        model=model,
-        endpoint=endpoint,
-        closed_loop=closed,
-        requested_rate=requested,
-        scheduled_rate=scheduled,
-        achieved_rate=achieved,
-        wall_duration_s=wall,
-        max_send_lag_s=lag,
-        metrics_before=None if fleet else before,
-        metrics_after=None if fleet else after,
-        token_fixups=fixups,
-        notes=notes,
-        out_path=str(out_path) if out_path else None,
-        sessions=session_counts if sessions is not None else None,
-        cached_tokens_reported=cached_reported,
-        base_urls=base_urls if fleet else [],
-        router=scenario.deployment.router if fleet and scenario.deployment else None,
-        server_metrics=list(zip(befores, afters)) if fleet else [],
-    )
+            self.context_len = max_len
+        base_url = self.base_urls[0]
+        pool = list(token_pool) if token_pool is not None else await discover_token_pool(client, base_url, self.model)
+        self.builder = PromptBuilder(pool, seed=scenario.seed, period=prompt_period)
+        self.chat_text = _ChatText(client, base_url, self.model, self.builder) if self.chat else None
+        if self.chat:
+            self.notes.append(
+                "chat endpoint: prompts are detokenized text, retokenized by the server with "
+                "its chat template; prompt lengths are approximate (recorded from usage)"
+            )
+        if sessions is not None:  # turns per run are not known in advance
+            self.times = None if self.closed else sessions.start_times()
+        elif self.closed:
+            self.n_total = self.workload.num_requests
+        else:
+            self.times = self.workload.arrival_times()
+            self.n_total = len(self.times)
+
+    async def scrape_before(self) -> None:
+        """Each server's /metrics before the run (and the fleet's router, which reads them)."""
+        self.befores = [await scrape(self.client, u) for u in self.base_urls]
+        for u, b in zip(self.base_urls, self.befores):
+            if b is None:
+                where = f" ({u})" if self.fleet else ""
+                self.notes.append(f"server{where} has no readable /metrics: no server-side cross-check")
+        if self.fleet:
+            before = self.befores[0]
+            self.router = LiveRouter(
+                self.scenario, len(self.base_urls), block_size=before.block_size if before else None,
+                capacities=[b.num_gpu_blocks - 1 if b and b.num_gpu_blocks else None for b in self.befores],
+            )
+
+    async def scrape_after(self) -> None:
+        """Each server's /metrics once its counters have settled on this run's requests."""
+        for i, (u, b) in enumerate(zip(self.base_urls, self.befores)):
+            mine = [r for r in self.records.values() if not self.fleet or r.replica == i]
+            self.afters.append(await _scrape_settled(self.client, u, b, mine))
+
+    async def body_for(self, spec: RequestSpec) -> bytes:
+        prompt = await self.chat_text.text(spec) if self.chat_text else self.builder.prompt_ids(spec)
+        return json.dumps(request_body(self.endpoint, self.model, spec, prompt, self.return_token_ids)).encode()
+
+    async def one(
+        self, spec: RequestSpec, body: bytes, t0: float, client_id: int | None = None,
+        token_ids: list[int] | None = None,
+    ) -> RequestRecord:
+        """Send one request and record it; a finished request is written at once."""
+        rec = RequestRecord(spec.request_id, time.perf_counter() - t0, spec.num_prompt_tokens, spec.max_tokens,
+                            client_id=client_id, session_id=spec.session_id, turn=spec.turn)
+        self.records[spec.request_id] = rec
+        router, replica = self.router, 0
+        if router is not None:
+            replica = rec.replica = router.send(spec, client_id)
+        try:
+            usage = await stream_request(self.client, self.urls[replica], body, rec, t0, self.chat, self.fixups,
+                                         self.request_timeout_s, token_ids)
+        finally:
+            if router is not None:
+                router.ended(replica)
+        if usage is not None and isinstance((usage.get("prompt_tokens_details") or {}).get("cached_tokens"), int):
+            self.cached_reported += 1
+        if rec.error and self.api_key:
+            rec.error = redact(rec.error, self.api_key)
+        if self.stopping:
+            return rec  # cut short by the interruption, not finished: not written
+        self.sink.write(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+        if self.prog is not None:
+            self.prog.advance(self.prog.task_ids[0])
+        if cancel_requested():  # (a cancellation wait_for swallowed: stop here)
+            raise asyncio.CancelledError
+        return rec
+
+    async def session(self, i: int, t0: float, client_id: int | None = None) -> None:
+        """Session i: each turn sent when the previous answer's last token is back plus the
+        think time, its prompt the conversation so far (exact ids)."""
+        sessions, counts = self.sessions, self.session_counts
+        assert sessions is not None
+        cfg = sessions.sessions
+        prompts = SessionPrompts(Conversation(sessions.plan(i), self.context_len, cfg.on_overflow), self.builder)
+        counts["sessions"] += 1
+        try:
+            while not self.stopping:
+                turn = prompts.request(self.next_request_id)
+                if turn is None:
+                    break
+                spec, ids = turn
+                self.next_request_id += 1
+                self.specs[spec.request_id] = spec
+                body = json.dumps(request_body(self.endpoint, self.model, spec, ids, True)).encode()
+                answer: list[int] = []
+                rec = await self.one(spec, body, t0, client_id, answer)
+                if not rec.succeeded:
+                    counts["ended_by_error"] += 1  # its context is unknown: end it
+                    break
+                think = prompts.answered(answer)
+                if prompts.done:
+                    break
+                assert rec.finish_time is not None
+                delay = t0 + rec.finish_time + think - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+        finally:
+            conv = prompts.conversation
+            counts["truncated_turns"] += conv.truncated_turns
+            counts["dropped_turns"] += conv.dropped_turns
+            counts["ended_sessions"] += conv.ended
+
+    async def on_schedule(self, times: np.ndarray, start: Callable[[int, float], Awaitable[Any]]) -> float:
+        """Open loop: ``start(i, t0)`` as a task at ``times[i]`` after t0 (now), each send's
+        lag behind its time kept; then wait for every task. Returns t0."""
+        t0 = time.perf_counter()
+        for i, t in enumerate(times.tolist()):
+            delay = t0 + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.sched_lag.append(time.perf_counter() - t0 - t)
+            self.tasks.append(asyncio.create_task(start(i, t0)))
+        await asyncio.gather(*self.tasks)
+        return t0
+
+    async def clients(self, send: Callable[[int, float, int], Awaitable[Any]], limit: int | None,
+                      duration: float | None) -> float:
+        """Closed loop: ``concurrency`` clients, each taking the next index and ``send``-ing it
+        (then thinking), until ``limit`` indices or ``duration`` seconds. Returns t0."""
+        arrival = self.arrival
+        assert isinstance(arrival, ClosedArrival)
+        counter = iter(range(limit) if limit is not None else itertools.count())
+        t0 = time.perf_counter()
+
+        async def client(c: int) -> None:
+            for i in counter:
+                if duration is not None and time.perf_counter() - t0 >= duration:
+                    return
+                await send(i, t0, c)
+                if arrival.think_time_s:
+                    await asyncio.sleep(arrival.think_time_s)
+
+        self.tasks.extend(asyncio.create_task(client(c)) for c in range(arrival.concurrency))
+        await asyncio.gather(*self.tasks)
+        return t0
+
+    async def request(self, i: int, t0: float, c: int) -> None:
+        """A closed-loop client's request i of the workload."""
+        spec = self.workload.spec(i)
+        self.specs[i] = spec
+        await self.one(spec, await self.body_for(spec), t0, c)
+
+    async def drive(self) -> None:
+        """Send the whole workload; on an interruption (Ctrl-C cancels this task) stop every
+        request in flight before the client and the records file close, so only finished
+        requests are kept."""
+        sessions, router = self.sessions, self.router
+        scraper = None
+        if router is not None and router.reads_gauges:
+            scraper = asyncio.create_task(_scrape_every(self.client, self.base_urls, router))
+        try:
+            if sessions is not None and self.closed:
+                t0 = await self.clients(self.session, sessions.num_sessions, sessions.duration_s)
+            elif sessions is not None:
+                assert self.times is not None
+                t0 = await self.on_schedule(self.times, self.session)
+            elif self.closed:
+                t0 = await self.clients(self.request, self.n_total, self.workload.duration_s)
+            else:
+                assert self.times is not None and self.n_total is not None
+                bodies = []
+                for i in range(self.n_total):
+                    spec = self.workload.spec(i)
+                    self.specs[i] = spec
+                    bodies.append(await self.body_for(spec))
+                t0 = await self.on_schedule(self.times, lambda i, t0: self.one(self.specs[i], bodies[i], t0))
+        except BaseException:
+            self.stopping = True
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            raise
+        finally:
+            if scraper is not None:
+                scraper.cancel()
+                await asyncio.gather(scraper, return_exceptions=True)
+        self.wall = time.perf_counter() - t0
+
+    def result(self, out_path: str | Path | None) -> LiveRun:
+        recs = [self.records[i] for i in sorted(self.records)]
+        sessions, times, notes = self.sessions, self.times, self.notes
+        # The rate sent: of requests, or of sessions (their first turns).
+        sent = [r.arrival_time for r in recs if sessions is None or r.turn == 0]
+        sends = np.sort(np.asarray(sent, dtype=float))
+        achieved = (len(sends) - 1) / float(sends[-1] - sends[0]) if len(sends) > 1 and sends[-1] > sends[0] else None
+        requested = scheduled = lag = None
+        if not self.closed:
+            if times is not None and len(times) > 1 and times[-1] > 0:
+                scheduled = (len(times) - 1) / float(times[-1])
+            # (a trace at its own times asks for its own mean rate)
+            arrival = self.arrival
+            requested = float(arrival.rate) if arrival is not None else scheduled  # type: ignore[union-attr]
+            lag = max(self.sched_lag) if self.sched_lag else None
+        if self.fixups:
+            notes.append(f"{len(self.fixups)} request(s): chunk token counts differed from usage; usage used")
+        if sessions is not None:
+            if self.session_counts["ended_by_error"]:
+                notes.append(f"{self.session_counts['ended_by_error']} session(s) ended at an errored turn")
+            if not self.cached_reported:
+                notes.append(
+                    "the server reported no per-request cached tokens (start vLLM with "
+                    "--enable-prompt-tokens-details): per-turn prefix hits are unknown; the run's "
+                    "hit rate is the server's /metrics"
+                )
+        fleet = self.fleet
+        return LiveRun(
+            records=recs,
+            specs=self.specs,
+            base_url=self.base_urls[0],
+            model=self.model,
+            endpoint=self.endpoint,
+            closed_loop=self.closed,
+            requested_rate=requested,
+            scheduled_rate=scheduled,
+            achieved_rate=achieved,
+            wall_duration_s=self.wall,
+            max_send_lag_s=lag,
+            metrics_before=None if fleet else self.befores[0],
+            metrics_after=None if fleet else self.afters[0],
+            token_fixups=self.fixups,
+            notes=notes,
+            out_path=str(out_path) if out_path else None,
+            sessions=self.session_counts if sessions is not None else None,
+            cached_tokens_reported=self.cached_reported,
+            base_urls=self.base_urls if fleet else [],
+            router=self.scenario.deployment.router if fleet and self.scenario.deployment else None,
+            server_metrics=list(zip(self.befores, self.afters)) if fleet else [],
+        )
 
 
 async def _scrape_every(client: httpx.AsyncClient, base_urls: Sequence[str], router: LiveRouter) -> None:

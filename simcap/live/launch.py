@@ -39,10 +39,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from simcap.config.scenario import Scenario, format_validation_error
+from simcap.config.yaml_files import read_yaml_mapping
 from simcap.errors import ScenarioError
 from simcap.live.server import VllmServer, tiny_model_dir, tiny_moe_model_dir
-from simcap.scenario import Scenario, format_validation_error
-from simcap.yaml_files import read_yaml_mapping
 
 BUILT_MODELS = {"tiny": tiny_model_dir, "tiny-moe": tiny_moe_model_dir}
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from simcap.errors import SimcapError
-from simcap.plots import check_figure_path
+from simcap.studies.plots import check_figure_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from simcap.live.validate import Validation

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from simcap.records import RequestRecord
+from simcap.metrics.records import RequestRecord
 
 COUNTERS = (
     "vllm:prompt_tokens",

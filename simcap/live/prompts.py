@@ -1,6 +1,6 @@
 """Prompts of exact token lengths, built from a request's content segments.
 
-A :class:`~simcap.workload.RequestSpec` describes its prompt as ``(content key, tokens)``
+A :class:`~simcap.workloads.requests.RequestSpec` describes its prompt as ``(content key, tokens)``
 segments: requests sharing a key share those tokens, which is what prefix caching sees. Live
 mode turns each key into a deterministic, seeded sequence of token ids drawn from a pool of
 ordinary (non-special) ids of the served model, and sends the prompt to the completions
@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from simcap.workload import RequestSpec
+from simcap.workloads.requests import RequestSpec
 
 _CHUNK = 256
 

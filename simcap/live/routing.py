@@ -1,4 +1,4 @@
-"""Routing a live run over several servers: the fleet's routers (:mod:`simcap.router`) fed
+"""Routing a live run over several servers: the fleet's routers (:mod:`simcap.fleet.router`) fed
 with what a real router in front of real servers sees.
 
 A scenario with ``deployment: {replicas: N, router: POLICY}`` run live over N base URLs
@@ -10,18 +10,18 @@ usage) from ``/metrics`` as last scraped; the run scrapes every
 as many blocks as each server reports in its pool (``vllm:cache_config_info``), hashed at
 the server's block size. Groups of replicas and disaggregated pools are simulated only; a
 session workload runs on one server, since a scenario refuses sessions with a deployment
-(:func:`simcap.scenario.replica_scenarios`).
+(:func:`simcap.config.scenario.replica_scenarios`).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from simcap.config.scenario import Scenario
 from simcap.errors import SimcapError
+from simcap.fleet.router import ReplicaState, make_router, route_request
 from simcap.live.prom import ServerMetrics
-from simcap.router import ReplicaState, make_router, route_request
-from simcap.scenario import Scenario
-from simcap.workload import RequestSpec
+from simcap.workloads.requests import RequestSpec
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 OLD_KV_GAUGE = "vllm:gpu_cache_usage_perc"  # vLLM before the rename

@@ -5,14 +5,14 @@ prefix cache between runs where it allows it), and for each live run simulates E
 run's trace: prompt lengths (as the server counted them), output lengths and prefix segments,
 sent as the live run sent them (``simulate(scenario, trace=...)``). An open-loop run is
 replayed at its send times. A closed-loop run is replayed as a closed loop
-(:class:`~simcap.workload.ClosedLoopTrace`): the same clients, each sending its own requests
+(:class:`~simcap.workloads.requests.ClosedLoopTrace`): the same clients, each sending its own requests
 in its order, each send the measured gap after the end of that client's previous response.
 A session workload's run is replayed as its sessions (``replay="sessions"``, the default
 there): the same sessions and turns, each turn's prompt as sent and its answer as long as it
 came back, each turn sent the measured gap after the previous turn's last token; beside the
 usual metrics it then compares the server's prefix-hit rate (``/metrics`` hits over queries)
 with the simulated engine's same counters, and per turn index the TTFT and prefix-hit share
-(:func:`compare_sessions`, from the per-turn summary of :mod:`simcap.metrics` on both sides).
+(:func:`compare_sessions`, from the per-turn summary of :mod:`simcap.metrics.summary` on both sides).
 Replaying a closed loop at fixed send times instead (``replay="times"``) sends a request into a full
 engine whenever a step is priced a little slow, where a real client would still be waiting
 for its previous response: at concurrency = ``max_num_seqs`` a step model 5 % slow inflates
@@ -40,7 +40,7 @@ the run's values are both in the notes. ``adopt_spec_acceptance=False`` keeps th
 
 A fleet (a scenario with ``deployment``, one base URL per replica): each live run, routed by
 the deployment's router over the servers, is replayed at its send times through the
-simulated fleet with the same router (:func:`simcap.fleet.simulate_fleet`), which routes the
+simulated fleet with the same router (:func:`simcap.fleet.replicas.simulate_fleet`), which routes the
 requests anew from its own simulated state. Besides the fleet-wide metrics above, ``fleet``
 compares per replica the requests and tokens routed and TTFT/E2E, and the load imbalance
 (max / mean over the replicas of requests and of tokens), live against predicted, and how
@@ -57,15 +57,15 @@ import httpx
 import numpy as np
 from rich.table import Table
 
+from simcap.config.scenario import ClosedArrival, Scenario
+from simcap.fleet.run import simulate
 from simcap.live.client import LiveError, LiveRun, auth_headers, check_live_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics
 from simcap.live.routing import check_fleet_urls
-from simcap.metrics import Summary
-from simcap.records import RequestRecord
-from simcap.scenario import ClosedArrival, Scenario
-from simcap.simulator import simulate
-from simcap.workload import ClosedLoopTrace, RequestSpec
+from simcap.metrics.records import RequestRecord
+from simcap.metrics.summary import Summary
+from simcap.workloads.requests import ClosedLoopTrace, RequestSpec
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p95", "p99")
@@ -146,7 +146,7 @@ def fleet_pair(run: LiveRun, sim_records: list[RequestRecord]) -> dict[str, Any]
     """One fleet run, live and its replay: per-replica rows, imbalance, and the fraction of
     requests the simulated router sent to the replica the live one chose (the replay's
     request j is the live run's j-th completed request in send order)."""
-    from simcap.fleet import load_imbalance, replica_rows
+    from simcap.fleet.replicas import load_imbalance, replica_rows
 
     n = len(run.base_urls)
     live_rows = replica_rows(run.records, n)

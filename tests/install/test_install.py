@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from simcap import compiled
+from simcap.runtime import compiled
 
 pytestmark = pytest.mark.build
 
@@ -122,7 +122,8 @@ def test_editable_install_without_a_c_compiler(venv, tmp_path, compiled_output):
     version = venv.simcap_out("--version", cwd=tmp_path)
     assert version.splitlines()[1] == "engine modules interpreted (none compiled at install)"
     assert not list((tree / "simcap").rglob("*.so"))
-    assert imported_from(venv, "simcap.simulator", tmp_path) == str(tree / "simcap" / "simulator.py")
+    simulator = tree / "simcap" / "simulation" / "simulator.py"
+    assert imported_from(venv, "simcap.simulation.simulator", tmp_path) == str(simulator)
     assert venv.simcap_out(*SIMULATE, cwd=tmp_path) == compiled_output
 
 
@@ -177,14 +178,14 @@ def test_one_module_that_fails_to_compile_and_stale_extensions(venv, tmp_path, c
     # fast_forward and fast_verify cimport the scheduler's declarations: built against its
     # extension type, they cannot run beside its source, so they count as not compiled.
     assert said.startswith("simcap: engine modules compiled: 8 of 11; not compiled: "
-                           "simcap.engine.scheduler, simcap.fast_forward, simcap.fast_verify "
+                           "simcap.engine.scheduler, simcap.simulation.fast_forward, simcap.simulation.fast_verify "
                            "(simcap.engine.scheduler: CompileError: command "), said
     version = venv.simcap_out("--version", cwd=tmp_path).splitlines()[1]
     assert version == ("engine modules compiled: 8 of 11; "
                        "simcap.engine.scheduler interpreted (not compiled at install); "
-                       "simcap.fast_forward interpreted (not compiled at install); "
-                       "simcap.fast_verify interpreted (not compiled at install)"), version
-    assert imported_from(venv, "simcap.simulator", tmp_path).endswith(".so")
+                       "simcap.simulation.fast_forward interpreted (not compiled at install); "
+                       "simcap.simulation.fast_verify interpreted (not compiled at install)"), version
+    assert imported_from(venv, "simcap.simulation.simulator", tmp_path).endswith(".so")
     assert imported_from(venv, "simcap.engine.scheduler", tmp_path).endswith("scheduler.py")
     assert venv.simcap_out(*SIMULATE, cwd=tmp_path) == compiled_output
 
@@ -198,9 +199,9 @@ def test_one_module_that_fails_to_compile_and_stale_extensions(venv, tmp_path, c
         f.write("\n# edited after the install\n")
     manifest = package / "_compiled.txt"
     manifest.write_text("".join(ln for ln in manifest.read_text().splitlines(keepends=True)
-                                if not ln.startswith("simcap.steplog ")))
+                                if not ln.startswith("simcap.simulation.steplog ")))
     for module in ("simcap.engine.scheduler", "simcap.engine.request", "simcap.engine.kv_cache",
-                   "simcap.steplog"):
+                   "simcap.simulation.steplog"):
         origin = imported_from(venv, module, tmp_path)
         assert origin.endswith(".py"), (module, origin)
     version = venv.simcap_out("version", cwd=tmp_path).splitlines()[1]
@@ -208,9 +209,9 @@ def test_one_module_that_fails_to_compile_and_stale_extensions(venv, tmp_path, c
                        "simcap.engine.kv_cache interpreted (cimports simcap.engine.request, which "
                        "runs interpreted); simcap.engine.request interpreted (source changed since "
                        "it was compiled); simcap.engine.scheduler interpreted (not compiled at "
-                       "install); simcap.fast_forward interpreted (not compiled at install); "
-                       "simcap.fast_verify interpreted (not compiled at install)"), version
-    status = venv.python_out("import simcap.steplog; from simcap import compiled; "
-                             "print(compiled._FINDER.loaded['simcap.steplog'])", tmp_path)
+                       "install); simcap.simulation.fast_forward interpreted (not compiled at install); "
+                       "simcap.simulation.fast_verify interpreted (not compiled at install)"), version
+    status = venv.python_out("import simcap.simulation.steplog; from simcap.runtime import compiled; "
+                             "print(compiled._FINDER.loaded['simcap.simulation.steplog'])", tmp_path)
     assert status == "interpreted (extension not from this install)"
     assert venv.simcap_out(*SIMULATE, cwd=tmp_path) == compiled_output

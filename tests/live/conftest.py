@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 
 from simcap.calibrate.readers import parse_iteration_log
+from simcap.config.scenario import parse_scenario
 from simcap.live.machine import describe_cpu
 from simcap.live.prom import parse_metrics
 from simcap.live.server import VllmServer, tiny_model_dir, tiny_moe_model_dir, vllm_python
-from simcap.scenario import parse_scenario
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_ARGS = [
@@ -248,7 +248,7 @@ def live_cli():
     """``live_cli(*args, env=None) -> (exit_code, stdout, stderr)``: ``simcap live`` in-process."""
     from typer.testing import CliRunner
 
-    from simcap.live.cli import live_app
+    from simcap.cli.live import live_app
 
     def invoke(*args, env=None):
         result = CliRunner().invoke(live_app, [str(a) for a in args], env=env)

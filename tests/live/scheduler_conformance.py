@@ -11,9 +11,9 @@ import json
 import subprocess
 from pathlib import Path
 
+from simcap.config.scenario import EngineConfig
 from simcap.engine.request import Request
 from simcap.engine.scheduler import Scheduler
-from simcap.scenario import EngineConfig
 from tests.live import vllm_scheduler_driver as driver
 
 DRIVER = Path(driver.__file__)

@@ -13,7 +13,7 @@ from simcap.live.calibration import (
     prompt_lengths,
     read_log_window,
 )
-from simcap.records import RequestRecord
+from simcap.metrics.records import RequestRecord
 
 LINE = ("(APIServer pid=1) INFO 11-30 00:46:38 [loggers.py:199] Engine 000: Iteration({i}): {a} context "
         "requests, {b} context tokens, {c} generation requests, {d} generation tokens, iteration elapsed "
@@ -94,11 +94,11 @@ def test_calibration_mix_spans_lengths_batches_and_chunked_prefill():
 
 
 def test_validate_plot_writes_ecdf_overlay(tmp_path):
+    from simcap.config.scenario import parse_scenario
+    from simcap.fleet.run import simulate
     from simcap.live.client import LiveRun
     from simcap.live.plot import plot_validation_ecdfs
     from simcap.live.validate import Repeat, Validation, compare
-    from simcap.scenario import parse_scenario
-    from simcap.simulator import simulate
 
     sc = parse_scenario({
         "name": "plot-check",
@@ -119,10 +119,10 @@ def test_validate_plot_writes_ecdf_overlay(tmp_path):
 
 
 def test_validate_simulates_each_run_with_its_own_spec_acceptance():
+    from simcap.config.scenario import parse_scenario
     from simcap.live.client import LiveRun
     from simcap.live.prom import ServerMetrics
     from simcap.live.validate import adopt_run_acceptance
-    from simcap.scenario import parse_scenario
 
     sc = parse_scenario({
         "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=2048),

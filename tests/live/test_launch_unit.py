@@ -19,8 +19,8 @@ from simcap.live.launch import (
     server_args,
     startup_failure_line,
 )
+from simcap.config.scenario import load_scenario
 from simcap.live.server import VllmServerError, tiny_model_dir
-from simcap.scenario import load_scenario
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_YAML = REPO / "examples" / "servers" / "cpu-tiny.yaml"
@@ -135,7 +135,7 @@ def test_startup_failure_is_one_line_with_exit_code_and_last_log_lines():
 
 
 def _cli(*args):
-    from simcap.live.cli import live_app
+    from simcap.cli.live import live_app
 
     result = CliRunner().invoke(live_app, [str(a) for a in args])
     if result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -199,9 +199,9 @@ def test_measured_arm_points_take_the_simulated_path():
     """ArmPoint.from_summary over a run's records is ArmPoint.of over the same run."""
     import numpy as np
 
-    from simcap.crossover import ArmPoint, arm_scenarios
-    from simcap.metrics import summarize
-    from simcap.simulator import simulate
+    from simcap.fleet.run import simulate
+    from simcap.metrics.summary import summarize
+    from simcap.studies.crossover import ArmPoint, arm_scenarios
 
     spec_sc, _, _ = arm_scenarios(load_scenario(SCENARIO_YAML), concurrency=4, requests_per_client=2)
     result = simulate(spec_sc, records=True)
@@ -214,9 +214,9 @@ def test_measured_arm_points_take_the_simulated_path():
 
 def test_prediction_takes_the_calibrated_profile_and_the_measured_acceptance(tmp_path):
     from simcap.live.client import LiveRun
-    from simcap.live.crossover import MeasuredPoint, _predicted_scenario
-    from simcap.records import RequestRecord
+    from simcap.live.crossover_arms import MeasuredPoint, _predicted_scenario
     from simcap.live.prom import ServerMetrics
+    from simcap.metrics.records import RequestRecord
 
     profile = _write(tmp_path / "profile.yaml", {
         "name": "cpu-tiny-test",
@@ -288,10 +288,10 @@ def test_calibration_phases_capped_at_a_concurrency():
 
 def test_spread_separates_instances_from_repeats():
     """Runs against two instances: the instances' medians and the runs within each."""
+    from simcap.config.scenario import parse_scenario
+    from simcap.fleet.run import simulate
     from simcap.live.client import LiveRun
     from simcap.live.validate import Repeat, spread_figures, spread_line
-    from simcap.scenario import parse_scenario
-    from simcap.simulator import simulate
 
     sc = parse_scenario({
         "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=2048, max_num_seqs=4),

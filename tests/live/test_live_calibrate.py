@@ -31,7 +31,7 @@ def log_profile(vllm_server, tmp_path_factory):
     """``live calibrate --log`` once for the module: (profile path, the command's JSON)."""
     from typer.testing import CliRunner
 
-    from simcap.live.cli import live_app
+    from simcap.cli.live import live_app
 
     out = tmp_path_factory.mktemp("calibrate") / "cpu-tiny.yaml"
     result = CliRunner().invoke(live_app, [
@@ -120,7 +120,7 @@ def test_validate_replays_a_closed_loop_run_as_a_closed_loop(log_profile, vllm_s
                                                              write_yaml, show_validation):
     """Concurrency = max_num_seqs: each live client's requests, replayed after its measured gaps."""
     from simcap.live.validate import replay_line
-    from simcap.records import RequestRecord
+    from simcap.metrics.records import RequestRecord
 
     profile, _ = log_profile
     scenario = write_yaml(tmp_path / "closed.yaml", {

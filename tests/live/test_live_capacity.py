@@ -23,7 +23,7 @@ def quick_profile(vllm_server, tmp_path_factory):
     """A profile calibrated from the server's per-step log, as ``live calibrate`` writes it."""
     from typer.testing import CliRunner
 
-    from simcap.live.cli import live_app
+    from simcap.cli.live import live_app
 
     out = tmp_path_factory.mktemp("capacity-profile") / "cpu-tiny.yaml"
     result = CliRunner().invoke(live_app, [

@@ -13,18 +13,18 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from simcap.capacity import (
+from simcap.studies.capacity import (
     CapacityPoint, at_rate, capacity_result, point_from_result, safe_rate_bracket, saturation_bracket,
 )
 from simcap.errors import ScenarioError
-from simcap.live.capacity import (
+from simcap.live.rate_search import (
     CapacityStore, compare_capacity, engine_differences, live_point,
 )
-from simcap.live.cli import live_app
+from simcap.cli.live import live_app
+from simcap.config.scenario import parse_scenario
+from simcap.fleet.run import simulate
 from simcap.live.prom import ServerMetrics
-from simcap.records import RequestRecord
-from simcap.scenario import parse_scenario
-from simcap.simulator import simulate
+from simcap.metrics.records import RequestRecord
 
 D = 0.01  # one 10 ms step a request: a D/D/1 queue, mu = 100 req/s (tests/test_capacity.py)
 SLO = {"ttft_p95": 1.5 * D}
@@ -208,8 +208,8 @@ def test_a_short_window_needs_a_shortfall_beyond_a_stable_queues_noise():
     """Ten arrivals in [T/2, T), each served in 1.2 s: the two sent in the last 1.2 s are still
     running at T. That is 20 % of the window, but a stable queue's in-flight count (2.4 on
     average here) moves by that much; a backlog that grows by 60 % is saturation."""
-    from simcap.capacity import point_from_measurements
-    from simcap.metrics import summarize
+    from simcap.metrics.summary import summarize
+    from simcap.studies.capacity import point_from_measurements
 
     def point(arrival, finish):
         recs = []

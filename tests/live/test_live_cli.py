@@ -14,7 +14,7 @@ SCENARIO = {
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "simcap.live", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "simcap", "live", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_unreachable_server_is_one_line_naming_the_url(tmp_path):
@@ -42,7 +42,7 @@ def test_bad_scenario_and_endpoint(tmp_path):
 def test_api_key_env_unset_plot_suffix_and_calibrate_unreachable(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from simcap.live.cli import live_app
+    from simcap.cli.live import live_app
 
     def run(*args):
         result = CliRunner().invoke(live_app, list(args))
@@ -68,7 +68,7 @@ def test_api_key_env_unset_plot_suffix_and_calibrate_unreachable(tmp_path, monke
 def test_validate_replay_choice_is_checked_before_anything_is_sent(tmp_path):
     from typer.testing import CliRunner
 
-    from simcap.live.cli import live_app
+    from simcap.cli.live import live_app
 
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(SCENARIO))

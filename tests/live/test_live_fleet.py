@@ -83,7 +83,7 @@ def test_two_servers_routed_and_compared_with_the_simulated_fleet(two_servers, r
         print(f"  fleet {key}: live {[round(v * 1e3, 1) for v in m['live']]} ms, predicted "
               f"{[round(v * 1e3, 1) for v in m['predicted_per_repeat']]} ms")
     if os.environ.get("SIMCAP_FLEET_JSON"):  # keep the whole comparison
-        from simcap.report import to_json
+        from simcap.metrics.report import to_json
 
         with open(f"{os.environ['SIMCAP_FLEET_JSON']}-{router}.json", "w") as fh:
             fh.write(to_json(data))

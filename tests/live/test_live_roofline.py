@@ -51,7 +51,7 @@ from simcap.calibrate.readers import _rows_to_samples
 from simcap.engine.step_time import roofline_basis, roofline_forward
 from simcap.live.calibration import fit_log_roofline, host_overhead_from_itl, log_size, read_log_window
 from simcap.live.client import run_live
-from simcap.scenario import parse_scenario
+from simcap.config.scenario import parse_scenario
 
 pytestmark = pytest.mark.live
 

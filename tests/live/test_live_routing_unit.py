@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from simcap.fleet import load_imbalance, replica_rows
+from simcap.config.scenario import parse_scenario
+from simcap.fleet.replicas import load_imbalance, replica_rows
+from simcap.fleet.router import make_router
 from simcap.live.prom import parse_metrics
 from simcap.live.routing import LiveRouter, LiveRouterError, check_fleet_urls, gauges_of
-from simcap.records import RequestRecord
-from simcap.router import make_router
-from simcap.scenario import parse_scenario
-from simcap.workload import Workload
+from simcap.metrics.records import RequestRecord
+from simcap.workloads.requests import Workload
 
 BASE = {
     "engine": dict(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=256,
@@ -89,7 +89,7 @@ def test_live_router_decides_as_the_simulated_fleets_router_on_the_same_states()
     live = LiveRouter(sc, 2, capacities=[255, 255])
     assert live.router.needs_block_hashes
     same = make_router("prefix_cache", 2, capacities=[255, 255])
-    from simcap.router import ReplicaState, route_request
+    from simcap.fleet.router import ReplicaState, route_request
 
     for spec in specs(sc):
         request = route_request(spec, None, 16, True)

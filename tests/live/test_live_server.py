@@ -17,7 +17,7 @@ import yaml
 from simcap.live.client import run_live
 from tests.live.conftest import wait_idle
 from simcap.live.validate import METRICS, validate
-from simcap.records import RequestRecord
+from simcap.metrics.records import RequestRecord
 
 pytestmark = pytest.mark.live
 
@@ -102,7 +102,7 @@ def _live_command() -> list[str]:
         probe = subprocess.run([exe, "live", "--help"], capture_output=True, text=True)
         if probe.returncode == 0:
             return [exe, "live"]
-    return [sys.executable, "-m", "simcap.live"]
+    return [sys.executable, "-m", "simcap", "live"]
 
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from simcap.live.validate import validate
-from simcap.records import RequestRecord
-from simcap.sessions import SessionWorkload
+from simcap.metrics.records import RequestRecord
+from simcap.workloads.sessions import SessionWorkload
 
 pytestmark = pytest.mark.live
 

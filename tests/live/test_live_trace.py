@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from simcap.fleet.run import simulate
 from simcap.live.client import run_live
-from simcap.simulator import simulate
 
 from .conftest import live_scenario
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from simcap.config.scenario import parse_scenario
 from simcap.live.client import _absorb, request_body
 from simcap.live.prompts import PromptBuilder
-from simcap.scenario import parse_scenario
-from simcap.workload import RequestSpec, Workload
+from simcap.workloads.requests import RequestSpec, Workload
 
 POOL = list(range(4, 260))
 
@@ -119,8 +119,8 @@ def test_usage_difference_goes_to_last_chunks(tokens, diff, expected):
 
 
 def _session(turns, max_model_len=4096, prefix=None, on_overflow="truncate"):
-    from simcap.live.sessions import SessionPrompts
-    from simcap.sessions import Conversation, SessionPlan, Turn
+    from simcap.live.session_prompts import SessionPrompts
+    from simcap.workloads.sessions import Conversation, SessionPlan, Turn
 
     plan = SessionPlan(3, tuple(Turn(*t) for t in turns), prefix)
     builder = PromptBuilder(POOL, seed=11)
@@ -128,7 +128,7 @@ def _session(turns, max_model_len=4096, prefix=None, on_overflow="truncate"):
 
 
 def test_session_turn_resends_prompt_and_the_answer_ids_that_came_back():
-    from simcap.sessions import SESSION_KEY_BASE
+    from simcap.workloads.sessions import SESSION_KEY_BASE
 
     prompts, builder = _session([(40, 5, 0.5), (8, 4, 1.0), (6, 3, 0.0)])
     spec0, ids0 = prompts.request(0)
@@ -149,7 +149,7 @@ def test_session_turn_resends_prompt_and_the_answer_ids_that_came_back():
 
 
 def test_session_truncation_drops_the_oldest_turns_ids_and_keeps_the_shared_prefix():
-    from simcap.sessions import SESSION_KEY_BASE
+    from simcap.workloads.sessions import SESSION_KEY_BASE
 
     group = 2
     prompts, builder = _session([(40, 10, 0.0), (20, 10, 0.0), (20, 10, 0.0)], max_model_len=100,

@@ -25,10 +25,10 @@ import time
 
 import pytest
 
+from simcap.config.scenario import parse_scenario
+from simcap.fleet.run import simulate
 from simcap.live.server import tiny_model_dir, vllm_python
-from simcap.scenario import parse_scenario
-from simcap.simulator import simulate
-from simcap.workload import RequestSpec
+from simcap.workloads.requests import RequestSpec
 from tests.live import vllm_scheduler_driver as driver
 from tests.live.conftest import _ensure_installed
 from tests.live.scheduler_conformance import first_divergence, run_driver, simcap_log, tally

@@ -15,10 +15,10 @@ import json
 import httpx
 import pytest
 
+from simcap.config.scenario import parse_scenario
 from simcap.live.client import run_live
 from simcap.live.routing import LiveRouterError
-from simcap.records import RequestRecord
-from simcap.scenario import parse_scenario
+from simcap.metrics.records import RequestRecord
 
 N = 10
 CUT, MALFORMED, HTTP_500, NO_DONE, USAGE_MORE, ERROR_EVENT = 2, 4, 5, 6, 7, 8
@@ -285,7 +285,7 @@ def test_several_base_urls_route_each_request_and_record_its_replica():
     assert run.metrics_before is None and run.server_delta() == {"available": False}
     from rich.console import Console
 
-    from simcap.report import render_live_fleet
+    from simcap.metrics.report import render_live_fleet
 
     console = Console(record=True, width=160)
     render_live_fleet(fleet, console)
@@ -332,7 +332,7 @@ class SessionFakeVllm(FakeVllm):
 
 
 def test_sessions_resend_the_answers_ids_and_an_errored_turn_ends_its_session(tmp_path):
-    from simcap.sessions import SessionWorkload
+    from simcap.workloads.sessions import SessionWorkload
 
     sc = parse_scenario({
         "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=4096),
@@ -387,7 +387,7 @@ def test_sessions_resend_the_answers_ids_and_an_errored_turn_ends_its_session(tm
 
 
 def test_open_loop_sessions_without_cached_tokens_leave_prefix_shares_unknown():
-    from simcap.sessions import SessionWorkload
+    from simcap.workloads.sessions import SessionWorkload
 
     sc = parse_scenario({
         "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=4096),
@@ -411,8 +411,8 @@ def test_open_loop_sessions_without_cached_tokens_leave_prefix_shares_unknown():
 
 
 def test_a_live_session_run_replays_as_its_sessions_in_the_simulator():
+    from simcap.fleet.run import simulate
     from simcap.live.validate import Repeat, compare_sessions, session_trace_of
-    from simcap.simulator import simulate
 
     sc = parse_scenario({
         "engine": dict(block_size=16, num_gpu_blocks=1000, max_model_len=4096, max_num_seqs=4,

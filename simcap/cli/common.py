@@ -1,0 +1,108 @@
+"""What every ``simcap`` command shares: loading its scenario, and bad input as one line with
+exit code 2 (an engine-model error: exit code 1)."""
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, List, Optional
+
+import typer
+
+from simcap.errors import SimcapError, SimulationError
+from simcap.runtime import startup
+
+
+# Options shared by the commands that take a scenario.
+SET_OPTION = typer.Option(None, "--set", help="Override a scenario key: dotted.key=value (repeatable).")
+JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit code 2: the user's input was wrong."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def _without_pydantic_plugins() -> Iterator[None]:
+    """pydantic looks for plugins the first time it builds a validator: it reads the entry
+    points of every installed distribution (``importlib.metadata``), 5-15 ms of a command's
+    start. The command builds simcap's scenario models without plugins, as typer builds its
+    parameters': ``PYDANTIC_DISABLE_PLUGINS`` is set while a scenario loads and then restored,
+    so the library, and every process a command starts, keep the user's setting."""
+    previous = os.environ.get("PYDANTIC_DISABLE_PLUGINS")
+    os.environ["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PYDANTIC_DISABLE_PLUGINS"]
+        else:
+            os.environ["PYDANTIC_DISABLE_PLUGINS"] = previous
+
+
+def load_command_scenario(path: Path, overrides: Optional[List[str]], *, collect: bool = True,
+                          simulated: bool = True, **kwargs: Any) -> Any:
+    """:func:`simcap.config.scenario.load_scenario` with the scenario models built without
+    pydantic plugins (:func:`_without_pydantic_plugins`): how every command, ``simcap live
+    ...`` included, loads its scenario. Then the command's start-up is over and the garbage
+    collector resumes (:func:`simcap.runtime.startup.end`); ``collect=False``: the caller
+    resumes it, when what it imports next is imported.
+
+    ``simulated``: the command simulates the scenario, so a scenario whose step time nobody
+    chose (no ``step_time``, no profile) gets a warning: one line on stderr once the command
+    has printed its numbers (:func:`warn_when_done`; a command that fails says only why)."""
+    try:
+        with _without_pydantic_plugins():  # the import too: it builds the models' default instances
+            from simcap.config.scenario import load_scenario
+
+            scenario = load_scenario(path, overrides or [], **kwargs)
+    finally:
+        if collect:
+            startup.end()
+    if simulated and not scenario.step_time_given:
+        _WARNINGS.append(f"warning: {path}: {STEP_TIME_WARNING}")
+    return scenario
+
+
+_WARNINGS: list[str] = []  # said once the command has done its work
+
+
+@contextmanager
+def warn_when_done() -> Iterator[None]:
+    """The command's warnings on stderr after it finished (returned, or exited with code 0:
+    its numbers are out); none after an error, which is said alone."""
+    _WARNINGS.clear()
+    try:
+        yield
+    except typer.Exit as exc:
+        if exc.exit_code == 0:
+            _say_warnings()
+        raise
+    else:
+        _say_warnings()
+
+
+def _say_warnings() -> None:
+    for line in dict.fromkeys(_WARNINGS):  # (a scenario loaded twice: said once)
+        typer.echo(line, err=True)
+    _WARNINGS.clear()
+
+
+STEP_TIME_WARNING = (
+    "step_time: not given (no step_time section, no profile): this command's numbers come from "
+    "illustrative default coefficients that no measurement backs; give a step_time section or "
+    "a profile (simcap calibrate fits one)"
+)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Bad input becomes one line and exit code 2; an engine-model error, exit code 1."""
+    try:
+        yield
+    except SimcapError as exc:
+        fail(str(exc))
+    except SimulationError as exc:  # a state vLLM could not reach: report, don't hide
+        typer.echo(f"simulation error: {exc}", err=True)
+        raise typer.Exit(1)

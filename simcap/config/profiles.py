@@ -1,0 +1,96 @@
+"""Profiles: fitted, shippable descriptions of one deployment (hardware + model + engine).
+
+A profile is a YAML file holding partial scenario sections (``engine``, ``step_time``,
+``speculative``) plus where its numbers came from (``provenance``) and, optionally, the
+uncertainty of its fitted coefficients (``step_time_ci``, ``bootstrap``). A scenario names
+one with ``profile: PATH`` (relative to the scenario) and overrides any part of it: the
+scenario's own keys win, section by section and key by key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from simcap.config.yaml_files import read_yaml_mapping
+from simcap.errors import ScenarioError
+
+
+class Profile(BaseModel):
+    """The file format; sections are validated again as part of the scenario they feed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+
+    name: str
+    hardware: str | None = None
+    model: str | None = None
+    description: str | None = None
+    engine: dict[str, Any] = Field(default_factory=dict)
+    step_time: dict[str, Any] = Field(default_factory=dict)
+    speculative: dict[str, Any] | None = None
+    # Per step-time coefficient: [low, high] of its confidence interval.
+    step_time_ci: dict[str, tuple[float, float]] | None = None
+    # Coefficient sets resampled by the fit (bootstrap), for propagating uncertainty.
+    bootstrap: list[dict[str, float]] | None = None
+    provenance: dict[str, Any] = Field(default_factory=dict)
+
+
+SECTIONS = ("engine", "step_time", "speculative")
+
+
+def load_profile(path: str | Path) -> tuple[Profile, str]:
+    """Read and validate a profile file; returns it with the SHA-256 of its bytes."""
+    data, raw = read_yaml_mapping(path, "profile", "name, engine, step_time, ...")
+    try:
+        profile = Profile.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ScenarioError(f"profile.{where}: {err['msg']} (in {path})") from None
+    return profile, hashlib.sha256(raw).hexdigest()
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_profile(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """Merge the profile a scenario names under the scenario's own sections.
+
+    Returns the merged scenario data with ``profile`` replaced by a provenance record
+    (``{path, name, sha256, ...}``) that results carry.
+    """
+    ref = data.get("profile")
+    if ref is None or isinstance(ref, dict):
+        return data
+    path = (base_dir / str(ref)).resolve()
+    profile, digest = load_profile(path)
+    merged = dict(data)
+    for section in SECTIONS:
+        from_profile = getattr(profile, section)
+        if from_profile is None:
+            continue
+        mine = data.get(section)
+        if mine is None:
+            merged[section] = dict(from_profile)
+        elif isinstance(mine, dict):
+            merged[section] = _merge(from_profile, mine)
+    merged["profile"] = {
+        "path": str(ref),
+        "name": profile.name,
+        "sha256": digest,
+        "hardware": profile.hardware,
+        "model": profile.model,
+        "fit": profile.provenance.get("fit_method"),
+        "simcap_version": profile.provenance.get("simcap_version"),
+    }
+    return merged
