@@ -248,6 +248,8 @@ def advance_decode_stretch(
     world, now: float, horizon: float, admitted: Admission | None = None, span: bool = False
 ) -> tuple[float, list[Request]] | None:
     """Run the pure-decode steps that can run at once from ``now``; None if none can.
+    (One long function on purpose: it is the fast path's inner loop, where a call per step
+    costs more than the step's own arithmetic.)
 
     The stretch runs until the first finish (included), the last step starting before
     ``horizon`` (the next arrival or client event) or the step before the KV pool runs out,

@@ -413,7 +413,9 @@ class VerifyStretch:
         acceptance stream (one uniform per request per step); its tokens after each step
         are their running sum. True when the stretch ends with the last step run here (a
         finish, the horizon, the pool); otherwise the next step is scheduled (a capped one,
-        or the first past the drawn margin) for :meth:`run_step`."""
+        or the first past the drawn margin) for :meth:`run_step`. (One long method on
+        purpose: the verify stretch's inner loop, where a call per step costs more than the
+        step's own arithmetic.)"""
         nts = self.nts
         outs = self.outs
         maxes = self.maxes

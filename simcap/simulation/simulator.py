@@ -186,6 +186,15 @@ def closed_loop_clients(
 
 
 class EngineWorld:
+    """One engine's SimPy world: the scheduler, the step-time model, the KV pool and the
+    clock, its clients (closed loop) or arrivals (open loop, replay), and the metrics of the
+    requests it finishes. :meth:`run` runs it to the end; :func:`simulate_engine` is the way
+    to call it. A fleet (:mod:`simcap.fleet.replicas`) builds one per replica with
+    ``fleet=`` itself and ``index=`` the replica's place: the replica then takes the fleet's
+    clock (``fleet.env``) and records, is sent its requests by the fleet's router
+    (``fleet.next_arrival``, ``fleet.horizon()``) and reports its finished requests
+    (``fleet.responses_ended``)."""
+
     def __init__(
         self, scenario: Scenario, fast: bool = True, records: bool = False, steps: bool = False,
         stop: SloStop | None = None, *, fleet: Any = None, index: int = 0,
