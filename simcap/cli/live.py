@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from simcap.cli.common import fail, load_command_scenario
+from simcap.cli.common import JSON_OPTION, SET_OPTION, fail, load_command_scenario
 from simcap.errors import SimcapError, SimulationError
 from simcap.metrics import report
 from simcap.runtime import startup
@@ -24,7 +24,6 @@ live_app = typer.Typer(
     help="Drive a real vLLM server with a scenario's workload; compare it with the simulation; calibrate from it; measure its capacity.",
 )
 
-_SET_HELP = "Override a scenario key: dotted.key=value (repeatable)."
 _KEY_HELP = "API key (sent as a Bearer header; visible in the process list: prefer --api-key-env)."
 _KEY_ENV_HELP = "Read the API key from this environment variable (default: SIMCAP_API_KEY when set)."
 _URLS_HELP = (
@@ -80,8 +79,8 @@ def run_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
     endpoint: str = typer.Option("completions", "--endpoint", help="completions (exact token prompts) or chat."),
     out: Optional[Path] = typer.Option(None, "--out", help="JSONL file: one record per request, written as each completes."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
     api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
@@ -196,8 +195,8 @@ def validate_cmd(
                               "instance, so the band holds instance-to-instance variance.",
     ),
     endpoint: str = typer.Option("completions", "--endpoint", help="completions or chat."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
     out_prefix: Optional[str] = typer.Option(None, "--out-prefix", help="Write live run i's records to PREFIXi.jsonl."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Send a few unmeasured requests first."),
     plot: Optional[Path] = typer.Option(
@@ -338,7 +337,7 @@ def calibrate_cmd(
     prior_sd: float = typer.Option(1.0, "--prior-sd", help="--form roofline: prior sd of each efficiency around 1."),
     seed: int = typer.Option(0, "--seed", help="Seed of the calibration prompts and the bootstrap."),
     bootstrap: int = typer.Option(200, "--bootstrap", min=0, help="Bootstrap resamples for the intervals."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    json_out: bool = JSON_OPTION,
     api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
     api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
@@ -434,8 +433,8 @@ def capacity_cmd(
     resume: bool = typer.Option(False, "--resume", help="Continue the search in --out: keep its finished runs."),
     model: Optional[str] = typer.Option(None, "--model", help="Served model name (default: the server's first)."),
     endpoint: str = typer.Option("completions", "--endpoint", help="completions or chat."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write the measured SLO-vs-rate figure to FILE (PNG)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help=_KEY_HELP),
     api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help=_KEY_ENV_HELP),
@@ -519,8 +518,8 @@ def crossover_cmd(
     out_dir: Optional[Path] = typer.Option(
         None, "--out-dir", help="Keep the profile, the servers' logs and every run's records here."
     ),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help=_SET_HELP),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
     request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
 ) -> None:
     """Measure speculation on vs off at each concurrency on servers started from --launch, beside
