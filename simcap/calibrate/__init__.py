@@ -69,6 +69,7 @@ _LAZY = {
     "fit_proposal_concentration": "simcap.calibrate.ngram",
     "read_benchmarks": "simcap.calibrate.readers",
     "read_step_samples": "simcap.calibrate.readers",
+    "log_step_samples": "simcap.calibrate.readers",
     "split_input": "simcap.calibrate.readers",
     "Recipe": "simcap.calibrate.recipe",
     "base_from_profile": "simcap.calibrate.recipe",

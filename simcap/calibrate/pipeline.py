@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from simcap.calibrate.core import CalibrationError, Form
 from simcap.calibrate.fit_bench import fit_benchmarks, fit_benchmarks_roofline
@@ -78,8 +78,12 @@ def calibrate(
     warn_above: float | None = None,
     noise: str | None = "empirical",
     roofline: dict[str, Any] | None = None,
+    rows: Collection[str] | None = None,
 ) -> Fit:
     """Read the inputs (or the recipe's datasets), pick the fit for their kind, and run it.
+
+    ``rows``: fit only the benchmark rows with these labels (``BenchmarkPoint.label``, e.g.
+    ``no-spec c=4``); an unknown label is refused, naming the labels there are.
 
     ``form="roofline"``: fit the roofline form to step samples
     (:func:`simcap.calibrate.fit_roofline.fit_roofline_samples`); ``roofline`` holds its
@@ -127,31 +131,14 @@ def calibrate(
         raise CalibrationError("calibrate: give a recipe or measurement files, not both")
     if not datasets:
         raise CalibrationError("calibrate: no input files")
-    step_inputs, points = [], []
-    for d in datasets:
-        if "input" in d:
-            file, selector = split_input(d["input"])
-            path = Path(file)
-        else:
-            path, selector = base_dir / d["file"], d.get("select")
-        if not path.exists():
-            raise CalibrationError(f"{path}: cannot read: No such file or directory")
-        if selector is None and _is_step_input(path):
-            step_inputs.append(read_step_samples(path, num_speculative_tokens))
-            continue
-        if not recipe.engine:
-            raise CalibrationError(
-                f"{path}: benchmark results are fitted by simulation and need the deployment's "
-                "engine section: give --base PROFILE.yaml (or a recipe)"
-            )
-        spec = recipe.speculative
-        if "speculative" in d:
-            own = d["speculative"]
-            spec = None if own in (False, None) else {
-                **(recipe.speculative or {}), **(own if isinstance(own, dict) else {})}
-        wl = {**(d.get("workload") or {}), **(workload or {})}  # the command line wins
-        points += read_benchmarks(path, selector, engine=recipe.engine, speculative=spec,
-                                  workload=wl, seed=recipe.seed, label=d.get("label"))
+    step_inputs, points = _read_inputs(datasets, base_dir, recipe, workload, num_speculative_tokens)
+    if rows is not None:
+        known = {p.label for p in points}
+        unknown = sorted(set(rows) - known)
+        if unknown:
+            raise CalibrationError(f"rows: no benchmark row labelled {', '.join(map(repr, unknown))} "
+                                   f"(rows: {', '.join(sorted(known))})")
+        points = [p for p in points if p.label in set(rows)]
     if step_inputs and points:
         raise CalibrationError("calibrate: give step samples or benchmark results, not both")
     if step_inputs and roofline_recipe:
@@ -176,6 +163,46 @@ def calibrate(
                           iterations=(recipe.bootstrap_iterations if recipe.bootstrap_iterations
                                       is not None else 2) if iterations is None else iterations,
                           level=level, seed=recipe.seed, warn_above=warn)
+
+
+def _read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Recipe,
+                 workload: dict[str, Any] | None, num_speculative_tokens: int) -> tuple[list, list]:
+    """The step samples and the benchmark points of a recipe's datasets (or input files)."""
+    step_inputs: list = []
+    points: list = []
+    for d in datasets:
+        if "input" in d:
+            file, selector = split_input(d["input"])
+            path = Path(file)
+        else:
+            path, selector = base_dir / d["file"], d.get("select")
+        if not path.exists():
+            raise CalibrationError(f"{path}: cannot read: No such file or directory")
+        if selector is None and _is_step_input(path):
+            step_inputs.append(read_step_samples(path, num_speculative_tokens))
+            continue
+        if not recipe.engine:
+            raise CalibrationError(
+                f"{path}: benchmark results are fitted by simulation and need the deployment's "
+                "engine section: give --base PROFILE.yaml (or a recipe)"
+            )
+        spec = recipe.speculative
+        if "speculative" in d:
+            own = d["speculative"]
+            spec = None if own in (False, None) else {
+                **(recipe.speculative or {}), **(own if isinstance(own, dict) else {})}
+        wl = {**(d.get("workload") or {}), **(workload or {})}  # the command line wins
+        points += read_benchmarks(path, selector, engine=recipe.engine, speculative=spec,
+                                  workload=wl, seed=recipe.seed, label=d.get("label"))
+    return step_inputs, points
+
+
+def benchmark_points(recipe: Recipe) -> list:
+    """Every benchmark row of a recipe's datasets, as :class:`~simcap.calibrate.readers.BenchmarkPoint`
+    s (each with its label, scenario and measured figures): what :func:`calibrate` fits, and
+    what a fit on some of them predicts for the rest."""
+    base_dir = recipe.path.parent if recipe.path else Path(".")
+    return _read_inputs([dict(d) for d in recipe.datasets], base_dir, recipe, None, 0)[1]
 
 
 def read_records(path: str | Path) -> list:

@@ -155,13 +155,23 @@ def read_step_samples(path: str | Path, num_speculative_tokens: int = 0) -> Step
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise CalibrationError(f"{path}: expected a list of step rows or {{\"samples\": [...]}}")
         return _rows_to_samples(rows, str(path), {**source, "format": "json"})
-    rows = parse_iteration_log(text.splitlines(), num_speculative_tokens)
+    return log_step_samples(text.splitlines(), num_speculative_tokens, str(path), source)
+
+
+def log_step_samples(lines: Iterable[str], num_speculative_tokens: int = 0, where: str = "iteration log",
+                     source: dict[str, Any] | None = None) -> StepSamples:
+    """Step samples of vLLM's per-step log lines (:func:`parse_iteration_log`); ``where``
+    names them in errors, ``source`` describes them (default: ``where`` and the lines' SHA-256)."""
+    lines = list(lines)
+    if source is None:
+        source = {"file": where, "sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest()}
+    rows = parse_iteration_log(lines, num_speculative_tokens)
     if not rows:
         raise CalibrationError(
-            f"{path}: no 'Iteration(i): a context requests, b context tokens, ...' lines "
+            f"{where}: no 'Iteration(i): a context requests, b context tokens, ...' lines "
             "(vLLM --enable-logging-iteration-details)"
         )
-    return _rows_to_samples(rows, str(path), {**source, "format": "vllm iteration log"})
+    return _rows_to_samples(rows, where, {**source, "format": "vllm iteration log"})
 
 
 def _read_text(path: Path) -> str:

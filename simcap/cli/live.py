@@ -213,6 +213,30 @@ def validate_cmd(
              "sessions (a session workload, the default there: its sessions, each turn sent the "
              "measured gap after the previous answer).",
     ),
+    record: Optional[Path] = typer.Option(
+        None, "--record", metavar="DIR",
+        help="Keep every run in an accuracy-corpus case folder (calibration/corpus/NAME): a new case first "
+             "runs the calibration workload on the first server instance (its fit part); each run is a "
+             "held-out run of --point. A later command adds instances or points to the same case.",
+    ),
+    point: Optional[str] = typer.Option(None, "--point", help="--record: the held-out point's name (default: the scenario file's stem)."),
+    log: Optional[List[Path]] = typer.Option(
+        None, "--log", help="--record with --base-url: each server's log file (it runs with "
+                            "--enable-logging-iteration-details), one per --base-url.",
+    ),
+    calibrate_up_to: Optional[int] = typer.Option(
+        None, "--calibrate-up-to", min=1, help="--record, new case: the calibration workload's most clients."
+    ),
+    roofline_hardware: Optional[str] = typer.Option(
+        None, "--roofline-hardware", help="--record: the case's roofline form runs on this hardware (a catalog "
+                                          "name, or a YAML file holding one hardware entry).",
+    ),
+    roofline_model: Optional[str] = typer.Option(None, "--roofline-model", help="--record: the roofline form's model shape (catalog name)."),
+    description: Optional[str] = typer.Option(None, "--description", help="--record, new case: what the case holds."),
+    mechanism: Optional[List[str]] = typer.Option(None, "--mechanism", help="--record, new case: a mechanism the case exercises (repeatable)."),
+    prompt_period: Optional[int] = typer.Option(
+        None, "--prompt-period", min=1, help="Prompts repeat every this many tokens (ngram drafts find matches)."
+    ),
 ) -> None:
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
@@ -243,9 +267,22 @@ def validate_cmd(
     from simcap.live.launch import launch_server, load_server_config, startup_failure_line
     from simcap.live.server import VllmServerError
 
+    if (roofline_hardware is None) != (roofline_model is None):
+        fail("--roofline-hardware and --roofline-model: give both (or neither)")
+    if record is None:
+        for name, value in (("--point", point), ("--log", log), ("--calibrate-up-to", calibrate_up_to),
+                            ("--roofline-hardware", roofline_hardware), ("--description", description),
+                            ("--mechanism", mechanism)):
+            if value:
+                fail(f"{name}: goes with --record DIR")
     key = _api_key(api_key, api_key_env)
     try:
         sc = load_command_scenario(scenario, set_)
+        recorder = None
+        if record is not None:
+            recorder = _recorder(record, sc, point or scenario.stem, replay, model, launch, description,
+                                 mechanism or [], roofline_hardware, roofline_model, calibrate_up_to, key,
+                                 prompt_period)
         starter = None
         if launch is not None:
             config, base_dir = load_server_config(launch)
@@ -259,7 +296,9 @@ def validate_cmd(
         result = validate(
             sc, _urls(base_url or []), model, repeats, endpoint=endpoint, progress=not json_out,
             warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
-            replay=replay, launch=starter, restarts=restarts,
+            replay=replay, launch=starter, restarts=restarts, logs=log or [],
+            on_instance=recorder and recorder.on_instance, on_run=recorder and recorder.on_run,
+            prompt_period=prompt_period,
         )  # fmt: skip
         if plot is not None:
             plot_validation_ecdfs(result, plot)
@@ -294,6 +333,45 @@ def validate_cmd(
         console.print(f"note: {note}", style="dim")
     if plot is not None:
         console.print(f"figure: {plot}")
+    if record is not None:
+        console.print(f"recorded: {len(result.repeats)} run(s) of point {point or scenario.stem} in {record}; "
+                      f"replay: simcap accuracy {record.parent} --case {record.name}")
+
+
+def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Optional[str], launch: Optional[Path],
+              description: Optional[str], mechanisms: List[str], hardware: Optional[str], shape: Optional[str],
+              calibrate_up_to: Optional[int], api_key: Optional[str], prompt_period: Optional[int]):
+    """The case recorder of ``--record`` (see :class:`simcap.accuracy.corpus.CaseRecorder`)."""
+    import yaml
+
+    from simcap.accuracy.corpus import CaseRecorder, CorpusError
+    from simcap.config.scenario import ClosedArrival
+
+    roofline = None
+    if hardware is not None:
+        entry: object = hardware
+        if Path(hardware).suffix in (".yaml", ".yml"):
+            try:
+                data = yaml.safe_load(Path(hardware).read_text())
+            except (OSError, yaml.YAMLError) as exc:
+                raise CorpusError(f"--roofline-hardware {hardware}: cannot read: {exc}") from None
+            if not isinstance(data, dict) or len(data) != 1:
+                raise CorpusError(f"--roofline-hardware {hardware}: expected one hardware entry (name: {{...}})")
+            entry = next(iter(data.values()))
+        roofline = {"hardware": entry, "model": shape, "combine": "max"}
+    if replay is None:
+        closed = isinstance(sc.workload.arrival, ClosedArrival)
+        replay = ("sessions" if sc.workload.sessions is not None
+                  else "closed" if closed and sc.deployment is None else "times")
+    server = {}
+    if launch is not None:
+        server = {"launch": yaml.safe_load(launch.read_text())}
+    data = sc.model_dump(mode="json", exclude_none=True)
+    data.pop("profile", None)
+    data.pop("step_time", None)
+    return CaseRecorder(folder, data, point, replay, model=model, description=description,
+                        mechanisms=mechanisms, server=server, roofline=roofline,
+                        calibrate_up_to=calibrate_up_to, api_key=api_key, prompt_period=prompt_period)
 
 
 @live_app.command("calibrate")

@@ -498,8 +498,10 @@ def calibrate_cmd(
         typer.echo(line, err=True)
 
 
+from simcap.cli.accuracy import accuracy  # noqa: E402
 from simcap.cli.live import live_app  # noqa: E402  (the `simcap live` sub-commands)
 
+app.command("accuracy")(accuracy)
 app.add_typer(live_app, name="live")
 
 

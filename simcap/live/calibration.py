@@ -45,7 +45,7 @@ import asyncio
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -75,6 +75,7 @@ from simcap.live.client import (
 )
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics, metrics_delta, parse_metrics
+from simcap.live.recording import iteration_lines, log_size, read_log_window, save_run
 from simcap.live.validate import _local_port, reset_prefix_cache
 from simcap.metrics.records import RequestRecord
 
@@ -231,31 +232,6 @@ def _vllm_version(version: str | None) -> str | None:
 # --------------------------------------------------------------------------- log window
 
 
-def log_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError as exc:
-        raise LiveError(f"--log {path}: cannot read: {exc.strerror or exc}") from None
-
-
-def read_log_window(path: Path, offset: int, settle_s: float = 0.4, max_wait_s: float = 5.0) -> str:
-    """The text the server appended to its log since ``offset``, once the log stops growing."""
-    deadline = time.monotonic() + max_wait_s
-    size = log_size(path)
-    while time.monotonic() < deadline:
-        time.sleep(settle_s)
-        now = log_size(path)
-        if now == size:
-            break
-        size = now
-    if size < offset:
-        raise LiveError(f"--log {path}: the file shrank during the calibration (rotated?); rerun")
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        data = fh.read(size - offset)
-    return data.decode(errors="replace")
-
-
 # --------------------------------------------------------------------------- host overhead
 
 
@@ -383,6 +359,7 @@ def calibrate_live(
     noise: str | None = "empirical",
     max_concurrency: int | None = None,
     prompt_period: int | None = None,
+    record: str | Path | None = None,
 ) -> LiveCalibration:
     """Run the calibration workload (or probes) against ``base_url`` and write a profile to ``out``.
 
@@ -394,6 +371,8 @@ def calibrate_live(
     ``max_concurrency``: the log source's phases use at most that many clients (see
     :func:`default_phases`). ``prompt_period``: prompts that repeat (see
     :class:`~simcap.live.prompts.PromptBuilder`), for ngram drafts that find matches.
+    ``record``: a folder each phase of the log source's workload is saved to, with its log
+    lines (:func:`simcap.live.recording.save_run`), so the fit can be replayed.
     Raises :class:`LiveError` / :class:`CalibrationError` (one-line user errors) when the server
     cannot be used, the log holds no iteration lines, or the fit is impossible.
     """
@@ -406,6 +385,8 @@ def calibrate_live(
         log_size(log)  # fails fast on a missing file
     elif roofline is not None:
         raise LiveError("--form roofline: fits the server's iteration log; give --log")
+    elif record is not None:
+        raise LiveError("--record: keeps the server's iteration log with the runs; give --log")
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise LiveError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
     check_request_timeout(request_timeout_s)
@@ -435,7 +416,8 @@ def calibrate_live(
     before = _scrape(base_url, api_key)
     if log is not None:
         fitted = _fit_from_log(log, out, base_url, model, engine, k, live_kw, seed, say, num_requests,
-                               max_concurrency, roofline, bootstrap, noise, notes)
+                               max_concurrency, roofline, bootstrap, noise, notes,
+                               None if record is None else Path(record))
     else:
         fitted = _fit_from_probes(out, base_url, model, engine, live_kw, seed, say, bootstrap, noise, notes)
     cpu = watch.stop()
@@ -449,7 +431,7 @@ def calibrate_live(
     speculative = None
     if k:
         assert method is not None
-        speculative = _speculative_section(base_url, delta, k, method, fitted, notes)
+        speculative = speculative_section(base_url, delta, k, method, fitted, notes)
     source, host = fitted.source, fitted.host
     description = (
         f"Fitted live by simcap live calibrate from {source} of vLLM {facts.version or '?'} serving "
@@ -555,7 +537,7 @@ class _Fitted:
 
     source: str
     fit: Fit
-    data_path: Path
+    data_path: Path | None  # the fitted data as saved beside the profile (None: not saved)
     phases: list[dict[str, Any]]
     host: dict[str, Any] | None = None  # the log's host-overhead estimate
     rows: list[dict[str, float]] = field(default_factory=list)  # the log's iteration rows
@@ -566,23 +548,28 @@ class _Fitted:
 def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[str, Any], k: int,
                   live_kw: dict[str, Any], seed: int, say: Callable[[str], None], num_requests: int,
                   max_concurrency: int | None, roofline: dict[str, Any] | None, bootstrap: int,
-                  noise: str | None, notes: list[str]) -> _Fitted:
-    """Run the calibration phases and fit the steps the server logged meanwhile."""
-    offset = log_size(log)
+                  noise: str | None, notes: list[str], record: Path | None = None) -> _Fitted:
+    """Run the calibration phases and fit the steps the server logged meanwhile.
+
+    ``record``: a folder each phase's run is saved to (:func:`simcap.live.recording.save_run`,
+    ``phase<i>.run.json.gz`` with the log lines of its window), for replays."""
     phases = default_phases(engine["max_num_seqs"], engine["max_num_batched_tokens"], engine["max_model_len"],
                             num_requests, max_concurrency)
     phases_out: list[dict[str, Any]] = []
     records: list[RequestRecord] = []
+    lines: list[str] = []
     for i, phase in enumerate(phases):
         say(f"phase {i + 1}: {phase.name}, {phase.num_requests} requests")
+        offset = log_size(log)
         run = run_live(_phase_scenario(phase, engine, seed + i), base_url, model, **live_kw)
+        mine = iteration_lines(read_log_window(log, offset))
+        if record is not None:
+            save_run(record / f"phase{i + 1}", run, iterations=[mine])
         phases_out.append(_phase_summary(phase, run))
         records += run.records
-    text = read_log_window(log, offset)
+        lines += mine
     after = _scrape(base_url, live_kw["api_key"])
-    lines = [line for line in text.splitlines() if "Iteration(" in line]
-    rows = [r for r in parse_iteration_log(lines, k) if r["num_prefill_tokens"] + r["num_decode_tokens"] > 0]
-    if not rows:
+    if not parse_iteration_log(lines, k):
         raise LiveError(
             f"--log {log}: no 'Iteration(i): ...' lines appeared during the calibration workload: "
             "start the server with --enable-logging-iteration-details and give its log file "
@@ -591,6 +578,24 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
     data_path = _sibling(out, ".iterations.log")
     data_path.parent.mkdir(parents=True, exist_ok=True)
     data_path.write_text("\n".join(lines) + "\n")
+    fitted = fit_calibration_log(read_step_samples(data_path, k), lines, records, k, roofline=roofline,
+                                 bootstrap=bootstrap, seed=seed, noise=noise, notes=notes)
+    return replace(fitted, data_path=data_path, phases=phases_out, after=after)
+
+
+def fit_calibration_log(samples: StepSamples, lines: Sequence[str], records: Sequence[RequestRecord], k: int,
+                        *, roofline: dict[str, Any] | None = None, bootstrap: int = 200, seed: int = 0,
+                        noise: str | None = "empirical", notes: list[str] | None = None) -> _Fitted:
+    """The fit of a calibration workload from what it left behind: the server's per-step log
+    lines (``samples`` are those lines as step samples) and the client's records of the same
+    requests. The host overhead per step comes from both (:func:`host_overhead_from_itl`); then
+    the linear form (:func:`fit_log_samples`) or, with ``roofline`` (``hardware``, ``model``,
+    ...), the roofline form (:func:`fit_log_roofline`). ``live calibrate`` fits what it just ran
+    with it, and a replay of a recorded calibration fits the recorded lines and records with it."""
+    notes = notes if notes is not None else []
+    rows = [r for r in parse_iteration_log(lines, k) if r["num_prefill_tokens"] + r["num_decode_tokens"] > 0]
+    if not rows:
+        raise CalibrationError("the calibration's step log holds no step with tokens")
     host = host_overhead_from_itl(records, rows)
     if not k and host["client_decode_request_steps"] != host["log_decode_request_steps"]:
         notes.append(
@@ -598,7 +603,6 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
             f"client counted {host['client_decode_request_steps']}: other clients may have used "
             "the server during the calibration"
         )
-    samples = read_step_samples(data_path, k)
     if roofline is not None:
         fit = fit_log_roofline(samples, records, host["host_overhead_s"], roofline,
                                bootstrap=bootstrap, seed=seed, noise=noise)
@@ -610,7 +614,7 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
         f"{_ms(host['step_period_s'])} minus the logged forward time {_ms(host['logged_elapsed_s'])} "
         "(decode-request weighted)"
     )
-    return _Fitted(SOURCE_LOG, fit, data_path, phases_out, host, rows, records, after)
+    return _Fitted(SOURCE_LOG, fit, None, [], host, rows, list(records))
 
 
 def _fit_from_probes(out: Path, base_url: str, model: str, engine: dict[str, Any], live_kw: dict[str, Any],
@@ -633,8 +637,8 @@ def _fit_from_probes(out: Path, base_url: str, model: str, engine: dict[str, Any
     return _Fitted(SOURCE_PROBES, fit, data_path, probe_phases, after=after)
 
 
-def _speculative_section(base_url: str, delta: dict[str, Any], k: int, method: str, fitted: _Fitted,
-                         notes: list[str]) -> dict[str, Any]:
+def speculative_section(base_url: str, delta: dict[str, Any], k: int, method: str, fitted: _Fitted,
+                        notes: list[str]) -> dict[str, Any]:
     """The profile's ``speculative`` section: the acceptance the server counted and, for ngram,
     how often and from when its lookups propose (the step log and the client records)."""
     acc = delta.get("spec_decode_mean_acceptance_length")
@@ -811,9 +815,10 @@ __all__ = [
     "SOURCE_PROBES",
     "calibrate_live",
     "default_phases",
+    "fit_calibration_log",
+    "speculative_section",
     "fit_log_roofline",
     "fit_log_samples",
     "host_overhead_from_itl",
     "prompt_lengths",
-    "read_log_window",
 ]

@@ -54,6 +54,9 @@ class ServerMetrics:
     # vllm:spec_decode_num_accepted_tokens_per_pos, by draft position (0-based): present only
     # on a server with speculative decoding; its positions give k.
     spec_accepted_per_pos: dict[int, float] = field(default_factory=dict)
+    # The exposition text this snapshot was parsed from (kept so a recorded run holds the
+    # server's whole /metrics, histogram buckets included); None when built otherwise.
+    text: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_speculative_tokens(self) -> int | None:
@@ -93,7 +96,7 @@ def _int(value: Any) -> int | None:
 
 def parse_metrics(text: str, when: float | None = None) -> ServerMetrics:
     """Parse Prometheus text exposition into a snapshot (all label sets summed)."""
-    snap = ServerMetrics(time=time.time() if when is None else when)
+    snap = ServerMetrics(time=time.time() if when is None else when, text=text)
     for family in text_string_to_metric_families(text):
         name, kind = family.name, family.type
         if name == "vllm:cache_config_info":

@@ -51,6 +51,7 @@ by their URLs (``launch`` starts one server), and a session workload runs on one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import httpx
@@ -62,6 +63,7 @@ from simcap.fleet.run import simulate
 from simcap.live.client import LiveError, LiveRun, auth_headers, check_live_sessions, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics
+from simcap.live.recording import iteration_lines, log_size, read_log_window
 from simcap.live.routing import check_fleet_urls
 from simcap.metrics.records import RequestRecord
 from simcap.metrics.summary import Summary
@@ -139,6 +141,17 @@ def session_trace_of(run: LiveRun) -> ClosedLoopTrace:
     return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j), by=by)
 
 
+def replay_run(scenario: Scenario, run: LiveRun, replay: str) -> Any:
+    """The simulation of exactly ``run``'s trace on ``scenario`` (records kept): at its send
+    times (``"times"``), as its closed loop (``"closed"``) or as its sessions (``"sessions"``);
+    a scenario with a ``deployment`` simulates its fleet."""
+    if replay not in REPLAYS:
+        raise LiveError(f"replay: must be one of {', '.join(REPLAYS)} (got {replay!r})")
+    trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace
+    trace = {"closed": closed_trace_of, "sessions": session_trace_of}.get(replay, trace_of)(run)
+    return simulate(scenario, trace=trace, records=True)
+
+
 FLEET_KEYS = ("requests", "tokens", "ttft_p50_s", "e2e_p95_s")
 
 
@@ -195,6 +208,18 @@ def compare_fleet(repeats: Sequence["Repeat"]) -> dict[str, Any]:
         out["per_replica"].append(row)
     out["same_replica_fraction"] = [r.fleet["same_replica_fraction"] for r in repeats]
     return out
+
+
+@dataclass
+class RunDone:
+    """A live run of :func:`validate` as it ended: which one, its records, the host load, and
+    the per-step log lines each server wrote while it ran (empty without server logs)."""
+
+    index: int
+    instance: int
+    run: LiveRun
+    cpu: dict[str, Any]
+    iterations: list[list[str]]
 
 
 @dataclass
@@ -527,6 +552,9 @@ def validate(
     replay: str | None = None,
     launch: Callable[[], Any] | None = None,
     restarts: int = 0,
+    logs: Sequence[str | Path] = (),
+    on_instance: Callable[[int, list[str], list[Path]], None] | None = None,
+    on_run: Callable[[RunDone], None] | None = None,
     **live_kwargs: Any,
 ) -> Validation:
     """Run ``scenario`` live ``repeats`` times and compare each run with its simulated twin.
@@ -548,6 +576,12 @@ def validate(
     one server) and ``restarts + 1`` servers are started one after another,
     ``repeats`` runs against each, so the band holds the spread between server instances
     (``Validation.spread`` says which spread it holds).
+    ``logs``: each server's log file (one per base URL; a launched server's own log is used
+    without it): the per-step lines (``--enable-logging-iteration-details``) each run left there
+    are read into its :class:`RunDone`. ``on_instance(instance, base_urls, logs)``: called once
+    each server instance is up, before its warm-up (a recorder calibrates there).
+    ``on_run(RunDone)``: called as each live run ends, before it is simulated (a recorder saves
+    it there, see :func:`simcap.live.recording.save_run`).
     Other keyword options go to :func:`~simcap.live.client.run_live`.
     """
     if repeats < 1:
@@ -585,33 +619,41 @@ def validate(
     results: list[Repeat] = []
     simulated = scenario
 
-    def one_instance(base_urls: list[str], server_pids: Iterable[int], instance: int) -> None:
+    if logs and len(logs) != max(len(urls), 1):
+        raise LiveError(f"--log: one server log per server ({max(len(urls), 1)}), got {len(logs)}")
+
+    def one_instance(base_urls: list[str], server_pids: Iterable[int], instance: int,
+                     server_logs: list[Path]) -> None:
         nonlocal simulated
+        if on_instance is not None:
+            on_instance(instance, base_urls, server_logs)
         if warmup:
             for url in base_urls:
                 _warmup(scenario, url, model, endpoint, api_key=api_key, **live_kwargs)
         for _ in range(repeats):
-            simulated = _one_repeat(len(results), instance, base_urls, server_pids, simulated)
+            simulated = _one_repeat(len(results), instance, base_urls, server_pids, simulated, server_logs)
 
     def _one_repeat(i: int, instance: int, base_urls: list[str], server_pids: Iterable[int],
-                    simulated: Scenario) -> Scenario:
+                    simulated: Scenario, server_logs: list[Path]) -> Scenario:
         resets = [reset_prefix_cache(u, api_key=api_key) if reset_cache else "skipped" for u in base_urls]
         reset = next((r for r in resets if r != "ok"), resets[0])
         if reset != "ok" and reset_cache and i == 0:
             notes.append(f"prefix cache not reset between runs: {reset}; reruns may hit the cache")
         watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(base_urls[0])).start()
         out = f"{out_prefix}{i}.jsonl" if out_prefix else None
+        offsets = [log_size(p) for p in server_logs]
         run = run_live(scenario, base_urls, model, endpoint=endpoint, out_path=out, progress=progress,
                        api_key=api_key, **live_kwargs)  # type: ignore[arg-type]
         cpu = watch.stop()
+        if on_run is not None:
+            lines = [iteration_lines(read_log_window(p, o)) for p, o in zip(server_logs, offsets)]
+            on_run(RunDone(i, instance, run, cpu, lines))
         if i == 0 and adopt_server_cache_config:
             simulated = _adopt_server_config(scenario, run, notes)
         if not any(r.succeeded for r in run.records):
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
-        trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace
-        trace = {"closed": closed_trace_of, "sessions": session_trace_of}.get(replay, trace_of)(run)
         this = adopt_run_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
-        sim = simulate(this, trace=trace, records=True)
+        sim = replay_run(this, run, replay)
         if run.num_failed:
             notes.append(f"run {i}: {run.num_failed} failed request(s) left out of the simulated trace")
         if cpu.get("disturbed"):
@@ -630,12 +672,13 @@ def validate(
         return simulated
 
     if launch is None:
-        one_instance(urls, server_pids, 0)
+        one_instance(urls, server_pids, 0, [Path(p) for p in logs])
     else:
         for instance in range(restarts + 1):
             server = launch()
             with server:
-                one_instance([server.base_url], sorted(server.pids()), instance)
+                own = [Path(server.log_path)] if getattr(server, "log_path", None) else []
+                one_instance([server.base_url], sorted(server.pids()), instance, own or [Path(p) for p in logs])
             if getattr(server, "failed", False):
                 notes.append(f"server instance {instance} did not stop cleanly (log {server.log_path})")
     instances = restarts + 1 if launch is not None else 1

@@ -93,7 +93,7 @@ def measure_speed(base_url: str, log: Path, api_key: str | None = None) -> Serve
     far off on 2 shared cores: a starved client reads several chunks at once (gaps of ~0), or
     its first chunk late (a decode span shorter than the steps it spans).
     """
-    from simcap.live.calibration import log_size, read_log_window
+    from simcap.live.recording import log_size, read_log_window
     from simcap.live.client import run_live
 
     def probe(input_len: int, output_len: int, seed: int):

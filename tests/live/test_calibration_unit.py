@@ -11,8 +11,8 @@ from simcap.live.calibration import (
     fit_log_samples,
     host_overhead_from_itl,
     prompt_lengths,
-    read_log_window,
 )
+from simcap.live.recording import read_log_window
 from simcap.metrics.records import RequestRecord
 
 LINE = ("(APIServer pid=1) INFO 11-30 00:46:38 [loggers.py:199] Engine 000: Iteration({i}): {a} context "

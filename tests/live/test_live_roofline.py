@@ -53,7 +53,8 @@ from simcap.calibrate.fit_roofline import (
 from simcap.calibrate.readers import _rows_to_samples
 from simcap.config.scenario import parse_scenario
 from simcap.engine.step_time import roofline_basis, roofline_forward
-from simcap.live.calibration import fit_log_roofline, host_overhead_from_itl, log_size, read_log_window
+from simcap.live.calibration import fit_log_roofline, host_overhead_from_itl
+from simcap.live.recording import log_size, read_log_window
 from simcap.live.client import run_live
 
 pytestmark = pytest.mark.live

@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Write this experiment's recorded levels as accuracy-corpus cases (``calibration/corpus/``).
+
+    PYTHONPATH=. python experiments/cpu-extrapolation/to_corpus.py
+
+One live case per model (``cpu-dense-closed-levels``, ``cpu-moe-closed-levels``): the two
+runs are two server instances; the fit part is run 1's levels 1, 2 and 4 (the calibration
+workload of this experiment), the held-out points levels 8, 16 and 32 of both runs. Each level
+becomes one recorded run (:func:`simcap.live.recording.save_run`) with its iteration-log lines
+and the host-load facts of ``run.json``. These records predate ``client_id``: each request's
+client is rebuilt from the closed loop's own rule (a client sends its next request when its
+previous one ends: a request goes to the client whose last request ended latest at or before
+its send). The prompts were random token ids, one private segment per request. The levels
+left no ``/metrics`` snapshots; the KV pool is the one 1 GiB gives (as ``extrapolate.py``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+import analyse as A  # noqa: E402
+import extrapolate as X  # noqa: E402
+
+from simcap.accuracy.corpus import FORMAT, write_case  # noqa: E402
+from simcap.live.client import LiveRun  # noqa: E402
+from simcap.live.recording import save_run  # noqa: E402
+from simcap.workloads.requests import RequestSpec  # noqa: E402
+
+CORPUS = ROOT / "calibration" / "corpus"
+FIT_LEVELS = (1, 2, 4)
+HELD_LEVELS = (8, 16, 32)
+
+
+def with_clients(records, level: int):
+    """Each record with the closed-loop client that sent it (see the module doc)."""
+    last: list[float] = []  # per client: when its latest request ended
+    for r in sorted(records, key=lambda r: (r.arrival_time, r.request_id)):
+        if len(last) < level:
+            r.client_id = len(last)
+            last.append(r.finish_time or r.arrival_time)
+            continue
+        ended = [c for c, t in enumerate(last) if t <= r.arrival_time + 1e-6]
+        c = max(ended, key=lambda c: last[c]) if ended else min(range(level), key=lambda c: last[c])
+        r.client_id = c
+        last[c] = r.finish_time or r.arrival_time
+    return records
+
+
+def level_run(model: str, run: int, level: int) -> tuple[LiveRun, list[str], dict]:
+    records = with_clients(A.records(model, run, level), level)
+    specs = {r.request_id: RequestSpec(r.request_id, r.num_prompt_tokens, r.max_tokens,
+                                       ((-2 * r.request_id - 1, r.num_prompt_tokens),)) for r in records}
+    with gzip.open(A.DATA / model / f"run{run}" / f"c{level}.iterations.log.gz", "rt") as fh:
+        lines = [line.rstrip("\n") for line in fh if "Iteration(" in line]
+    facts = json.loads((A.DATA / model / f"run{run}" / "run.json").read_text())
+    stats = facts["levels"][str(level)]
+    sends = sorted(r.arrival_time for r in records)
+    live = LiveRun(records=records, specs=specs, base_url="http://127.0.0.1:8000", model="tiny", endpoint="completions",
+                   closed_loop=True, requested_rate=None, scheduled_rate=None,
+                   achieved_rate=(len(sends) - 1) / (sends[-1] - sends[0]) if sends[-1] > sends[0] else None,
+                   wall_duration_s=stats["wall_s"], max_send_lag_s=None)
+    cpu = {k: stats[k] for k in ("foreign_cores", "steal_cores", "top_foreign", "disturbed") if k in stats}
+    return live, lines, cpu
+
+
+def scenario(model: str, level: int, num_requests: int) -> dict:
+    return {"name": f"{model} closed loop of {level}", "seed": level,
+            "engine": {**X.ENGINE, "num_gpu_blocks": X.BLOCKS[model]},
+            "workload": {"arrival": {"process": "closed", "concurrency": level}, "num_requests": num_requests,
+                         "input_len": {"dist": "uniform", "low": 64, "high": 128},
+                         "output_len": {"dist": "uniform", "low": 64, "high": 128}}}
+
+
+def main() -> None:
+    for model in ("dense", "moe"):
+        name = f"cpu-{model}-closed-levels"
+        folder = CORPUS / name
+        shutil.rmtree(folder, ignore_errors=True)
+        facts = json.loads((A.DATA / model / "run1" / "run.json").read_text())
+        fit_runs, points = [], {lv: [] for lv in HELD_LEVELS}
+        counts = {}
+        for instance, run in enumerate(A.runs(model)):
+            for level in (*FIT_LEVELS, *HELD_LEVELS):
+                if instance and level in FIT_LEVELS:
+                    continue
+                live, lines, cpu = level_run(model, run, level)
+                counts[level] = len(live.records)
+                kind = "fit" if level in FIT_LEVELS else f"c{level}"
+                path = save_run(folder / kind / f"i{instance}c{level}", live, iterations=[lines], cpu=cpu)
+                rel = path.relative_to(folder).as_posix()
+                if level in FIT_LEVELS:
+                    fit_runs.append(rel)
+                else:
+                    points[level].append({"file": rel, "instance": instance})
+        shape = {"dense": "tiny-llama-cpu", "moe": "tiny-qwen3-moe-cpu"}[model]
+        write_case(folder, {
+            "format": FORMAT, "kind": "live", "name": name,
+            "description": (f"The tiny {model} model on vLLM's CPU build, closed loops of 1-32 clients "
+                            "(prompts and outputs uniform on 64-128 tokens): fitted on one server "
+                            "instance's loops of 1, 2 and 4 clients, predicting 8, 16 and 32 on two instances."),
+            "mechanisms": ["closed loop", "batch growth past the fit range", "chunked prefill",
+                           *(["MoE experts"] if model == "moe" else [])],
+            "source": {"converted_from": f"experiments/cpu-extrapolation/data/{model}/run<k> (collect.py)",
+                       "client_ids": "rebuilt from the closed loop (to_corpus.py)",
+                       "machine": facts["cpu"], "server": {"args": facts["server_args"],
+                                                           "kv_cache_gib": facts["kv_cache_gib"],
+                                                           "version": "0.32.0+cpu"}},
+            "fit": {"runs": fit_runs, "engine": {**X.ENGINE, "num_gpu_blocks": X.BLOCKS[model]},
+                    "speculative_method": None,
+                    "roofline": {"hardware": X.HARDWARE, "model": shape, "combine": "max"}},
+            "points": [{"name": f"c{lv}", "scenario": scenario(model, lv, counts[lv]), "replay": "closed",
+                        "runs": points[lv]} for lv in HELD_LEVELS],
+        })
+        print(folder, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) // 1024, "KiB")
+
+
+if __name__ == "__main__":
+    main()

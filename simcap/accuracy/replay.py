@@ -1,0 +1,172 @@
+"""Replay the corpus: fit each case on its fit part with the shipped calibration path, predict
+its held-out part, and give every prediction's error beside the measurement's own spread.
+
+- A **live** case's fit part is a recorded calibration workload: its server step-log lines
+  and client records go through :func:`simcap.live.calibration.fit_calibration_log` (what
+  ``simcap live calibrate --log`` runs on a live server: host overhead from the records, then
+  the linear or the roofline form, no bootstrap), the speculative section through
+  :func:`~simcap.live.calibration.speculative_section` from the fit runs' ``/metrics``, and
+  the profile through :func:`simcap.calibrate.profile_dict`. Each held-out run is then
+  simulated on exactly its own trace (:func:`simcap.live.validate.replay_run`: as a closed
+  loop, at its send times or as its sessions) with the point's scenario, the fitted engine,
+  step time and speculative settings: the acceptance is the one measured while calibrating,
+  never the held-out run's own.
+- A **table** case is fitted by :func:`simcap.calibrate.pipeline.calibrate` on its fit rows
+  (no bootstrap) and each held-out row simulated as the recipe reads it.
+
+Per figure: ``measured`` is the median over the point's runs (a table row: the published
+value), ``predicted`` the median over the runs' replays, ``error`` = predicted / measured - 1,
+and ``spread`` the range of the server instances' medians relative to ``measured`` (None with
+one instance or a table): the noise a prediction cannot be asked to beat.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from simcap.accuracy.corpus import LIVE_METRICS, Case, LiveCase, TableCase
+
+Figure = dict[str, Any]
+
+
+@dataclass
+class CaseReplay:
+    """One case in one step-time form: its figures and the fit behind them."""
+
+    case: str
+    form: str
+    figures: list[Figure]
+    fitted: dict[str, Any]  # the fitted step_time (and speculative) sections
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rel(pred: float | None, ref: float | None) -> float | None:
+    if pred is None or ref is None or not ref:
+        return None
+    return float(pred / ref - 1.0)
+
+
+def _figure(case: str, form: str, point: str, metric: str, measured: float | None, predicted: float | None,
+            spread: float | None, runs: int) -> Figure:
+    return {"key": f"{case}/{form}/{point}/{metric}", "case": case, "form": form, "point": point,
+            "metric": metric, "measured": measured, "predicted": predicted,
+            "error": _rel(predicted, measured), "spread": spread, "runs": runs}
+
+
+def fit_live(case: LiveCase, form: str, notes: list[str] | None = None) -> dict[str, Any]:
+    """The profile (``engine``, ``step_time``, ``speculative``) a live case's fit part gives."""
+    from simcap.calibrate import Recipe, log_step_samples, profile_dict
+    from simcap.live.calibration import fit_calibration_log, speculative_section
+    from simcap.live.prom import metrics_delta
+    from simcap.live.recording import load_run
+
+    notes = notes if notes is not None else []
+    runs = [load_run(case.dir / f) for f in case.fit.runs]
+    lines = [line for r in runs for line in r.iteration_lines]
+    records = [rec for r in runs for rec in r.run.records]
+    after = runs[-1].run.last_metrics
+    k = (after.num_speculative_tokens if after is not None else None) or 0
+    samples = log_step_samples(lines, k, where=f"{case.name}: fit runs")
+    roofline = dict(case.fit.roofline or {}) if form == "roofline" else None
+    fitted = fit_calibration_log(samples, lines, records, k, roofline=roofline, bootstrap=0, seed=0,
+                                 noise="empirical", notes=notes)
+    speculative = None
+    if k:
+        delta = metrics_delta(runs[0].run.metrics_before, after)
+        speculative = speculative_section(case.name, delta, k, case.fit.speculative_method or "ngram",
+                                          fitted, notes)
+    profile = profile_dict(fitted.fit, Recipe(name=case.name, engine=dict(case.fit.engine),
+                                              speculative=speculative))
+    return {"engine": profile["engine"], "step_time": profile["step_time"],
+            "speculative": profile.get("speculative")}
+
+
+def _replay_live(case: LiveCase, form: str) -> CaseReplay:
+    from simcap.config.scenario import parse_scenario
+    from simcap.live.recording import load_run
+    from simcap.live.validate import metric_value, replay_run
+
+    notes: list[str] = []
+    profile = fit_live(case, form, notes)
+    figures: list[Figure] = []
+    for point in case.points:
+        data = dict(point.scenario)
+        data["engine"] = {**(data.get("engine") or {}), **profile["engine"]}
+        data["step_time"] = profile["step_time"]
+        data["speculative"] = profile["speculative"] if data.get("speculative") else None
+        data.pop("profile", None)
+        scenario = parse_scenario(data)
+        live, pred, instance = [], [], []
+        for ref in point.runs:
+            recorded = load_run(case.dir / ref.file)
+            sim = replay_run(scenario, recorded.run, point.replay)
+            live.append(recorded.run.summary())
+            pred.append(sim.summary)
+            instance.append(ref.instance)
+        for metric in LIVE_METRICS:
+            lv = [metric_value(s, metric) for s in live]
+            pv = [metric_value(s, metric) for s in pred]
+            if any(v is None for v in lv + pv):
+                continue
+            measured = float(np.median(lv))
+            by = {}
+            for i, v in zip(instance, lv):
+                by.setdefault(i, []).append(v)
+            medians = [float(np.median(v)) for v in by.values()]
+            spread = (max(medians) - min(medians)) / measured if len(medians) > 1 and measured else None
+            figures.append(_figure(case.name, form, point.name, metric, measured, float(np.median(pv)),
+                                   spread, len(lv)))
+    return CaseReplay(case.name, form, figures, profile, notes)
+
+
+def _replay_table(case: TableCase, form: str) -> CaseReplay:
+    from simcap.calibrate import Recipe, profile_dict
+    from simcap.calibrate.metric_keys import metric_value
+    from simcap.calibrate.pipeline import benchmark_points, calibrate
+    from simcap.config.scenario import parse_scenario
+    from simcap.fleet.run import simulate
+
+    recipe = Recipe.load(case.dir / case.recipes[form])  # type: ignore[index]
+    fit = calibrate([], recipe, bootstrap=0, rows=case.fit_rows)
+    profile = profile_dict(fit, recipe)
+    points = {p.label: p for p in benchmark_points(recipe)}
+    figures: list[Figure] = []
+    notes: list[str] = []
+    for row in case.held_out:
+        pt = points.get(row.row)
+        if pt is None:
+            notes.append(f"{row.row}: not a row of {case.recipes[form]}")  # type: ignore[index]
+            continue
+        result = simulate(parse_scenario({**pt.scenario, "step_time": profile["step_time"]}))
+        for metric in row.metrics:
+            if metric not in pt.measured:
+                continue
+            value = metric_value(metric, result, steady_state=pt.steady_state)
+            figures.append(_figure(case.name, form, row.row, metric, float(pt.measured[metric]),
+                                   float(value), None, 1))
+    return CaseReplay(case.name, form, figures, {"step_time": profile["step_time"]}, notes)
+
+
+def replay_case(case: Case, forms: Sequence[str] | None = None) -> list[CaseReplay]:
+    """Every form of ``case`` (``forms`` picks some), fitted and predicted."""
+    out = []
+    for form in case.forms:
+        if forms and form not in forms:
+            continue
+        start = time.perf_counter()
+        one = _replay_live(case, form) if isinstance(case, LiveCase) else _replay_table(case, form)
+        one.wall_s = time.perf_counter() - start
+        out.append(one)
+    return out
+
+
+def replay_corpus(cases: Sequence[Case], forms: Sequence[str] | None = None) -> list[CaseReplay]:
+    return [r for case in cases for r in replay_case(case, forms)]

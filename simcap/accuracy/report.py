@@ -1,0 +1,179 @@
+"""The accuracy table (markdown) and the ratchet: recorded errors that may only shrink.
+
+``calibration/accuracy.json`` records every figure's prediction error (``case/form/point/
+metric`` -> error, rounded to 0.1 %). :func:`ratchet` compares a fresh replay with it: a
+figure whose absolute error grew by more than :data:`MARGIN` is a regression; one that shrank
+by more than the margin is a stale record (the improvement must tighten the record in the same
+change: ``simcap accuracy --write``); a figure missing on either side means the corpus and its
+record disagree. Replays are deterministic, so on any machine the same tree gives the same
+errors; the margin only absorbs last-digit differences of floating point between machines.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from simcap._version import __version__
+from simcap.accuracy.corpus import FORMS, Case, LiveCase
+from simcap.accuracy.replay import CaseReplay
+
+RECORD_FORMAT = "simcap accuracy record 1"
+MARGIN = 0.01  # |error| may grow by at most one percentage point
+
+
+def _figures(replays: Sequence[CaseReplay]) -> list[dict[str, Any]]:
+    return [f for r in replays for f in r.figures]
+
+
+def record_of(replays: Sequence[CaseReplay]) -> dict[str, Any]:
+    """The ratchet's record: every figure's error (rounded to 0.1 %), keys sorted."""
+    figures = {f["key"]: None if f["error"] is None else round(f["error"], 3) for f in _figures(replays)}
+    return {"format": RECORD_FORMAT, "margin": MARGIN, "figures": dict(sorted(figures.items()))}
+
+
+def ratchet(replays: Sequence[CaseReplay], record: dict[str, Any], margin: float = MARGIN) -> list[str]:
+    """Every way the replay departs from the record, one line each (empty: it holds). Only
+    the record's figures of the cases and forms replayed are compared."""
+    problems = []
+    replayed = {(r.case, r.form) for r in replays}
+    recorded: dict[str, float | None] = {
+        k: v for k, v in record.get("figures", {}).items() if tuple(k.split("/")[:2]) in replayed}
+    now = {f["key"]: f["error"] for f in _figures(replays)}
+    for key in sorted(set(recorded) | set(now)):
+        if key not in now:
+            problems.append(f"{key}: recorded but not replayed (the corpus lost it; rewrite the record)")
+            continue
+        if key not in recorded:
+            problems.append(f"{key}: replayed but not recorded (a new figure; rewrite the record)")
+            continue
+        old, new = recorded[key], now[key]
+        if old is None or new is None:
+            if (old is None) != (new is None):
+                problems.append(f"{key}: error {_pct(old)} recorded, {_pct(new)} now")
+            continue
+        if abs(new) > abs(old) + margin:
+            problems.append(f"{key}: error {_pct(new)}, worse than the recorded {_pct(old)} "
+                            f"by more than {margin * 100:.0f} point(s)")
+        elif abs(new) < abs(old) - margin:
+            problems.append(f"{key}: error {_pct(new)}, better than the recorded {_pct(old)}: "
+                            "tighten the record (simcap accuracy --write)")
+    return problems
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def _value(metric: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    if "throughput" in metric or metric.endswith("_tps"):
+        return f"{v:,.1f}"
+    return f"{v * 1e3:,.1f} ms"
+
+
+def summary_rows(replays: Sequence[CaseReplay]) -> list[dict[str, Any]]:
+    """Per case and form: figures, median and max |error|, share of errors within the spread."""
+    rows = []
+    for r in replays:
+        errs = [abs(f["error"]) for f in r.figures if f["error"] is not None]
+        within = [abs(f["error"]) <= f["spread"] for f in r.figures
+                  if f["error"] is not None and f["spread"] is not None]
+        rows.append({"case": r.case, "form": r.form, "figures": len(errs),
+                     "median_abs_error": float(np.median(errs)) if errs else None,
+                     "max_abs_error": max(errs) if errs else None,
+                     "within_spread": (sum(within), len(within))})
+    return rows
+
+
+def markdown(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> str:
+    """The accuracy table: a summary per case and form, then every figure of every case."""
+    out = [
+        "# Accuracy: predictions of held-out measurements",
+        "",
+        f"Written by `simcap accuracy --write` (simcap {__version__}) from `calibration/corpus/`; "
+        "checked by `tests/test_accuracy.py` against `calibration/accuracy.json` (the ratchet: an "
+        f"error may not grow by more than {MARGIN * 100:.0f} point, and an improvement rewrites the "
+        "record). Every error is a PREDICTION error: each case is fitted on its fit part only, with "
+        "the shipped calibration path, and predicts its held-out part. `spread`: the range of the "
+        "server instances' medians relative to the measured median (restarts of the same server "
+        "with the same flags and workload): the noise a prediction cannot be asked to beat.",
+        "",
+        "| case | form | figures | median abs error | max abs error | within spread |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in summary_rows(replays):
+        hit, n = row["within_spread"]
+        out.append(f"| {row['case']} | {row['form']} | {row['figures']} | "
+                   f"{_pct(row['median_abs_error']).lstrip('+')} | {_pct(row['max_abs_error']).lstrip('+')} | "
+                   f"{f'{hit} of {n}' if n else '-'} |")
+    by_case: dict[str, dict[str, CaseReplay]] = {}
+    for r in replays:
+        by_case.setdefault(r.case, {})[r.form] = r
+    for case in cases:
+        forms = by_case.get(case.name, {})
+        if not forms:
+            continue
+        out += ["", f"## {case.name}", "", case.description, "",
+                f"Mechanisms: {', '.join(case.mechanisms) or '-'}."]
+        if isinstance(case, LiveCase):
+            runs = sum(len(p.runs) for p in case.points)
+            instances = len({r.instance for p in case.points for r in p.runs})
+            out.append(f"Fit part: {len(case.fit.runs)} recorded run(s) of the calibration workload; "
+                       f"held out: {len(case.points)} workload(s), {runs} run(s) on {instances} server instance(s).")
+        else:
+            out.append(f"Fit rows: {', '.join(case.fit_rows)}; held out: "
+                       f"{', '.join(r.row for r in case.held_out)}.")
+        shown = [f for f in FORMS if f in forms]
+        out += ["", "| point | metric | measured | " + " | ".join(f"{f} predicted | {f} error" for f in shown)
+                + " | spread |", "|---|---|---:|" + "---:|---:|" * len(shown) + "---:|"]
+        first = forms[shown[0]]
+        for fig in first.figures:
+            cells = []
+            for f in shown:
+                other = next((g for g in forms[f].figures
+                              if g["point"] == fig["point"] and g["metric"] == fig["metric"]), None)
+                cells += [_value(fig["metric"], other and other["predicted"]), _pct(other and other["error"])]
+            spread = "-" if fig["spread"] is None else f"{fig['spread'] * 100:.1f}%"
+            out.append(f"| {fig['point']} | {fig['metric']} | {_value(fig['metric'], fig['measured'])} | "
+                       + " | ".join(cells) + f" | {spread} |")
+        # Figures only some form has (a row only the roofline recipe reads).
+        seen = {(g["point"], g["metric"]) for g in first.figures}
+        for f in shown[1:]:
+            for fig in forms[f].figures:
+                if (fig["point"], fig["metric"]) in seen:
+                    continue
+                seen.add((fig["point"], fig["metric"]))
+                cells = []
+                for g in shown:
+                    mine = fig if g == f else None
+                    cells += [_value(fig["metric"], mine and mine["predicted"]), _pct(mine and mine["error"])]
+                out.append(f"| {fig['point']} | {fig['metric']} | {_value(fig['metric'], fig['measured'])} | "
+                           + " | ".join(cells) + " | - |")
+    return "\n".join(out) + "\n"
+
+
+def write(folder: Path, cases: Sequence[Case], replays: Sequence[CaseReplay]) -> tuple[Path, Path]:
+    """``accuracy.md`` and ``accuracy.json`` in ``folder``."""
+    md, js = folder / "accuracy.md", folder / "accuracy.json"
+    md.write_text(markdown(cases, replays))
+    js.write_text(json.dumps(record_of(replays), indent=1) + "\n")
+    return md, js
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    from simcap.accuracy.corpus import CorpusError
+
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise CorpusError(f"{path}: cannot read the accuracy record: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise CorpusError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+        raise CorpusError(f"{path}: not an accuracy record (format {RECORD_FORMAT!r})")
+    return data

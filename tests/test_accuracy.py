@@ -1,0 +1,166 @@
+"""The accuracy ratchet: the corpus replayed against its recorded errors, planted regressions,
+the recorded-run format and the ``simcap accuracy`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from simcap.accuracy.corpus import CASE_FILE, CorpusError, load_case, load_corpus
+from simcap.accuracy.replay import replay_corpus
+from simcap.accuracy.report import markdown, ratchet, read_record, record_of
+from simcap.cli.main import app
+from simcap.live.client import LiveRun
+from simcap.live.prom import parse_metrics
+from simcap.live.recording import load_run, save_run
+from simcap.metrics.records import RequestRecord
+from simcap.workloads.requests import RequestSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "calibration" / "corpus"
+RECORD = ROOT / "calibration" / "accuracy.json"
+
+
+@pytest.fixture(scope="module")
+def replayed():
+    cases = load_corpus(CORPUS)
+    return cases, replay_corpus(cases)
+
+
+def test_every_prediction_holds_its_recorded_error(replayed):
+    _, replays = replayed
+    problems = ratchet(replays, read_record(RECORD))
+    assert not problems, "\n".join(problems)
+
+
+def test_the_committed_table_is_the_replay(replayed):
+    cases, replays = replayed
+    assert (ROOT / "calibration" / "accuracy.md").read_text() == markdown(cases, replays)
+    assert json.loads(RECORD.read_text()) == json.loads(json.dumps(record_of(replays)))
+
+
+def test_the_corpus_covers_both_forms_and_both_kinds(replayed):
+    cases, replays = replayed
+    assert {c.kind for c in cases} == {"live", "table"}
+    assert {r.form for r in replays} == {"linear", "roofline"}
+    live = [c for c in cases if c.kind == "live"]
+    # Every live case's held-out runs come from at least two server instances.
+    for case in live:
+        assert len({r.instance for p in case.points for r in p.runs}) >= 2, case.name
+
+
+def _plant(name: str, *cases: str) -> list[str]:
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "accuracy_plants.py"), name, *cases],
+                          env={**os.environ, "SIMCAP_INTERPRETED": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+PLANTED_CASES = ("cpu-moe-closed-levels", "cpu-dense-closed-levels")
+
+
+def test_the_interpreted_engine_holds_the_record_too():
+    # The plants below patch the interpreted engine: unpatched, it must hold the record.
+    assert _plant("none", *PLANTED_CASES) == []
+
+
+@pytest.mark.parametrize("plant", ["host_overhead_dropped", "max_num_seqs_halved", "token_budget_doubled"])
+def test_a_planted_regression_fails_the_ratchet(plant):
+    problems = _plant(plant, *PLANTED_CASES)
+    worse = [p for p in problems if "worse than the recorded" in p]
+    assert worse, f"{plant}: no figure got worse: {problems[:5]}"
+
+
+def test_improvement_and_regression_both_depart_from_the_record(replayed):
+    _, replays = replayed
+    record = read_record(RECORD)
+    key = next(k for k, v in record["figures"].items() if v is not None and abs(v) > 0.05)
+    worse = {**record, "figures": {**record["figures"], key: record["figures"][key] / 2}}
+    better = {**record, "figures": {**record["figures"], key: record["figures"][key] * 2}}
+    assert [p for p in ratchet(replays, worse)] == [p for p in ratchet(replays, worse) if key in p] != []
+    assert "worse than the recorded" in ratchet(replays, worse)[0]
+    assert "tighten the record" in ratchet(replays, better)[0]
+    lost = {**record, "figures": {k: v for k, v in record["figures"].items() if k != key}}
+    assert ratchet(replays, lost) == [f"{key}: replayed but not recorded (a new figure; rewrite the record)"]
+
+
+# --------------------------------------------------------------------------- recorded runs
+
+METRICS_TEXT = """# HELP vllm:prompt_tokens_total Prompt tokens.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{model_name="tiny"} 96.0
+# HELP vllm:generation_tokens_total Generated tokens.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{model_name="tiny"} 7.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",num_gpu_blocks="512",enable_prefix_caching="True"} 1.0
+"""
+
+
+def test_a_recorded_run_reads_back_as_it_was(tmp_path):
+    recs = [RequestRecord(0, 0.1234567891, 64, 4, chunk_times=[0.2, 0.25, 0.3], chunk_tokens=[1, 2, 1],
+                          finish_time=0.3000004, finish_reason="length", client_id=0),
+            RequestRecord(1, 0.2, 32, 3, chunk_times=[0.4, 0.45, 0.5], chunk_tokens=[1, 1, 1],
+                          finish_time=0.5, finish_reason="length", client_id=1, session_id=3, turn=1)]
+    specs = {0: RequestSpec(0, 64, 4, ((-1, 64),)),
+             1: RequestSpec(1, 32, 3, ((7, 16), (-3, 16)), output_key=9, session_id=3, turn=1)}
+    run = LiveRun(recs, specs, "http://127.0.0.1:8000", "tiny", "completions", True, None, None, 10.0, 0.5, None,
+                  metrics_before=parse_metrics(METRICS_TEXT, when=1.0),
+                  metrics_after=parse_metrics(METRICS_TEXT.replace("7.0", "11.0"), when=2.0))
+    path = save_run(tmp_path / "r0", run, iterations=[["Iteration(1): ..."]], cpu={"disturbed": False})
+    assert path.name == "r0.run.json.gz"
+    assert path.read_bytes() == save_run(tmp_path / "r0", run, iterations=[["Iteration(1): ..."]],
+                                         cpu={"disturbed": False}).read_bytes()  # same run, same bytes
+    back = load_run(path)
+    assert back.run.specs == specs
+    assert [r.chunk_times for r in back.run.records] == [[0.2, 0.25, 0.3], [0.4, 0.45, 0.5]]
+    assert back.run.records[0].arrival_time == 0.123457 and back.run.records[1].turn == 1
+    assert back.run.server_delta()["generation_tokens"] == 4.0
+    assert back.run.metrics_after.num_gpu_blocks == 512
+    assert back.iterations == [["Iteration(1): ..."]] and back.cpu == {"disturbed": False}
+    assert back.run.summary().completed == 2
+
+
+def test_a_foreign_file_is_one_line(tmp_path):
+    from simcap.live.client import LiveError
+
+    bad = tmp_path / "x.run.json.gz"
+    bad.write_bytes(b"not gzip")
+    with pytest.raises(LiveError, match="not a recorded live run"):
+        load_run(bad)
+
+
+def test_a_bad_case_file_names_its_field(tmp_path):
+    case = json.loads((CORPUS / "field-a800-leave-high-out" / CASE_FILE).read_text())
+    case["fit_rows"] = "no-spec c=1"
+    (tmp_path / CASE_FILE).write_text(json.dumps(case))
+    with pytest.raises(CorpusError, match=r"case.json: fit_rows"):
+        load_case(tmp_path)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_accuracy_command_checks_one_case():
+    res = CliRunner().invoke(app, ["accuracy", str(CORPUS), "--case", "field-a800-leave-high-out", "--check",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["ratchet"] == [] and {c["form"] for c in data["cases"]} == {"linear", "roofline"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--form", "cubic"], "--form: must be one of linear, roofline (got 'cubic')"),
+    (["--write", "--case", "field-a800-leave-high-out"], "--write: rewrites the whole record"),
+    (["--case", "nope"], "--case: no case named nope"),
+])
+def test_accuracy_command_refuses_in_one_line(args, message):
+    res = CliRunner().invoke(app, ["accuracy", str(CORPUS), *args])
+    assert res.exit_code == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1
