@@ -5,6 +5,8 @@ The package's folders are its data flow; each imports only the folders below it 
 the physics:
 
 - :mod:`simcap.cli` -- the ``simcap`` command, thin over the library (``simcap live`` too).
+- :mod:`simcap.accuracy` -- the corpus of recorded runs and tables, fitted on one part and
+  predicting the rest: the accuracy table and its ratchet.
 - :mod:`simcap.live` -- the same workload against a real server: client, scrapes, validation,
   calibration from its logs, live capacity and crossover.
 - :mod:`simcap.studies` -- questions over many runs: safe request rate under an SLO,

@@ -34,7 +34,10 @@ from simcap.errors import SimcapError
 CASE_FILE = "case.json"
 FORMAT = "simcap accuracy case 1"
 FORMS = ("linear", "roofline")
-# The figures of a live point, each the median over its runs (simcap.live.validate.metric_value).
+# The figures of a live point, each the median over its runs (simcap.live.validate.metric_value);
+# with shared prefixes or sessions also prefix_hit_rate (hits over queries: the server's
+# /metrics, the simulated engine's counters), with sessions later_turns_ttft_p50 (turns 2, 3, ...),
+# and where the server preempted, preemptions (per run: its vllm:num_preemptions increment).
 LIVE_METRICS = ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "itl_p50", "itl_p95", "e2e_p50", "e2e_p95",
                 "output_throughput")
 

@@ -92,7 +92,7 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None) -> dict[
 def _replay_live(case: LiveCase, form: str) -> CaseReplay:
     from simcap.config.scenario import parse_scenario
     from simcap.live.recording import load_run
-    from simcap.live.validate import metric_value, replay_run
+    from simcap.live.validate import replay_run
 
     notes: list[str] = []
     profile = fit_live(case, form, notes)
@@ -104,16 +104,28 @@ def _replay_live(case: LiveCase, form: str) -> CaseReplay:
         data["speculative"] = profile["speculative"] if data.get("speculative") else None
         data.pop("profile", None)
         scenario = parse_scenario(data)
+        metrics = list(LIVE_METRICS)
+        if scenario.workload.prefix is not None or scenario.workload.sessions is not None:
+            metrics.append("prefix_hit_rate")
+        if scenario.workload.sessions is not None:
+            metrics.append("later_turns_ttft_p50")
         live, pred, instance = [], [], []
         for ref in point.runs:
             recorded = load_run(case.dir / ref.file)
             sim = replay_run(scenario, recorded.run, point.replay)
-            live.append(recorded.run.summary())
-            pred.append(sim.summary)
+            delta = recorded.run.server_delta()
+            live.append({**_values(metrics, recorded.run.summary(), recorded.run.records,
+                                   delta.get("prefix_cache_hit_rate")), "preemptions": delta.get("num_preemptions")})
+            pc = sim.prefix_cache
+            pred.append({**_values(metrics, sim.summary, sim.records,
+                                   pc["hits"] / pc["queries"] if pc and pc["queries"] else None),
+                         "preemptions": float(sim.summary.preemptions)})
             instance.append(ref.instance)
-        for metric in LIVE_METRICS:
-            lv = [metric_value(s, metric) for s in live]
-            pv = [metric_value(s, metric) for s in pred]
+        if any(v["preemptions"] for v in live):  # the server preempted: how often, predicted
+            metrics.append("preemptions")
+        for metric in metrics:
+            lv = [v[metric] for v in live]
+            pv = [v[metric] for v in pred]
             if any(v is None for v in lv + pv):
                 continue
             measured = float(np.median(lv))
@@ -125,6 +137,24 @@ def _replay_live(case: LiveCase, form: str) -> CaseReplay:
             figures.append(_figure(case.name, form, point.name, metric, measured, float(np.median(pv)),
                                    spread, len(lv)))
     return CaseReplay(case.name, form, figures, profile, notes)
+
+
+def _values(metrics: Sequence[str], summary: Any, records: Sequence[Any], prefix_hit_rate: float | None
+            ) -> dict[str, float | None]:
+    """One run's figures: the summary's (:func:`simcap.live.validate.metric_value`), the
+    prefix-cache hit rate (hits over queries) and the TTFT median of sessions' later turns."""
+    from simcap.live.validate import metric_value
+
+    out: dict[str, float | None] = {}
+    for metric in metrics:
+        if metric == "prefix_hit_rate":
+            out[metric] = prefix_hit_rate
+        elif metric == "later_turns_ttft_p50":
+            ttft = [r.chunk_times[0] - r.arrival_time for r in records if r.succeeded and (r.turn or 0) > 0]
+            out[metric] = float(np.median(ttft)) if ttft else None
+        else:
+            out[metric] = metric_value(summary, metric)
+    return out
 
 
 def _replay_table(case: TableCase, form: str) -> CaseReplay:

@@ -73,6 +73,10 @@ def _value(metric: str, v: float | None) -> str:
         return "-"
     if "throughput" in metric or metric.endswith("_tps"):
         return f"{v:,.1f}"
+    if metric.endswith("_rate"):
+        return f"{v:.3f}"
+    if metric == "preemptions":
+        return f"{v:.1f}"
     return f"{v * 1e3:,.1f} ms"
 
 

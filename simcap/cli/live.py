@@ -278,12 +278,7 @@ def validate_cmd(
     key = _api_key(api_key, api_key_env)
     try:
         sc = load_command_scenario(scenario, set_)
-        recorder = None
-        if record is not None:
-            recorder = _recorder(record, sc, point or scenario.stem, replay, model, launch, description,
-                                 mechanism or [], roofline_hardware, roofline_model, calibrate_up_to, key,
-                                 prompt_period)
-        starter = None
+        starter = config = None
         if launch is not None:
             config, base_dir = load_server_config(launch)
             from simcap.live.launch import engine_mismatches
@@ -293,6 +288,11 @@ def validate_cmd(
                 fail(f"--launch {launch}: launch config contradicts the scenario: " + "; ".join(differ))
             model = model or config.served_model_name
             starter = lambda: launch_server(config, base_dir, speculative=sc.speculative is not None)  # noqa: E731
+        recorder = None
+        if record is not None:
+            recorder = _recorder(record, sc, point or scenario.stem, replay, model, config, description,
+                                 mechanism or [], roofline_hardware, roofline_model, calibrate_up_to, key,
+                                 prompt_period)
         result = validate(
             sc, _urls(base_url or []), model, repeats, endpoint=endpoint, progress=not json_out,
             warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
@@ -338,7 +338,7 @@ def validate_cmd(
                       f"replay: simcap accuracy {record.parent} --case {record.name}")
 
 
-def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Optional[str], launch: Optional[Path],
+def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Optional[str], launch,
               description: Optional[str], mechanisms: List[str], hardware: Optional[str], shape: Optional[str],
               calibrate_up_to: Optional[int], api_key: Optional[str], prompt_period: Optional[int]):
     """The case recorder of ``--record`` (see :class:`simcap.accuracy.corpus.CaseRecorder`)."""
@@ -363,9 +363,7 @@ def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Option
         closed = isinstance(sc.workload.arrival, ClosedArrival)
         replay = ("sessions" if sc.workload.sessions is not None
                   else "closed" if closed and sc.deployment is None else "times")
-    server = {}
-    if launch is not None:
-        server = {"launch": yaml.safe_load(launch.read_text())}
+    server = {} if launch is None else {"launch": launch.model_dump(mode="json")}
     data = sc.model_dump(mode="json", exclude_none=True)
     data.pop("profile", None)
     data.pop("step_time", None)
