@@ -171,3 +171,22 @@ def test_accuracy_command_checks_one_case():
 def test_accuracy_command_refuses_in_one_line(args, message):
     res = CliRunner().invoke(app, ["accuracy", str(CORPUS), *args])
     assert res.exit_code == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--point", "p"], "--point: goes with --record DIR"),
+    (["--record", "{tmp}/case", "--roofline-hardware", "cpu-amd-epyc-zen4-2vcpu"],
+     "--roofline-hardware and --roofline-model: give both (or neither)"),
+    (["--record", "{tmp}/case"], "--record: the fit part is calibrated from the server's log"),
+    (["--record", "{tmp}/case", "--roofline-hardware", "{tmp}/hw.yaml", "--roofline-model", "tiny-llama-cpu"],
+     "expected one hardware entry"),
+])
+def test_live_validate_record_refuses_in_one_line(tmp_path, extra, message):
+    from simcap.cli.live import live_app
+
+    (tmp_path / "hw.yaml").write_text("a: {memory_bandwidth_gbps: 1}\nb: {memory_bandwidth_gbps: 2}\n")
+    scenario = ROOT / "calibration" / "corpus" / "cpu-dense-open-loop" / "poisson-light.yaml"
+    res = CliRunner().invoke(live_app, ["validate", str(scenario), "--base-url", "http://127.0.0.1:9",
+                                        *[a.format(tmp=tmp_path) for a in extra]])
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -104,23 +104,22 @@ def _replay_live(case: LiveCase, form: str) -> CaseReplay:
         data["speculative"] = profile["speculative"] if data.get("speculative") else None
         data.pop("profile", None)
         scenario = parse_scenario(data)
-        metrics = list(LIVE_METRICS)
-        if scenario.workload.prefix is not None or scenario.workload.sessions is not None:
-            metrics.append("prefix_hit_rate")
-        if scenario.workload.sessions is not None:
-            metrics.append("later_turns_ttft_p50")
         live, pred, instance = [], [], []
         for ref in point.runs:
             recorded = load_run(case.dir / ref.file)
             sim = replay_run(scenario, recorded.run, point.replay)
             delta = recorded.run.server_delta()
-            live.append({**_values(metrics, recorded.run.summary(), recorded.run.records,
-                                   delta.get("prefix_cache_hit_rate")), "preemptions": delta.get("num_preemptions")})
+            live.append(_values(recorded.run.summary(), recorded.run.records, delta.get("prefix_cache_hit_rate"),
+                                delta.get("num_preemptions")))
             pc = sim.prefix_cache
-            pred.append({**_values(metrics, sim.summary, sim.records,
-                                   pc["hits"] / pc["queries"] if pc and pc["queries"] else None),
-                         "preemptions": float(sim.summary.preemptions)})
+            pred.append(_values(sim.summary, sim.records, pc["hits"] / pc["queries"] if pc and pc["queries"] else None,
+                                float(sim.summary.preemptions)))
             instance.append(ref.instance)
+        metrics = list(LIVE_METRICS)
+        if scenario.workload.prefix is not None or scenario.workload.sessions is not None:
+            metrics.append("prefix_hit_rate")
+        if scenario.workload.sessions is not None:
+            metrics.append("later_turns_ttft_p50")
         if any(v["preemptions"] for v in live):  # the server preempted: how often, predicted
             metrics.append("preemptions")
         for metric in metrics:
@@ -139,22 +138,16 @@ def _replay_live(case: LiveCase, form: str) -> CaseReplay:
     return CaseReplay(case.name, form, figures, profile, notes)
 
 
-def _values(metrics: Sequence[str], summary: Any, records: Sequence[Any], prefix_hit_rate: float | None
-            ) -> dict[str, float | None]:
+def _values(summary: Any, records: Sequence[Any], prefix_hit_rate: float | None,
+            preemptions: float | None) -> dict[str, float | None]:
     """One run's figures: the summary's (:func:`simcap.live.validate.metric_value`), the
-    prefix-cache hit rate (hits over queries) and the TTFT median of sessions' later turns."""
+    prefix-cache hit rate (hits over queries), the TTFT median of sessions' later turns, and
+    the run's preemptions."""
     from simcap.live.validate import metric_value
 
-    out: dict[str, float | None] = {}
-    for metric in metrics:
-        if metric == "prefix_hit_rate":
-            out[metric] = prefix_hit_rate
-        elif metric == "later_turns_ttft_p50":
-            ttft = [r.chunk_times[0] - r.arrival_time for r in records if r.succeeded and (r.turn or 0) > 0]
-            out[metric] = float(np.median(ttft)) if ttft else None
-        else:
-            out[metric] = metric_value(summary, metric)
-    return out
+    later = [r.chunk_times[0] - r.arrival_time for r in records if r.succeeded and (r.turn or 0) > 0]
+    return {**{m: metric_value(summary, m) for m in LIVE_METRICS}, "prefix_hit_rate": prefix_hit_rate,
+            "later_turns_ttft_p50": float(np.median(later)) if later else None, "preemptions": preemptions}
 
 
 def _replay_table(case: TableCase, form: str) -> CaseReplay:

@@ -229,9 +229,6 @@ def _vllm_version(version: str | None) -> str | None:
     return minor if minor in get_args(VllmVersion) else None
 
 
-# --------------------------------------------------------------------------- log window
-
-
 # --------------------------------------------------------------------------- host overhead
 
 
@@ -816,9 +813,9 @@ __all__ = [
     "calibrate_live",
     "default_phases",
     "fit_calibration_log",
-    "speculative_section",
     "fit_log_roofline",
     "fit_log_samples",
     "host_overhead_from_itl",
     "prompt_lengths",
+    "speculative_section",
 ]
