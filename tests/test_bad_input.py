@@ -166,6 +166,9 @@ CASES = [
     (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--residual-plot", "{file}/r.png"], "--residual-plot"),
     (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--form", "roofline", "--prior-sd", "0",
       "--hardware", "a800", "--model", "x"], "--prior-sd"),
+    (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--combine", "max"], "--combine, --routing-skew, --prior-sd"),
+    (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--prior-sd", "0.5"], "--combine, --routing-skew, --prior-sd"),
+    (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--rows", "no-spec c=1"], "--rows"),
     (["calibrate", "{csv}"], "--out"),
     (["calibrate", "{recipe}", "--out", "{tmp}/p.yaml"], "r.yaml: bootstrap"),
     # live (each fails before contacting the server)

@@ -367,3 +367,36 @@ def test_poor_fit_is_reported_loudly(tmp_path):
 
 def test_features_are_the_profile_terms():
     assert set(FEATURES) <= set(yaml.safe_load((PROFILES / "a800-minimax-m3.yaml").read_text())["step_time"])
+
+
+def test_rows_fit_some_benchmark_rows_and_name_the_labels_there_are(tmp_path):
+    recipe = str(ROOT / "calibration" / "recipes" / "a800-minimax-m3.yaml")
+    low = ["--rows", "no-spec c=1", "--rows", "no-spec c=2", "--rows", "no-spec c=4",
+           "--rows", "eagle3 c=1", "--rows", "eagle3 c=2"]
+    done = run("calibrate", recipe, "--out", str(tmp_path / "low.yaml"), "--bootstrap", "0", "--json", *low)
+    assert done.returncode == 0, done.stderr
+    fitted = json.loads(done.stdout)
+    picked = set(low[1::2])
+    assert {r["point"] for r in fitted["residuals"]} == picked  # the others are held out
+    assert {p["label"] for s in fitted["sources"] for p in s["points"]} == picked  # and the profile says so
+    bad = run("calibrate", recipe, "--out", str(tmp_path / "x.yaml"), "--rows", "no-spec c=3")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        "error: rows: no benchmark row labelled 'no-spec c=3' (rows: eagle3 c=1, eagle3 c=2, eagle3 c=4, "
+        "no-spec c=1, no-spec c=16, no-spec c=2, no-spec c=4, no-spec c=8)")
+
+
+def test_a_table_key_read_as_no_metric_is_named(tmp_path):
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps([
+        {"concurrency": 1, "output_throughput": 50, "mean_ttft_msec": 80, "input_len": 100, "output_len": 64},
+        {"concurrency": 2, "output_throughput": 90, "mean_ttft_msec": 95, "input_len": 100, "output_len": 64}]))
+    base = str(ROOT / "calibration" / "profiles" / "a800-minimax-m3.yaml")
+    few = run("calibrate", str(table), "--out", str(tmp_path / "p.yaml"), "--base", base,
+              "--form", "base,per_decode_token,per_prefill_token")
+    assert few.returncode == 2
+    assert few.stderr.strip().endswith("; keys read as no metric: mean_ttft_msec")
+    done = run("calibrate", str(table), "--out", str(tmp_path / "p.yaml"), "--base", base,
+               "--form", "base,per_decode_token", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "table keys read as no metric (left out of the fit): mean_ttft_msec" in json.loads(done.stdout)["notes"]

@@ -261,3 +261,31 @@ def test_a_scenario_without_step_time_is_warned_of_once_its_numbers_are_out(tmp_
     # kv prices no step: no warning.
     res = CliRunner().invoke(app, ["kv", str(path)])
     assert "warning" not in res.stderr
+
+
+def _a800_closed(tmp_path: Path, extra: str = "") -> Path:
+    profile = ROOT / "calibration" / "profiles" / "a800-minimax-m3.yaml"
+    return write(tmp_path, f"profile: {profile}\n{extra}workload: {{arrival: {{process: closed, concurrency: 2}}, "
+                           "num_requests: 8, input_len: 100, output_len: 64}\n")
+
+
+@pytest.mark.parametrize("how", ["scenario", "set"])
+def test_speculative_null_removes_the_profiles_drafts(tmp_path, how):
+    with_drafts = json.loads(run("simulate", str(_a800_closed(tmp_path)), "--json").stdout)
+    assert with_drafts["spec_decode"] is not None  # the A800 profile drafts with EAGLE3
+    if how == "scenario":
+        args = [str(_a800_closed(tmp_path, "speculative: null\n"))]
+    else:
+        args = [str(_a800_closed(tmp_path)), "--set", "speculative=null"]
+    done = run("simulate", *args, "--json")
+    assert done.returncode == 0, done.stderr
+    without = json.loads(done.stdout)
+    assert without["spec_decode"] is None
+    assert without["throughput"]["output_tokens_per_s"] < with_drafts["throughput"]["output_tokens_per_s"]
+
+
+@pytest.mark.parametrize("section", ["engine", "step_time"])
+def test_a_required_section_cannot_be_nulled_over_a_profile(tmp_path, section):
+    line = simulate_error_line(_a800_closed(tmp_path), [f"{section}=null"])
+    assert line == (f"error: {section}: null: a scenario cannot remove the profile's {section} section "
+                    "(leave the key out to take it, or give one); only speculative: null removes a section")

@@ -78,6 +78,12 @@ class _Objective:
         return np.asarray(r)
 
 
+def _ignored_note(points: Sequence[BenchmarkPoint]) -> str:
+    """``; read as no metric: KEY, ...`` for the table keys the reader left out (else empty)."""
+    keys = sorted({k for p in points for k in p.source.get("ignored_keys", ())})
+    return f"; keys read as no metric: {', '.join(keys)}" if keys else ""
+
+
 def default_benchmark_form(points: Sequence[BenchmarkPoint]) -> Form:
     terms = ["base", "per_decode_token"]
     if any({"ttft_mean", "ttft_p50", "input_throughput"} & set(p.measured) for p in points):
@@ -123,6 +129,7 @@ def fit_benchmarks(
     if n < p:
         raise CalibrationError(
             f"calibrate: {n} fitted measurements are too few for {p} free terms ({', '.join(form.free)})"
+            + _ignored_note(points)
         )
     obj = _Objective(points, form, fixed, metrics, smooth)
     x0 = np.ones(p)
@@ -426,7 +433,7 @@ def fit_benchmarks_roofline(
     if n + n_prior < p:
         raise CalibrationError(
             f"calibrate: {n} fitted measurements and {n_prior} priors are too few for {p} free "
-            f"terms ({', '.join(form.free)})")
+            f"terms ({', '.join(form.free)})" + _ignored_note(points))
     lower = np.where(obj.is_log, -8.0, 0.0)
     upper = np.where(obj.is_log, 8.0, np.inf)
     x0 = np.clip(obj.x0(), lower, np.where(np.isfinite(upper), upper, 1e9))

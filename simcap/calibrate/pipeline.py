@@ -105,6 +105,8 @@ def calibrate(
         raise CalibrationError(f"{recipe.path or recipe.name}: bootstrap_iterations: a whole number "
                                f"in [0, {MAX_BOOTSTRAP:,}] (got {recipe_iterations!r})")
     if form == "roofline":
+        if rows is not None:
+            raise CalibrationError("--rows: picks benchmark rows by label; --form roofline fits step samples")
         return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
                                    workload=workload, num_speculative_tokens=num_speculative_tokens,
                                    bootstrap=bootstrap, level=level, warn_above=warn_above, noise=noise)
@@ -132,6 +134,8 @@ def calibrate(
     if not datasets:
         raise CalibrationError("calibrate: no input files")
     step_inputs, points = _read_inputs(datasets, base_dir, recipe, workload, num_speculative_tokens)
+    if rows is not None and step_inputs:
+        raise CalibrationError("--rows: picks benchmark rows by label; step samples have none")
     if rows is not None:
         known = {p.label for p in points}
         unknown = sorted(set(rows) - known)
@@ -149,20 +153,25 @@ def calibrate(
                                 host_overhead=fixed.get("host_overhead"),
                                 bootstrap=200 if bootstrap is None else bootstrap, level=level,
                                 seed=recipe.seed, warn_above=warn, noise=noise)
+    ignored = sorted({k for p in points for k in p.source.get("ignored_keys", ())})
     if roofline_recipe:
-        return fit_benchmarks_roofline(
+        fit = fit_benchmarks_roofline(
             points, fixed, form or recipe.form, prior=recipe.prior, fit_metrics=recipe.fit_metrics,
             weights=recipe.weights,
             bootstrap=(recipe.bootstrap or 40) if bootstrap is None else bootstrap,
             iterations=(recipe.bootstrap_iterations if recipe.bootstrap_iterations is not None
                         else 2) if iterations is None else iterations,
             level=level, seed=recipe.seed, warn_above=warn)
-    return fit_benchmarks(points, form_obj, fixed=fixed, fit_metrics=recipe.fit_metrics,
-                          weights=recipe.weights,
-                          bootstrap=(recipe.bootstrap or 40) if bootstrap is None else bootstrap,
-                          iterations=(recipe.bootstrap_iterations if recipe.bootstrap_iterations
-                                      is not None else 2) if iterations is None else iterations,
-                          level=level, seed=recipe.seed, warn_above=warn)
+    else:
+        fit = fit_benchmarks(points, form_obj, fixed=fixed, fit_metrics=recipe.fit_metrics,
+                             weights=recipe.weights,
+                             bootstrap=(recipe.bootstrap or 40) if bootstrap is None else bootstrap,
+                             iterations=(recipe.bootstrap_iterations if recipe.bootstrap_iterations
+                                         is not None else 2) if iterations is None else iterations,
+                             level=level, seed=recipe.seed, warn_above=warn)
+    if ignored:
+        fit.notes.append(f"table keys read as no metric (left out of the fit): {', '.join(ignored)}")
+    return fit
 
 
 def _read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Recipe,
@@ -246,8 +255,11 @@ def _calibrate_roofline(inputs, recipe, opts, *, host_overhead, workload, num_sp
         if not path.exists():
             raise CalibrationError(f"{path}: cannot read: No such file or directory")
         if selector is not None or not _is_step_input(path):
-            raise CalibrationError(f"{path}: --form roofline fits step samples (an iteration log, "
-                                   "CSV or JSON step rows), not benchmark results")
+            raise CalibrationError(
+                f"{path}: --form roofline fits step samples (an iteration log, CSV or JSON step rows), "
+                "not benchmark results; a table is fitted in the roofline form through --base: a "
+                "profile or recipe whose step_time says form: roofline (with hardware and model), "
+                "and --form naming its free terms, e.g. efficiency.weights,efficiency.experts,base")
         samples.append(read_step_samples(path, num_speculative_tokens))
     records = opts.pop("records", None) or []
     context = None

@@ -231,6 +231,11 @@ def _length(values: Any, mean: float | None, what: str, where: str) -> Any:
     return max(1, int(round(mean)))
 
 
+# The row keys of a closed-loop table that describe the run rather than measure it.
+TABLE_SHAPE_KEYS = frozenset({"concurrency", "input_len", "actual_prompt_len", "output_len", "num_prompts",
+                              "failures", "scenario"})
+
+
 def read_benchmarks(
     path: str | Path,
     selector: str | None = None,
@@ -245,7 +250,8 @@ def read_benchmarks(
 
     A table is a list of rows (or one row) with ``concurrency`` and measured aggregates
     (:func:`metric_of_key`); ``selector`` picks it inside a larger JSON (``a800_minimax_m3.runs.
-    no_spec``). Prompt/output lengths and request counts come from the row (``input_len``,
+    no_spec``). Other keys (neither a metric nor :data:`TABLE_SHAPE_KEYS`) are read as nothing
+    and named in each point's source (``ignored_keys``) and in the fit's notes. Prompt/output lengths and request counts come from the row (``input_len``,
     ``actual_prompt_len``, ``output_len``, ``num_prompts``), the enclosing ``load`` section
     (``max_tokens``, ``hold_seconds``: requests = hold x measured QPS) or ``workload``
     (which overrides both; e.g. an assumed ``input_len``).
@@ -271,6 +277,11 @@ def read_benchmarks(
     for p in parents:
         if isinstance(p, dict) and isinstance(p.get("load"), dict):
             load = p["load"]
+    # Keys that are neither a metric nor the row's shape: kept, but named (a misspelt metric
+    # would otherwise vanish without a word).
+    ignored = sorted({k for r in rows for k in r} - TABLE_SHAPE_KEYS - {k for r in rows for k in r if metric_of_key(k)})
+    if ignored:
+        source = {**source, "ignored_keys": ignored}
     points = []
     for i, row in enumerate(rows):
         rw = f"{where} row {i}"

@@ -451,6 +451,11 @@ def calibrate_cmd(
         help="Step samples: fit step_time.noise from the residual ratios (empirical quantiles, or "
              "lognormal), or none (not written).",
     ),
+    rows: Optional[List[str]] = typer.Option(
+        None, "--rows", metavar="LABEL",
+        help="Benchmark results: fit only the row with this label (repeatable), e.g. 'no-spec c=4'; "
+             "the others are left out (held out, to score the fit on).",
+    ),
 ) -> None:
     """Fit a profile (step-time coefficients) to step samples or benchmark results."""
     import shlex
@@ -475,11 +480,15 @@ def calibrate_cmd(
                                         prior_sd=prior_sd, records=records)
         elif hardware or model or records:
             raise cal.CalibrationError("--hardware, --model, --records: only with --form roofline")
+        elif combine != "sum" or routing_skew != "0" or prior_sd != 1.0:
+            # (a roofline recipe carries its own combine, routing skew and prior)
+            raise cal.CalibrationError("--combine, --routing-skew, --prior-sd: only with --form roofline "
+                                       "(a roofline recipe sets them in its step_time and prior)")
         startup.end()  # what follows reads the measurements and fits them
         fit = cal.calibrate(
             inputs, recipe, form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
             num_speculative_tokens=num_speculative_tokens, bootstrap=bootstrap, warn_above=warn_above,
-            noise=family, roofline=roofline,
+            noise=family, roofline=roofline, rows=rows,
         )
         command = "simcap calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         cal.write_profile(cal.profile_dict(fit, recipe, command=command), out)

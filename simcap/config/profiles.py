@@ -67,7 +67,9 @@ def apply_profile(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     """Merge the profile a scenario names under the scenario's own sections.
 
     Returns the merged scenario data with ``profile`` replaced by a provenance record
-    (``{path, name, sha256, ...}``) that results carry.
+    (``{path, name, sha256, ...}``) that results carry. ``speculative: null`` in the scenario
+    (or ``--set speculative=null``) removes the profile's speculative section; a null
+    ``engine`` or ``step_time`` is refused in one line.
     """
     ref = data.get("profile")
     if ref is None or isinstance(ref, dict):
@@ -78,6 +80,14 @@ def apply_profile(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     for section in SECTIONS:
         from_profile = getattr(profile, section)
         if from_profile is None:
+            continue
+        if section in data and data[section] is None:
+            # An explicit null removes the profile's section (speculative: null, or
+            # --set speculative=null: the same deployment without drafts).
+            if section != "speculative":
+                raise ScenarioError(f"{section}: null: a scenario cannot remove the profile's {section} "
+                                    f"section (leave the key out to take it, or give one); only "
+                                    "speculative: null removes a section")
             continue
         mine = data.get(section)
         if mine is None:
