@@ -111,10 +111,12 @@ def run_to_completion(
         while pending and arrivals[pending[0]] <= step:
             scheduler.add_request(requests[pending.pop(0)])
         if scheduler.has_unfinished_requests():
+            releasing = bool(scheduler.finished_pending)
             out = scheduler.schedule()
             check_step_invariants(scheduler, out)
-            # A step may schedule nothing only when a request preempted itself (it resumes next).
-            assert out.total_num_scheduled_tokens > 0 or out.preempted_reqs, "engine stalled"
+            # A step may schedule nothing only when a request preempted itself (it resumes next),
+            # or (async) when finished requests held the slots until this schedule released them.
+            assert out.total_num_scheduled_tokens > 0 or out.preempted_reqs or releasing, "engine stalled"
             for req in out.reqs:
                 if req.request_id not in seen:
                     seen.add(req.request_id)
@@ -130,6 +132,7 @@ def run_to_completion(
             scheduler.kv.check_invariants()
         step += 1
         assert step < max_steps, "did not finish"
+    scheduler.apply_pending()  # (async) the last step's output, applied by the idle engine
     return emitted, first_scheduled, step
 
 

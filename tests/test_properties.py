@@ -60,13 +60,16 @@ def engine_and_requests(draw):
         spec = SpeculativeConfig(method=spec, num_speculative_tokens=k,
                                  acceptance_length=draw(st.floats(1.0, k + 1.0)),
                                  proposal_rate=1.0 if spec == "eagle3" else 0.6)
-    return engine, requests, arrivals, spec
+    # Async scheduling (the finished request's slot and blocks held one schedule longer) is
+    # modelled without drafts.
+    asynchronous = spec is None and draw(st.booleans())
+    return engine, requests, arrivals, spec, asynchronous
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(engine_and_requests())
 def test_scheduler_invariants_conservation_and_fcfs(case):
-    engine, requests, arrivals, spec = case
+    engine, requests, arrivals, spec, asynchronous = case
     acceptance = proposer = None
     lookahead = 0
     if spec is not None:
@@ -75,7 +78,7 @@ def test_scheduler_invariants_conservation_and_fcfs(case):
         lookahead = spec.num_lookahead_tokens
         if engine.kv_capacity_tokens < max(r.num_prompt_tokens + r.max_tokens for r in requests) + lookahead:
             return  # the pool must also hold the lookahead slots of one request
-    scheduler = Scheduler(engine, num_lookahead_tokens=lookahead)
+    scheduler = Scheduler(engine, num_lookahead_tokens=lookahead, async_scheduling=asynchronous)
     emitted, first_scheduled, _ = run_to_completion(
         scheduler, requests, arrivals, acceptance=acceptance, proposer=proposer
     )

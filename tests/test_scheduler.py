@@ -199,3 +199,36 @@ def test_a_request_arriving_as_a_step_ends_is_in_the_next_step(fast):
     steps = result.steps.as_arrays()
     assert steps["start"][:3].tolist() == [0.0, 0.25, 0.5]
     assert steps["num_prefill_tokens"][:3].tolist() == [16, 0, 16]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_async_scheduling_holds_a_finished_requests_slot_through_one_more_schedule(asynchronous):
+    # One slot (max_num_seqs 1): A (4-token prompt, 2 outputs) runs, B waits. Synchronous: A
+    # prefills (step 1), decodes its last token (step 2) and leaves; B is admitted at step 3.
+    # Async: step 3 is scheduled before step 2's output is applied, so A still holds the slot
+    # and its blocks; that schedule runs nothing and releases A; B is admitted at step 4.
+    from simcap.engine.scheduler import Scheduler
+    from tests.conftest import make_engine
+
+    sched = Scheduler(make_engine(max_num_seqs=1), async_scheduling=asynchronous)
+    a, b = make_request(0, 4, 2), make_request(1, 4, 2)
+    sched.add_request(a)
+    sched.add_request(b)
+    free_at_start = sched.kv.num_free_blocks
+    batches = []
+    for _ in range(5):
+        out = sched.schedule()
+        batches.append([(r.request_id, n) for r, n in zip(out.reqs, out.num_scheduled_tokens)])
+        sched.update_from_output(out)
+        if len(batches) == 2:
+            held = free_at_start - sched.kv.num_free_blocks  # A finished: its blocks, before step 3
+    if asynchronous:
+        assert batches == [[(0, 4)], [(0, 1)], [], [(1, 4)], [(1, 1)]]
+    else:
+        assert batches == [[(0, 4)], [(0, 1)], [(1, 4)], [(1, 1)], []]
+    assert (held >= 1) == asynchronous  # async: A's blocks free only once step 3 is scheduled
+    if asynchronous:  # B's last output waits for a next schedule, or for the engine to idle
+        assert sched.finished_pending == [b] and not sched.has_unfinished_requests()
+        sched.apply_pending()
+    assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks == free_at_start
+    assert a.is_finished and b.is_finished and sched.running == [] and sched.finished_pending == []

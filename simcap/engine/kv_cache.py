@@ -362,7 +362,7 @@ class KVCacheManager:
         if not new_computed_blocks and need_tokens <= num_held * bs:
             # Common decode step: the held blocks already have room.
             if self.enable_caching:
-                num_tokens = request.num_prompt_tokens + request.num_output_tokens
+                num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
                 if end > num_tokens:
                     end = num_tokens
                 if end // bs > self._num_committed.get(rid, 0):
@@ -402,7 +402,7 @@ class KVCacheManager:
         if self.enable_caching:
             if new_computed_blocks and rid not in self._num_committed:
                 self._num_committed[rid] = len(new_computed_blocks)
-            num_tokens = request.num_prompt_tokens + request.num_output_tokens
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
             self._cache_full_blocks(request, end if end < num_tokens else num_tokens)
         return True
 
@@ -437,8 +437,9 @@ class KVCacheManager:
         """Commit every full block of the request's computed tokens to the prefix cache
         (those of drafts accepted in its last step wait for its next allocation)."""
         if self.enable_caching:
-            num_tokens = request.num_prompt_tokens + request.num_output_tokens
-            computed = request.num_computed_tokens - request.num_accepted_uncommitted
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
+            # (async: the blocks of tokens not yet applied are cached one step later, too)
+            computed = request.num_computed_tokens - request.num_accepted_uncommitted - request.num_unapplied_tokens
             if computed > num_tokens:
                 computed = num_tokens
             if computed // self.block_size > self._num_committed.get(request.request_id, 0):
@@ -520,8 +521,9 @@ class KVCacheManager:
         if self.enable_caching:
             bs = self.block_size
             # Commit what the fast path left to commit (commit_full_blocks).
-            num_tokens = request.num_prompt_tokens + request.num_output_tokens
-            computed = request.num_computed_tokens - request.num_accepted_uncommitted
+            num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
+            # (async: the blocks of tokens not yet applied are cached one step later, too)
+            computed = request.num_computed_tokens - request.num_accepted_uncommitted - request.num_unapplied_tokens
             if computed > num_tokens:
                 computed = num_tokens
             num_cached = computed // bs

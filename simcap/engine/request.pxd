@@ -18,6 +18,7 @@ cdef class Request:
     cdef public object match_probability
     cdef public object is_prefill_chunk
     cdef public object num_accepted_uncommitted
+    cdef public object num_unapplied_tokens
     cdef public object num_preemptions
     cdef public object num_cached_tokens
     cdef public object num_public_tokens

@@ -51,6 +51,7 @@ class Request:
         "match_probability",
         "is_prefill_chunk",
         "num_accepted_uncommitted",
+        "num_unapplied_tokens",
         "num_preemptions",
         "num_cached_tokens",
         "num_public_tokens",
@@ -110,6 +111,9 @@ class Request:
         # fill only at the request's next allocation (which a finished or preempted request
         # never makes).
         self.num_accepted_uncommitted = 0
+        # Async scheduling: tokens the last step sampled that vLLM has not yet applied when the
+        # next step is scheduled, so its allocation cannot cache the blocks they fill.
+        self.num_unapplied_tokens = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.block_hashes: list[int] = []

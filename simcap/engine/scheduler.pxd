@@ -11,6 +11,9 @@ from simcap.engine.request cimport Request
 
 cdef class Scheduler:
     cdef public object config
+    cdef public object async_scheduling
+    cdef public object finished_pending
+    cdef public object unapplied
     cdef public object features
     cdef public object max_num_seqs
     cdef public object max_num_batched_tokens
@@ -41,3 +44,5 @@ cdef class Scheduler:
     cpdef update_from_output(self, out, num_accepted=*)
     @cython.locals(req=Request)
     cpdef finish_requests(self, finished)
+    @cython.locals(req=Request)
+    cpdef apply_pending(self)

@@ -20,6 +20,21 @@ large ``n``; a decoding one gets ``1 + num_spec_tokens``. Within one step:
 ``update_from_output()`` then appends the sampled tokens, rolls back rejected drafts and
 finishes requests. Nothing here knows about time: the caller prices a step with the step-time
 model and moves a clock.
+
+**Async scheduling** (``async_scheduling=True``, vLLM's ``AsyncScheduler``): step n+1 is
+scheduled before step n's output is applied. The sampled tokens are placeholders then, which
+gives every request the same tokens as the synchronous order; what differs is that a request
+that finished in step n is still RUNNING when step n+1 is scheduled: vLLM skips it (it has
+reached ``max_tokens``) but it keeps its running slot and its KV blocks until step n's output
+is applied, after that schedule. So here ``update_from_output`` marks it finished and leaves it
+in RUNNING (``finished_pending``), the next schedule skips it, and releases it at its end
+(:meth:`apply_pending`): admissions that its slot or blocks held back come a step later. Likewise
+the tokens a step sampled are not yet known to vLLM when the next step allocates, so that
+allocation caches no block they fill (``Request.num_unapplied_tokens``). A finishing request
+that must give up its blocks as a preemption victim is reported preempted (no admission that
+step), as vLLM does. Conformance-tested without drafts; with EAGLE drafts vLLM also schedules
+one more step for a request its drafts may have finished, which is not modelled yet. The
+simulator steps in the synchronous order (its fast paths run it) and prices async as timing.
 """
 
 from __future__ import annotations
@@ -148,9 +163,16 @@ class Scheduler:
     """vLLM V1's FCFS scheduler over a :class:`KVCacheManager` (pure, no clock)."""
 
     def __init__(
-        self, engine: SchedulerSettings, num_lookahead_tokens: int = 0, num_speculative_tokens: int = 0
+        self, engine: SchedulerSettings, num_lookahead_tokens: int = 0, num_speculative_tokens: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         self.config = engine
+        self.async_scheduling = async_scheduling
+        # Async scheduling: requests finished by the last update, still RUNNING with their blocks
+        # until the next schedule has run, and the requests whose sampled tokens vLLM has not
+        # applied yet then (see the module doc).
+        self.finished_pending: list[Request] = []
+        self.unapplied: list[Request] = []
         self.features = SchedulerFeatures.for_engine(engine)
         self.max_num_seqs = engine.max_num_seqs
         self.max_num_batched_tokens = engine.max_num_batched_tokens
@@ -184,7 +206,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return len(self.running) > len(self.finished_pending) or bool(self.waiting)
 
     # ------------------------------------------------------------------ schedule
 
@@ -195,6 +217,8 @@ class Scheduler:
         if not out.preempted_reqs:
             self._schedule_waiting(out, budget, threshold)
         self._advance(out)
+        if self.unapplied or self.finished_pending:
+            self.apply_pending()
         return out
 
     def schedule_decoders_and_admit(self, num_context_tokens: int) -> SchedulerOutput:
@@ -208,6 +232,8 @@ class Scheduler:
         )
         self._schedule_waiting(out, self.max_num_batched_tokens - n, self.prefill_threshold())
         self._advance(out)
+        if self.unapplied or self.finished_pending:
+            self.apply_pending()
         return out
 
     def admit_after_running(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -218,6 +244,8 @@ class Scheduler:
             out, self.max_num_batched_tokens - out.total_num_scheduled_tokens, self.prefill_threshold()
         )
         self._advance(out)
+        if self.unapplied or self.finished_pending:
+            self.apply_pending()
         return out
 
     def prefill_threshold(self) -> int:
@@ -261,6 +289,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.status == _FINISHED_LENGTH_CAPPED:
+                i += 1  # async: finished in the last step, its output not yet applied
+                continue
             computed = req.num_computed_tokens
             num_tokens = req.num_prompt_tokens + req.num_output_tokens
             n = num_tokens + req.num_spec_tokens - computed
@@ -278,6 +309,15 @@ class Scheduler:
             else:
                 while not kv.allocate_slots(req, n, num_lookahead_tokens=lookahead):
                     victim = running.pop()
+                    if victim.status == _FINISHED_LENGTH_CAPPED:
+                        # (async) vLLM preempts a request whose finishing output it has not
+                        # applied yet: its blocks go now, it counts as preempted (no admission
+                        # this step), and the output then finishes it from the waiting queue.
+                        self.kv.free(victim)
+                        self.finished_pending.remove(victim)
+                        self.num_preemptions += 1
+                        out.preempted_reqs.append(victim)
+                        continue
                     self._preempt(victim, out)
                     if victim is req:
                         return budget
@@ -430,6 +470,9 @@ class Scheduler:
             if new > room:
                 new = room
             req.num_output_tokens += new
+            if self.async_scheduling:
+                req.num_unapplied_tokens = new
+                self.unapplied.append(req)
             reqs_out.append(req)
             counts.append(new)
             if req.num_output_tokens >= req.max_tokens or num_tokens + new >= max_model_len:
@@ -439,10 +482,30 @@ class Scheduler:
         return EngineOutput(reqs_out, counts, finished)
 
     def finish_requests(self, finished: list[Request]) -> None:
-        """Release finished requests' blocks (in batch order) and drop them from RUNNING."""
+        """Release finished requests' blocks (in batch order) and drop them from RUNNING;
+        under async scheduling, after the next schedule (:meth:`apply_pending`)."""
+        if self.async_scheduling:
+            for req in finished:
+                req.status = _FINISHED_LENGTH_CAPPED
+                self.finished_pending.append(req)
+            return
         running = self.running
         free = self.kv.free
         for req in finished:
             req.status = _FINISHED_LENGTH_CAPPED
             free(req)
             running.remove(req)  # (by identity: Request defines no equality)
+
+    def apply_pending(self) -> None:
+        """Async scheduling: what applying the previous step's output does once the next step
+        is scheduled: its sampled tokens become cacheable, and the requests it finished free
+        their blocks (in the order they finished) and leave RUNNING."""
+        for req in self.unapplied:
+            req.num_unapplied_tokens = 0
+        self.unapplied = []
+        running = self.running
+        free = self.kv.free
+        for req in self.finished_pending:
+            free(req)
+            running.remove(req)
+        self.finished_pending = []

@@ -31,29 +31,41 @@ def run_driver(python: Path, model_dir: Path, scenarios: list[dict], tmp: Path, 
 
 
 def simcap_log(sc: dict, vllm_version: str = "0.32") -> dict:
-    """The driver's loop (:func:`driver.run_scenario`, synchronous) over simcap's Scheduler."""
-    engine = EngineConfig(vllm_version=vllm_version, async_scheduling=False, **sc["engine"])
+    """The driver's loop (:func:`driver.run_scenario`) over simcap's Scheduler. A scenario with
+    ``async_scheduling`` gets simcap's async scheduler: each step's output is applied as soon
+    as it is scheduled (placeholders make the tokens the synchronous ones); a finished request
+    holds its slot and blocks through the next schedule; a schedule with nothing to run is no
+    step (the driver logs none either) but the step counter, which times arrivals, moves on;
+    every decoding request drafts k placeholder tokens each step."""
+    asynchronous = bool(sc.get("async_scheduling"))
+    engine = EngineConfig(vllm_version=vllm_version, async_scheduling=asynchronous, **sc["engine"])
     spec = sc.get("speculative") or {}
     k = spec.get("k", 0)
     seed = sc["seed"]
     sched = Scheduler(engine, num_lookahead_tokens=driver.num_lookahead_tokens(sc.get("speculative")),
-                      num_speculative_tokens=k)
+                      num_speculative_tokens=k, async_scheduling=asynchronous)
     pending = sorted(sc["requests"], key=lambda q: (q["arrival_step"], q["id"]))
     log: list[dict] = []
     step = 0
-    while pending or sched.has_unfinished_requests():
+    def busy() -> bool:  # (async: a finished request not yet released is vLLM's unfinished too)
+        return sched.has_unfinished_requests() or bool(sched.finished_pending)
+
+    while pending or busy():
         while pending and pending[0]["arrival_step"] <= step:
             q = pending.pop(0)
             segments = tuple((key, n) for key, n in q["segments"])
             prompt = sum(n for _, n in segments)
             sched.add_request(Request(q["id"], float(q["arrival_step"]), prompt, q["max_tokens"], segments))
-        if not sched.has_unfinished_requests():
+        if not busy():
             step = pending[0]["arrival_step"]
             continue
         if len(log) >= driver.MAX_STEPS:
             return dict(name=sc["name"], steps=log, stalled=True)
         waiting_before = {id(r) for r in sched.waiting}
         out = sched.schedule()
+        if asynchronous and not out.total_num_scheduled_tokens:
+            step += 1
+            continue
         batch, hits = [], {}
         for req, n, d in zip(out.reqs, out.num_scheduled_tokens, out.num_scheduled_spec_tokens):
             batch.append([req.request_id, n, d])
@@ -72,8 +84,8 @@ def simcap_log(sc: dict, vllm_version: str = "0.32") -> dict:
         row["free_order"] = driver.free_order_digest(sched.kv.free_block_ids())
         if k:
             for req in result.reqs:
-                if not req.is_finished and driver.proposes(seed, spec["proposal_rate"], req.request_id,
-                                                           req.num_output_tokens):
+                if not req.is_finished and (asynchronous or driver.proposes(
+                        seed, spec["proposal_rate"], req.request_id, req.num_output_tokens)):
                     req.num_spec_tokens = k
         step += 1
     return dict(name=sc["name"], steps=log, stalled=False)
