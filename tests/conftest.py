@@ -111,11 +111,12 @@ def run_to_completion(
         while pending and arrivals[pending[0]] <= step:
             scheduler.add_request(requests[pending.pop(0)])
         if scheduler.has_unfinished_requests():
-            releasing = bool(scheduler.finished_pending)
+            releasing = bool(scheduler.finished_pending or scheduler.unapplied)
             out = scheduler.schedule()
             check_step_invariants(scheduler, out)
             # A step may schedule nothing only when a request preempted itself (it resumes next),
-            # or (async) when finished requests held the slots until this schedule released them.
+            # or (async) when the last step's output, applied after this schedule, frees slots or
+            # blocks or rolls back drafts that left no room below max_model_len.
             assert out.total_num_scheduled_tokens > 0 or out.preempted_reqs or releasing, "engine stalled"
             for req in out.reqs:
                 if req.request_id not in seen:

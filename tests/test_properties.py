@@ -60,9 +60,8 @@ def engine_and_requests(draw):
         spec = SpeculativeConfig(method=spec, num_speculative_tokens=k,
                                  acceptance_length=draw(st.floats(1.0, k + 1.0)),
                                  proposal_rate=1.0 if spec == "eagle3" else 0.6)
-    # Async scheduling (the finished request's slot and blocks held one schedule longer) is
-    # modelled without drafts.
-    asynchronous = spec is None and draw(st.booleans())
+    # Async scheduling (vLLM's takes EAGLE drafts, not ngram ones).
+    asynchronous = (spec is None or spec.method == "eagle3") and draw(st.booleans())
     return engine, requests, arrivals, spec, asynchronous
 
 

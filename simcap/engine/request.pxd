@@ -19,6 +19,7 @@ cdef class Request:
     cdef public object is_prefill_chunk
     cdef public object num_accepted_uncommitted
     cdef public object num_unapplied_tokens
+    cdef public object num_rejected_pending
     cdef public object num_preemptions
     cdef public object num_cached_tokens
     cdef public object num_public_tokens

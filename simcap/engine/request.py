@@ -52,6 +52,7 @@ class Request:
         "is_prefill_chunk",
         "num_accepted_uncommitted",
         "num_unapplied_tokens",
+        "num_rejected_pending",
         "num_preemptions",
         "num_cached_tokens",
         "num_public_tokens",
@@ -114,6 +115,9 @@ class Request:
         # Async scheduling: tokens the last step sampled that vLLM has not yet applied when the
         # next step is scheduled, so its allocation cannot cache the blocks they fill.
         self.num_unapplied_tokens = 0
+        # Async scheduling with drafts: drafts the last step rejected, whose KV slots vLLM still
+        # counts when the next step allocates (it rolls them back once the output is applied).
+        self.num_rejected_pending = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.block_hashes: list[int] = []

@@ -32,9 +32,11 @@ in RUNNING (``finished_pending``), the next schedule skips it, and releases it a
 the tokens a step sampled are not yet known to vLLM when the next step allocates, so that
 allocation caches no block they fill (``Request.num_unapplied_tokens``). A finishing request
 that must give up its blocks as a preemption victim is reported preempted (no admission that
-step), as vLLM does. Conformance-tested without drafts; with EAGLE drafts vLLM also schedules
-one more step for a request its drafts may have finished, which is not modelled yet. The
-simulator steps in the synchronous order (its fast paths run it) and prices async as timing.
+step), as vLLM does. With drafts, vLLM cannot know at the next schedule that the drafts
+finished a request (all might have been rejected): unless the bonus token alone ends it, it
+gets one more decode step with placeholder drafts, wasted; and that schedule's allocations
+still count the last step's rejected drafts (``Request.num_rejected_pending``). The simulator
+steps in the synchronous order (its fast paths run it) and prices async as timing.
 """
 
 from __future__ import annotations
@@ -287,27 +289,37 @@ class Scheduler:
         bs = self.block_size
         max_len_minus_1 = self.max_model_len - 1
         i = 0
+        k = self.num_spec_tokens
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.status == _FINISHED_LENGTH_CAPPED:
-                i += 1  # async: finished in the last step, its output not yet applied
-                continue
             computed = req.num_computed_tokens
+            # (async, drafts: vLLM still counts the last step's rejected drafts as computed)
+            rejected = req.num_rejected_pending
             num_tokens = req.num_prompt_tokens + req.num_output_tokens
-            n = num_tokens + req.num_spec_tokens - computed
+            wasted = req.status == _FINISHED_LENGTH_CAPPED
+            if wasted:
+                # Async: finished in the last step, its output not yet applied. vLLM skips it
+                # when it is sure: even with every draft of that step rejected it would end.
+                # Else it schedules one more decode with placeholder drafts, wasted.
+                if not k or req.num_output_tokens - req.num_unapplied_tokens + 1 >= req.max_tokens:
+                    i += 1
+                    continue
+                n = 1 + k
+            else:
+                n = num_tokens + req.num_spec_tokens - computed
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
                 n = budget
-            if n > max_len_minus_1 - computed:
-                n = max_len_minus_1 - computed
+            if n > max_len_minus_1 - computed - rejected:
+                n = max_len_minus_1 - computed - rejected
             if n <= 0:
                 i += 1
                 continue
             if n == 1 and not lookahead and (computed + 1) % bs and computed < kv.num_blocks_held(req) * bs:
                 pass  # a token inside a held block that does not fill it: the pool is unchanged
             else:
-                while not kv.allocate_slots(req, n, num_lookahead_tokens=lookahead):
+                while not kv.allocate_slots(req, n + rejected, num_lookahead_tokens=lookahead):
                     victim = running.pop()
                     if victim.status == _FINISHED_LENGTH_CAPPED:
                         # (async) vLLM preempts a request whose finishing output it has not
@@ -317,12 +329,14 @@ class Scheduler:
                         self.finished_pending.remove(victim)
                         self.num_preemptions += 1
                         out.preempted_reqs.append(victim)
+                        if victim is req:
+                            return budget
                         continue
                     self._preempt(victim, out)
                     if victim is req:
                         return budget
             # Drafts that did not fit in the budget are dropped, not delayed.
-            num_spec = computed + n - num_tokens
+            num_spec = n - 1 if wasted else computed + n - num_tokens
             if num_spec < 0:
                 num_spec = 0
             if num_spec < req.num_spec_tokens:
@@ -336,6 +350,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_rejected_pending = 0
         req.num_spec_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -446,15 +461,20 @@ class Scheduler:
         counts: list[int] = []
         finished: list[Request] = []
         max_model_len = self.max_model_len
+        asynchronous = self.async_scheduling
         for idx, req in enumerate(out.reqs):
             # (vLLM skips a request preempted later in the same step: under FCFS the one
             # preempted is always the last running request, never one already scheduled.)
+            if req.status == _FINISHED_LENGTH_CAPPED:
+                continue  # (async) a step scheduled for a request already finished: wasted
             num_spec = out.num_scheduled_spec_tokens[idx]
             if num_spec:
                 accepted = num_accepted[idx] if num_accepted is not None else 0
                 req.num_computed_tokens -= num_spec - accepted
                 req.num_spec_tokens = 0
                 req.num_accepted_uncommitted = accepted
+                if asynchronous:
+                    req.num_rejected_pending = num_spec - accepted
             else:
                 accepted = 0
                 if req.num_accepted_uncommitted:
@@ -502,6 +522,7 @@ class Scheduler:
         their blocks (in the order they finished) and leave RUNNING."""
         for req in self.unapplied:
             req.num_unapplied_tokens = 0
+            req.num_rejected_pending = 0
         self.unapplied = []
         running = self.running
         free = self.kv.free

@@ -62,6 +62,9 @@ def simcap_log(sc: dict, vllm_version: str = "0.32") -> dict:
         if len(log) >= driver.MAX_STEPS:
             return dict(name=sc["name"], steps=log, stalled=True)
         waiting_before = {id(r) for r in sched.waiting}
+        # The outputs vLLM has applied when it schedules (async: not the last step's): the
+        # driver draws each step's acceptance from that count.
+        visible = {r.request_id: r.num_output_tokens - r.num_unapplied_tokens for r in sched.running}
         out = sched.schedule()
         if asynchronous and not out.total_num_scheduled_tokens:
             step += 1
@@ -71,7 +74,8 @@ def simcap_log(sc: dict, vllm_version: str = "0.32") -> dict:
             batch.append([req.request_id, n, d])
             if id(req) in waiting_before:
                 hits[str(req.request_id)] = req.num_computed_tokens - n
-        accepted = out.reject_padding([driver.accepted_for(sc, req.request_id, req.num_output_tokens, d)
+        accepted = out.reject_padding([driver.accepted_for(sc, req.request_id,
+                                                           visible.get(req.request_id, req.num_output_tokens), d)
                                        for req, d in zip(out.reqs, out.num_scheduled_spec_tokens)])
         row = dict(step=step, batch=batch, preempted=sorted(r.request_id for r in out.preempted_reqs),
                    hits=hits, running=len(sched.running), waiting=len(sched.waiting),
