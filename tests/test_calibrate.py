@@ -400,3 +400,27 @@ def test_a_table_key_read_as_no_metric_is_named(tmp_path):
                "--form", "base,per_decode_token", "--json")
     assert done.returncode == 0, done.stderr
     assert "table keys read as no metric (left out of the fit): mean_ttft_msec" in json.loads(done.stdout)["notes"]
+
+
+def test_base_may_be_a_scenario_file(tmp_path):
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps([
+        {"concurrency": 1, "output_throughput": 50, "input_len": 100, "output_len": 64},
+        {"concurrency": 2, "output_throughput": 90, "input_len": 100, "output_len": 64}]))
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(f"profile: {ROOT / 'calibration' / 'profiles' / 'a800-minimax-m3.yaml'}\n"
+                        "speculative: null\nworkload: {arrival: {process: closed, concurrency: 1}, "
+                        "num_requests: 8, input_len: 100, output_len: 64}\n")
+    done = run("calibrate", str(table), "--out", str(tmp_path / "p.yaml"), "--base", str(scenario),
+               "--form", "base,per_decode_token")
+    assert done.returncode == 0, done.stderr
+    profile, _ = load_profile(tmp_path / "p.yaml")
+    a800, _ = load_profile(ROOT / "calibration" / "profiles" / "a800-minimax-m3.yaml")
+    assert profile.name == "s" and profile.speculative is None  # the scenario's null removed the drafts
+    assert profile.engine == a800.engine  # the deployment of the profile the scenario names
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workload: {arrival: {process: closed, concurrency: 0}, num_requests: 8, input_len: 1, "
+                   "output_len: 1}\n")
+    refused = run("calibrate", str(table), "--out", str(tmp_path / "q.yaml"), "--base", str(bad))
+    assert refused.returncode == 2 and refused.stderr.startswith(f"error: --base {bad}: ")
+    assert len(refused.stderr.strip().splitlines()) == 1

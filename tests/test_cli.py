@@ -289,3 +289,18 @@ def test_a_required_section_cannot_be_nulled_over_a_profile(tmp_path, section):
     line = simulate_error_line(_a800_closed(tmp_path), [f"{section}=null"])
     assert line == (f"error: {section}: null: a scenario cannot remove the profile's {section} section "
                     "(leave the key out to take it, or give one); only speculative: null removes a section")
+
+
+def test_provenance_follows_a_hardware_override_and_names_what_it_inherits(tmp_path):
+    profile = ROOT / "calibration" / "profiles" / "a800-minimax-m3.roofline.yaml"
+    path = write(tmp_path, f"profile: {profile}\nstep_time: {{hardware: h100-sxm}}\nworkload: {{arrival: "
+                           "{process: closed, concurrency: 2}, num_requests: 8, input_len: 100, output_len: 64}\n")
+    provenance = json.loads(run("simulate", str(path), "--json").stdout)["provenance"]
+    assert provenance["profile"]["overridden"] == {"step_time.hardware": {"profile": "a800-80gb",
+                                                                           "scenario": "h100-sxm"}}
+    assert provenance["profile"]["inherited_as_fitted"] == {"engine.vllm_version": "0.26"}
+    assert provenance["step_time_source"].endswith(
+        "; not as fitted: step_time.hardware a800-80gb -> h100-sxm; inherited as fitted: engine.vllm_version 0.26")
+    plain = write(tmp_path, f"profile: {profile}\nworkload: {{arrival: {{process: closed, concurrency: 2}}, "
+                            "num_requests: 8, input_len: 100, output_len: 64}\n")
+    assert json.loads(run("simulate", str(plain), "--json").stdout)["provenance"]["profile"]["overridden"] is None

@@ -71,6 +71,26 @@ def base_from_profile(path: str | Path) -> Recipe:
                   step_time=dict(profile.step_time))
 
 
+def base_from_scenario(path: str | Path, data: dict) -> Recipe:
+    """A recipe without datasets from a scenario file (``--base``): its engine, speculative and
+    step-time sections as written, over the profile it names (checked as a scenario first)."""
+    from simcap.config.profiles import apply_profile
+    from simcap.config.scenario import parse_scenario
+    from simcap.errors import ScenarioError
+
+    path = Path(path)
+    try:
+        parse_scenario(data, base_dir=path.parent)
+        merged = apply_profile(dict(data), path.parent)
+    except ScenarioError as exc:
+        raise CalibrationError(f"--base {path}: {exc}") from None
+    ref = merged.get("profile") if isinstance(merged.get("profile"), dict) else {}
+    return Recipe(name=str(merged.get("name") or path.stem), path=path, hardware=ref.get("hardware"),
+                  model=ref.get("model"), engine=dict(merged.get("engine") or {}),
+                  speculative=dict(merged["speculative"]) if merged.get("speculative") else None,
+                  step_time=dict(merged.get("step_time") or {}))
+
+
 def parse_fix(items: Sequence[str]) -> dict[str, float]:
     """``["mixed_step=0.03", ...]`` (``--fix``) -> {term: seconds}."""
     fixed = {}
@@ -94,8 +114,8 @@ def recipe_for(
 ) -> tuple[Recipe, list[str]]:
     """The recipe of a ``simcap calibrate`` call and the measurement files left to read.
 
-    One ``.yaml`` input is a recipe (its datasets are the data); ``base`` is a profile or a
-    recipe whose deployment and start values are used for the given files.
+    One ``.yaml`` input is a recipe (its datasets are the data); ``base`` is a profile, a
+    recipe or a scenario whose deployment and start values are used for the given files.
     """
     inputs = list(inputs)
     recipe = None
@@ -109,7 +129,12 @@ def recipe_for(
         except yaml.YAMLError as exc:
             raise CalibrationError(f"{base}: malformed YAML: {str(exc).splitlines()[0]}") from None
         is_recipe = isinstance(data, dict) and "datasets" in data
-        recipe = Recipe.load(base) if is_recipe else base_from_profile(base)
+        if is_recipe:
+            recipe = Recipe.load(base)
+        elif isinstance(data, dict) and "workload" in data:
+            recipe = base_from_scenario(base, data)
+        else:
+            recipe = base_from_profile(base)
         recipe.datasets = []
     recipe = recipe or Recipe(name=default_name)
     if name:

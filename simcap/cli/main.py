@@ -405,7 +405,7 @@ def calibrate_cmd(
     ),
     out: Path = typer.Option(..., "--out", help="Profile YAML to write."),
     base: Optional[Path] = typer.Option(
-        None, "--base", help="Profile or recipe giving the deployment (engine, speculative) and start values."
+        None, "--base", help="Profile, recipe or scenario giving the deployment (engine, speculative) and start values."
     ),
     name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: the base's, or --out's stem)."),
     form: Optional[str] = typer.Option(

@@ -103,4 +103,24 @@ def apply_profile(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
         "fit": profile.provenance.get("fit_method"),
         "simcap_version": profile.provenance.get("simcap_version"),
     }
+    overridden = _overridden(profile, data)
+    if overridden:
+        # The run is not the fitted deployment: say what the scenario changed, and what it
+        # still inherits that describes the fitted one (the vLLM version modelled).
+        merged["profile"]["overridden"] = overridden
+        merged["profile"]["inherited_as_fitted"] = {
+            key: value for key, value in (("engine.vllm_version", profile.engine.get("vllm_version")),)
+            if value is not None and "vllm_version" not in (data.get("engine") or {})
+        }
     return merged
+
+
+def _overridden(profile: Profile, data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The scenario's changes to what the profile was fitted on: hardware, model and their
+    dtypes or parallelism in ``step_time``, ``{key: {"profile": ..., "scenario": ...}}``."""
+    mine = data.get("step_time") if isinstance(data.get("step_time"), dict) else {}
+    out = {}
+    for key in ("hardware", "model", "tensor_parallel_size", "weight_dtype", "kv_dtype", "compute_dtype"):
+        if key in mine and mine[key] != profile.step_time.get(key):
+            out[f"step_time.{key}"] = {"profile": profile.step_time.get(key), "scenario": mine[key]}
+    return out

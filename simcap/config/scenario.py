@@ -759,6 +759,11 @@ class ProfileRef(_Model):
     model: str | None = None
     fit: str | None = None
     simcap_version: str | None = None
+    # What the scenario changed of the fitted deployment ({"step_time.hardware": {"profile":
+    # ..., "scenario": ...}}), and what it still takes from the profile that describes the
+    # fitted one ({"engine.vllm_version": "0.26"}); None when it changed none of it.
+    overridden: dict[str, dict[str, Any]] | None = None
+    inherited_as_fitted: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- deployment
@@ -932,6 +937,11 @@ class Scenario(_Model):
         """SHA-256 of the canonical JSON form: names this exact scenario in results (a trace
         by its file's content, not by where it was read from)."""
         data = self.model_dump(mode="json")
+        profile = data.get("profile")
+        if profile:  # (fields added later name a scenario only when set: older digests hold)
+            for key in ("overridden", "inherited_as_fitted"):
+                if profile.get(key) is None:
+                    profile.pop(key, None)
         if self.workload.trace is not None:
             data["workload"]["trace"]["path"] = "sha256:" + self.workload.trace.requests.summary["sha256"]
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))

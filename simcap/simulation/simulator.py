@@ -89,7 +89,7 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
         "seed": scenario.seed,
         "profile": scenario.profile.model_dump() if scenario.profile else None,
         "step_time_source": (
-            f"profile {scenario.profile.name} (scenario keys override it)"
+            f"profile {scenario.profile.name} (scenario keys override it){_overrides(scenario.profile)}"
             if scenario.profile
             else "scenario" if scenario.step_time_given else ILLUSTRATIVE_STEP_TIME
         ),
@@ -101,6 +101,16 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
         ),
         **({"trace": scenario.workload.trace.requests.summary} if scenario.workload.trace else {}),
     }
+
+
+def _overrides(ref: Any) -> str:
+    """``; not as fitted: step_time.hardware a800-80gb -> h100-sxm; inherited as fitted:
+    engine.vllm_version 0.26`` (empty when the scenario runs the fitted deployment)."""
+    if not ref.overridden:
+        return ""
+    changed = ", ".join(f"{k} {v['profile']} -> {v['scenario']}" for k, v in ref.overridden.items())
+    kept = ", ".join(f"{k} {v}" for k, v in (ref.inherited_as_fitted or {}).items())
+    return f"; not as fitted: {changed}" + (f"; inherited as fitted: {kept}" if kept else "")
 
 
 GAP_BUFFER = 1 << 16  # per-chunk ITL samples collected before one bulk add to the metrics
