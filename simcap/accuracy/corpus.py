@@ -165,6 +165,24 @@ def write_case(folder: Path, data: dict[str, Any]) -> Case:
     return case
 
 
+def roofline_ref(hardware: str, model: str) -> dict[str, Any]:
+    """A case's roofline form: ``hardware`` a catalog name or a YAML file holding one hardware
+    entry (``benchmarks/measure_cpu.py`` writes one; kept inline, so the case needs no file),
+    ``model`` a catalog model shape; combined by max (the live roofline test's form)."""
+    import yaml
+
+    entry: Any = hardware
+    if Path(hardware).suffix in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(Path(hardware).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise CorpusError(f"--roofline-hardware {hardware}: cannot read: {exc}") from None
+        if not isinstance(data, dict) or len(data) != 1:
+            raise CorpusError(f"--roofline-hardware {hardware}: expected one hardware entry (name: {{...}})")
+        entry = next(iter(data.values()))
+    return {"hardware": entry, "model": model, "combine": "max"}
+
+
 class CaseRecorder:
     """Records a live case while ``simcap live validate --record DIR`` runs (its two hooks).
 
@@ -175,7 +193,7 @@ class CaseRecorder:
     on from the instances the point already holds (so a second command adds instances).
     """
 
-    def __init__(self, folder: str | Path, scenario: dict[str, Any], point: str, replay: str, *,
+    def __init__(self, folder: str | Path, scenario: Any, point: str, replay: str, *,
                  model: str | None, description: str | None = None, mechanisms: Sequence[str] = (),
                  server: dict[str, Any] | None = None, roofline: dict[str, Any] | None = None,
                  calibrate_up_to: int | None = None, api_key: str | None = None,
@@ -185,6 +203,10 @@ class CaseRecorder:
         self.folder = Path(folder)
         self.point, self.replay, self.model = point, replay, model
         self.api_key, self.prompt_period, self.calibrate_up_to = api_key, prompt_period, calibrate_up_to
+        # The point's scenario as sent, less its step-time model (the replay fits its own).
+        scenario = scenario.model_dump(mode="json", exclude_none=True)
+        scenario.pop("profile", None)
+        scenario.pop("step_time", None)
         self.scenario = scenario
         existing = (self.folder / CASE_FILE).exists()
         if existing:

@@ -292,7 +292,7 @@ def validate_cmd(
         if record is not None:
             recorder = _recorder(record, sc, point or scenario.stem, replay, model, config, description,
                                  mechanism or [], roofline_hardware, roofline_model, calibrate_up_to, key,
-                                 prompt_period)
+                                 prompt_period, fleet=len(base_url or []) > 1)
         result = validate(
             sc, _urls(base_url or []), model, repeats, endpoint=endpoint, progress=not json_out,
             warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
@@ -340,35 +340,15 @@ def validate_cmd(
 
 def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Optional[str], launch,
               description: Optional[str], mechanisms: List[str], hardware: Optional[str], shape: Optional[str],
-              calibrate_up_to: Optional[int], api_key: Optional[str], prompt_period: Optional[int]):
+              calibrate_up_to: Optional[int], api_key: Optional[str], prompt_period: Optional[int], fleet: bool):
     """The case recorder of ``--record`` (see :class:`simcap.accuracy.corpus.CaseRecorder`)."""
-    import yaml
+    from simcap.accuracy.corpus import CaseRecorder, roofline_ref
+    from simcap.live.validate import default_replay
 
-    from simcap.accuracy.corpus import CaseRecorder, CorpusError
-    from simcap.config.scenario import ClosedArrival
-
-    roofline = None
-    if hardware is not None:
-        entry: object = hardware
-        if Path(hardware).suffix in (".yaml", ".yml"):
-            try:
-                data = yaml.safe_load(Path(hardware).read_text())
-            except (OSError, yaml.YAMLError) as exc:
-                raise CorpusError(f"--roofline-hardware {hardware}: cannot read: {exc}") from None
-            if not isinstance(data, dict) or len(data) != 1:
-                raise CorpusError(f"--roofline-hardware {hardware}: expected one hardware entry (name: {{...}})")
-            entry = next(iter(data.values()))
-        roofline = {"hardware": entry, "model": shape, "combine": "max"}
-    if replay is None:
-        closed = isinstance(sc.workload.arrival, ClosedArrival)
-        replay = ("sessions" if sc.workload.sessions is not None
-                  else "closed" if closed and sc.deployment is None else "times")
-    server = {} if launch is None else {"launch": launch.model_dump(mode="json")}
-    data = sc.model_dump(mode="json", exclude_none=True)
-    data.pop("profile", None)
-    data.pop("step_time", None)
-    return CaseRecorder(folder, data, point, replay, model=model, description=description,
-                        mechanisms=mechanisms, server=server, roofline=roofline,
+    return CaseRecorder(folder, sc, point, replay or default_replay(sc, fleet), model=model,
+                        description=description, mechanisms=mechanisms,
+                        server={} if launch is None else {"launch": launch.model_dump(mode="json")},
+                        roofline=None if hardware is None else roofline_ref(hardware, shape),
                         calibrate_up_to=calibrate_up_to, api_key=api_key, prompt_period=prompt_period)
 
 

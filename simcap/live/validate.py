@@ -141,6 +141,16 @@ def session_trace_of(run: LiveRun) -> ClosedLoopTrace:
     return ClosedLoopTrace.from_records(run.records, lambda rec, j: _replayed_spec(run, rec, j), by=by)
 
 
+def default_replay(scenario: Scenario, fleet: bool = False) -> str:
+    """How a live run of ``scenario`` is replayed unless told: as its sessions, as its closed
+    loop (one server), else at its send times."""
+    if scenario.workload.sessions is not None:
+        return "sessions"
+    if isinstance(scenario.workload.arrival, ClosedArrival) and not fleet:
+        return "closed"
+    return "times"
+
+
 def replay_run(scenario: Scenario, run: LiveRun, replay: str) -> Any:
     """The simulation of exactly ``run``'s trace on ``scenario`` (records kept): at its send
     times (``"times"``), as its closed loop (``"closed"``) or as its sessions (``"sessions"``);
@@ -604,7 +614,7 @@ def validate(
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
     has_sessions = scenario.workload.sessions is not None
     if replay is None:
-        replay = "sessions" if has_sessions else "closed" if closed and not fleet else "times"
+        replay = default_replay(scenario, fleet)
     if replay == "closed" and fleet:
         raise LiveError("replay: a fleet is replayed at its send times (replay: times)")
     if replay not in REPLAYS:
