@@ -424,3 +424,24 @@ def test_base_may_be_a_scenario_file(tmp_path):
     refused = run("calibrate", str(table), "--out", str(tmp_path / "q.yaml"), "--base", str(bad))
     assert refused.returncode == 2 and refused.stderr.startswith(f"error: --base {bad}: ")
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_table_fit_says_what_each_row_simulated_and_warns_of_a_zero_prefill_cost(tmp_path):
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps([
+        {"concurrency": 1, "output_throughput": 50, "input_len": 100, "output_len": 64},
+        {"concurrency": 2, "output_throughput": 90, "input_len": 100, "output_len": 64, "num_prompts": 10}]))
+    base = tmp_path / "base.yaml"
+    base.write_text("name: b\nengine: {max_num_seqs: 8, max_num_batched_tokens: 512, block_size: 16, "
+                    "num_gpu_blocks: 1000, max_model_len: 4096}\nstep_time: {base: 0.01, per_decode_token: 0.001}\n")
+    done = run("calibrate", str(table), "--out", str(tmp_path / "p.yaml"), "--base", str(base),
+               "--form", "base,per_decode_token", "--json", "--bootstrap", "0")
+    assert done.returncode == 0, done.stderr
+    rows = next(n for n in json.loads(done.stdout)["notes"] if n.startswith("rows simulated: "))
+    assert "c=1: closed loop of 1, 60 requests, input 100, output 64; throughput = concurrency x tokens " \
+           "per request / mean E2E (steady state" in rows
+    assert "c=2: closed loop of 2, 10 requests, input 100, output 64; throughput over the run" in rows
+    assert "WARNING: per_prefill_token is 0 (not a free term" in done.stderr
+    freed = run("calibrate", str(table), "--out", str(tmp_path / "q.yaml"), "--base", str(base),
+                "--form", "base,per_decode_token", "--fix", "per_prefill_token=0.0001", "--bootstrap", "0")
+    assert freed.returncode == 0 and "per_prefill_token is 0" not in freed.stderr

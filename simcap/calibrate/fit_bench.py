@@ -78,6 +78,21 @@ class _Objective:
         return np.asarray(r)
 
 
+def _rows_note(points: Sequence[BenchmarkPoint]) -> str:
+    """What each row was simulated as, and how its throughput is read."""
+    parts = []
+    for p in points:
+        wl = p.scenario["workload"]
+        arrival = wl["arrival"]
+        how = (f"closed loop of {arrival['concurrency']}" if arrival.get("process") == "closed"
+               else f"{arrival.get('process')} at {arrival.get('rate')} req/s")
+        parts.append(f"{p.label}: {how}, {wl.get('num_requests')} requests, input {wl.get('input_len')}, "
+                     f"output {wl.get('output_len')}"
+                     + ("; throughput = concurrency x tokens per request / mean E2E (steady state: the "
+                        "row gives no request count)" if p.steady_state else "; throughput over the run"))
+    return "rows simulated: " + "; ".join(parts)
+
+
 def _ignored_note(points: Sequence[BenchmarkPoint]) -> str:
     """``; read as no metric: KEY, ...`` for the table keys the reader left out (else empty)."""
     keys = sorted({k for p in points for k in p.source.get("ignored_keys", ())})
@@ -144,10 +159,16 @@ def fit_benchmarks(
             f"{', '.join(form.free)}); fix a term with --form or give better start values"
         )
     warnings: list[str] = []
-    notes = [f"least_squares: {res.nfev} evaluations ({obj.evaluations} distinct), {res.message}"]
+    notes = [f"least_squares: {res.nfev} evaluations ({obj.evaluations} distinct), {res.message}",
+             _rows_note(points)]
     x_hat = res.x
     J = res.jac
     coeffs = obj.coefficients(x_hat)
+    if "per_prefill_token" not in form.free and "per_prefill_token" not in form.tied and not coeffs["per_prefill_token"]:
+        warnings.append(
+            "WARNING: per_prefill_token is 0 (not a free term, and the base or --fix gives no value): "
+            "every prompt prefills in no time, so TTFT is the step's base cost alone; free it in "
+            "--form or give it with --fix")
     # identifiability: a near-null direction of the scaled Jacobian means terms trade off.
     active = x_hat > 1e-6
     if p > 1 and active.sum() > 1:
@@ -447,7 +468,8 @@ def fit_benchmarks_roofline(
             f"{files}: the fit did not converge within {res.nfev} evaluations (free terms "
             f"{', '.join(form.free)}); fix a term or give better start values")
     warnings: list[str] = []
-    notes = [f"least_squares: {res.nfev} evaluations ({obj.evaluations} distinct), {res.message}"]
+    notes = [f"least_squares: {res.nfev} evaluations ({obj.evaluations} distinct), {res.message}",
+             _rows_note(points)]
     x_hat, J = res.x, res.jac
     coeffs = obj.coefficients(x_hat)
     # Identification (Laplace approximation): posterior covariance (J'J)^-1 in residual units,
