@@ -256,8 +256,8 @@ class CaseRecorder:
         # The case replays the fit from the runs; the profile fitted now is not kept.
         for name in ("profile.yaml", "profile.iterations.log"):
             (fit_dir / name).unlink(missing_ok=True)
-        runs = sorted(p.relative_to(self.folder).as_posix() for p in fit_dir.glob("phase*.run.json.gz"))
-        runs.sort(key=lambda r: int(r.split("phase")[1].split(".")[0]))
+        runs = sorted((p.relative_to(self.folder).as_posix() for p in fit_dir.glob("phase*.run.json.gz")),
+                      key=lambda r: int(r.split("phase")[1].split(".")[0]))
         self.data["fit"] = {"runs": runs, "engine": cal.engine,
                             "speculative_method": (cal.speculative or {}).get("method"),
                             "roofline": self.roofline}
@@ -278,10 +278,5 @@ class CaseRecorder:
         self._write()
 
     def _write(self) -> None:
-        if self.data.get("fit") is None:
-            # Not a case yet: kept aside until the fit part exists.
-            self.folder.mkdir(parents=True, exist_ok=True)
-            (self.folder / (CASE_FILE + ".partial")).write_text(json.dumps(self.data, indent=1, sort_keys=True))
-            return
-        (self.folder / (CASE_FILE + ".partial")).unlink(missing_ok=True)
+        # (every run comes after the first instance's calibration: the fit part exists by then)
         write_case(self.folder, self.data)

@@ -22,9 +22,10 @@ one instance or a table): the noise a prediction cannot be asked to beat.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -61,15 +62,16 @@ def _figure(case: str, form: str, point: str, metric: str, measured: float | Non
             "error": _rel(predicted, measured), "spread": spread, "runs": runs}
 
 
-def fit_live(case: LiveCase, form: str, notes: list[str] | None = None) -> dict[str, Any]:
-    """The profile (``engine``, ``step_time``, ``speculative``) a live case's fit part gives."""
+def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
+             load: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """The profile (``engine``, ``step_time``, ``speculative``) a live case's fit part gives.
+    ``load``: reads a run file of the case by its relative name (default: from disk)."""
     from simcap.calibrate import Recipe, log_step_samples, profile_dict
     from simcap.live.calibration import fit_calibration_log, speculative_section
     from simcap.live.prom import metrics_delta
-    from simcap.live.recording import load_run
 
     notes = notes if notes is not None else []
-    runs = [load_run(case.dir / f) for f in case.fit.runs]
+    runs = [(load or _loader(case))(f) for f in case.fit.runs]
     lines = [line for r in runs for line in r.iteration_lines]
     records = [rec for r in runs for rec in r.run.records]
     after = runs[-1].run.last_metrics
@@ -89,13 +91,12 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None) -> dict[
             "speculative": profile.get("speculative")}
 
 
-def _replay_live(case: LiveCase, form: str) -> CaseReplay:
+def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseReplay:
     from simcap.config.scenario import parse_scenario
-    from simcap.live.recording import load_run
-    from simcap.live.validate import replay_run
+    from simcap.live.validate import instance_spread, replay_run
 
     notes: list[str] = []
-    profile = fit_live(case, form, notes)
+    profile = fit_live(case, form, notes, load)
     figures: list[Figure] = []
     for point in case.points:
         data = dict(point.scenario)
@@ -106,7 +107,7 @@ def _replay_live(case: LiveCase, form: str) -> CaseReplay:
         scenario = parse_scenario(data)
         live, pred, instance = [], [], []
         for ref in point.runs:
-            recorded = load_run(case.dir / ref.file)
+            recorded = load(ref.file)
             sim = replay_run(scenario, recorded.run, point.replay)
             delta = recorded.run.server_delta()
             live.append(_values(recorded.run.summary(), recorded.run.records, delta.get("prefix_cache_hit_rate"),
@@ -127,14 +128,11 @@ def _replay_live(case: LiveCase, form: str) -> CaseReplay:
             pv = [v[metric] for v in pred]
             if any(v is None for v in lv + pv):
                 continue
-            measured = float(np.median(lv))
-            by = {}
+            by: dict[int, list[float]] = {}
             for i, v in zip(instance, lv):
                 by.setdefault(i, []).append(v)
-            medians = [float(np.median(v)) for v in by.values()]
-            spread = (max(medians) - min(medians)) / measured if len(medians) > 1 and measured else None
-            figures.append(_figure(case.name, form, point.name, metric, measured, float(np.median(pv)),
-                                   spread, len(lv)))
+            figures.append(_figure(case.name, form, point.name, metric, float(np.median(lv)),
+                                   float(np.median(pv)), instance_spread(by)["between_instances"], len(lv)))
     return CaseReplay(case.name, form, figures, profile, notes)
 
 
@@ -178,14 +176,22 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
     return CaseReplay(case.name, form, figures, {"step_time": profile["step_time"]}, notes)
 
 
+def _loader(case: LiveCase) -> Callable[[str], Any]:
+    """Reads each of the case's recorded runs once, however many forms replay it."""
+    from simcap.live.recording import load_run
+
+    return functools.cache(lambda name: load_run(case.dir / name))
+
+
 def replay_case(case: Case, forms: Sequence[str] | None = None) -> list[CaseReplay]:
     """Every form of ``case`` (``forms`` picks some), fitted and predicted."""
     out = []
+    load = _loader(case) if isinstance(case, LiveCase) else None
     for form in case.forms:
         if forms and form not in forms:
             continue
         start = time.perf_counter()
-        one = _replay_live(case, form) if isinstance(case, LiveCase) else _replay_table(case, form)
+        one = _replay_live(case, form, load) if isinstance(case, LiveCase) else _replay_table(case, form)
         one.wall_s = time.perf_counter() - start
         out.append(one)
     return out

@@ -19,7 +19,7 @@ import numpy as np
 
 from simcap._version import __version__
 from simcap.accuracy.corpus import FORMS, Case, LiveCase
-from simcap.accuracy.replay import CaseReplay
+from simcap.accuracy.replay import CaseReplay, Figure
 
 RECORD_FORMAT = "simcap accuracy record 1"
 MARGIN = 0.01  # |error| may grow by at most one percentage point
@@ -135,29 +135,21 @@ def markdown(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> str:
         shown = [f for f in FORMS if f in forms]
         out += ["", "| point | metric | measured | " + " | ".join(f"{f} predicted | {f} error" for f in shown)
                 + " | spread |", "|---|---|---:|" + "---:|---:|" * len(shown) + "---:|"]
-        first = forms[shown[0]]
-        for fig in first.figures:
+        # One row per (point, metric), in the order the forms give them (a row only the
+        # roofline recipe reads comes after the others).
+        rows: dict[tuple[str, str], dict[str, Figure]] = {}
+        for f in shown:
+            for fig in forms[f].figures:
+                rows.setdefault((fig["point"], fig["metric"]), {})[f] = fig
+        for (point, metric), by_form in rows.items():
+            fig = next(iter(by_form.values()))
             cells = []
             for f in shown:
-                other = next((g for g in forms[f].figures
-                              if g["point"] == fig["point"] and g["metric"] == fig["metric"]), None)
-                cells += [_value(fig["metric"], other and other["predicted"]), _pct(other and other["error"])]
+                mine = by_form.get(f)
+                cells += [_value(metric, mine and mine["predicted"]), _pct(mine and mine["error"])]
             spread = "-" if fig["spread"] is None else f"{fig['spread'] * 100:.1f}%"
-            out.append(f"| {fig['point']} | {fig['metric']} | {_value(fig['metric'], fig['measured'])} | "
-                       + " | ".join(cells) + f" | {spread} |")
-        # Figures only some form has (a row only the roofline recipe reads).
-        seen = {(g["point"], g["metric"]) for g in first.figures}
-        for f in shown[1:]:
-            for fig in forms[f].figures:
-                if (fig["point"], fig["metric"]) in seen:
-                    continue
-                seen.add((fig["point"], fig["metric"]))
-                cells = []
-                for g in shown:
-                    mine = fig if g == f else None
-                    cells += [_value(fig["metric"], mine and mine["predicted"]), _pct(mine and mine["error"])]
-                out.append(f"| {fig['point']} | {fig['metric']} | {_value(fig['metric'], fig['measured'])} | "
-                           + " | ".join(cells) + " | - |")
+            out.append(f"| {point} | {metric} | {_value(metric, fig['measured'])} | " + " | ".join(cells)
+                       + f" | {spread} |")
     return "\n".join(out) + "\n"
 
 

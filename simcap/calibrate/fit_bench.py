@@ -11,7 +11,7 @@ import numpy as np
 
 from simcap.calibrate.core import TYPICAL, CalibrationError, Form, _fmt
 from simcap.calibrate.metric_keys import _is_fraction, metric_value
-from simcap.calibrate.readers import BenchmarkPoint
+from simcap.calibrate.readers import BenchmarkPoint, ignored_keys
 from simcap.calibrate.result import Fit, _percentile_ci, _quality
 from simcap.config.scenario import StepTimeConfig, parse_scenario
 from simcap.engine.step_time import ROOFLINE_COEFFICIENTS, ROOFLINE_SECONDS, ROOFLINE_TERMS
@@ -95,7 +95,7 @@ def _rows_note(points: Sequence[BenchmarkPoint]) -> str:
 
 def _ignored_note(points: Sequence[BenchmarkPoint]) -> str:
     """``; read as no metric: KEY, ...`` for the table keys the reader left out (else empty)."""
-    keys = sorted({k for p in points for k in p.source.get("ignored_keys", ())})
+    keys = ignored_keys(points)
     return f"; keys read as no metric: {', '.join(keys)}" if keys else ""
 
 

@@ -10,7 +10,9 @@ from typing import Any, Collection, Sequence
 from simcap.calibrate.core import CalibrationError, Form
 from simcap.calibrate.fit_bench import fit_benchmarks, fit_benchmarks_roofline
 from simcap.calibrate.fit_steps import fit_step_samples
-from simcap.calibrate.readers import _is_step_input, read_benchmarks, read_step_samples, split_input
+from simcap.calibrate.readers import (
+    _is_step_input, ignored_keys, read_benchmarks, read_step_samples, split_input,
+)
 from simcap.calibrate.recipe import Recipe
 from simcap.calibrate.result import Fit
 from simcap.config.scenario import MAX_INT64, MAX_TOKENS
@@ -153,7 +155,7 @@ def calibrate(
                                 host_overhead=fixed.get("host_overhead"),
                                 bootstrap=200 if bootstrap is None else bootstrap, level=level,
                                 seed=recipe.seed, warn_above=warn, noise=noise)
-    ignored = sorted({k for p in points for k in p.source.get("ignored_keys", ())})
+    ignored = ignored_keys(points)
     if roofline_recipe:
         fit = fit_benchmarks_roofline(
             points, fixed, form or recipe.form, prior=recipe.prior, fit_metrics=recipe.fit_metrics,

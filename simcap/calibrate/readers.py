@@ -236,6 +236,11 @@ TABLE_SHAPE_KEYS = frozenset({"concurrency", "input_len", "actual_prompt_len", "
                               "failures", "scenario"})
 
 
+def ignored_keys(points: Iterable["BenchmarkPoint"]) -> list[str]:
+    """The table keys :func:`read_benchmarks` read as no metric, over ``points``, sorted."""
+    return sorted({k for p in points for k in p.source.get("ignored_keys", ())})
+
+
 def read_benchmarks(
     path: str | Path,
     selector: str | None = None,
@@ -251,8 +256,9 @@ def read_benchmarks(
     A table is a list of rows (or one row) with ``concurrency`` and measured aggregates
     (:func:`metric_of_key`); ``selector`` picks it inside a larger JSON (``a800_minimax_m3.runs.
     no_spec``). Other keys (neither a metric nor :data:`TABLE_SHAPE_KEYS`) are read as nothing
-    and named in each point's source (``ignored_keys``) and in the fit's notes. Prompt/output lengths and request counts come from the row (``input_len``,
-    ``actual_prompt_len``, ``output_len``, ``num_prompts``), the enclosing ``load`` section
+    and named in each point's source (``ignored_keys``) and in the fit's notes. Prompt/output
+    lengths and request counts come from the row (``input_len``, ``actual_prompt_len``,
+    ``output_len``, ``num_prompts``), the enclosing ``load`` section
     (``max_tokens``, ``hold_seconds``: requests = hold x measured QPS) or ``workload``
     (which overrides both; e.g. an assumed ``input_len``).
     """

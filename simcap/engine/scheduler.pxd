@@ -46,3 +46,5 @@ cdef class Scheduler:
     cpdef finish_requests(self, finished)
     @cython.locals(req=Request)
     cpdef apply_pending(self)
+    @cython.locals(req=Request)
+    cpdef _release(self, finished)

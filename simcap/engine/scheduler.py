@@ -504,17 +504,12 @@ class Scheduler:
     def finish_requests(self, finished: list[Request]) -> None:
         """Release finished requests' blocks (in batch order) and drop them from RUNNING;
         under async scheduling, after the next schedule (:meth:`apply_pending`)."""
-        if self.async_scheduling:
-            for req in finished:
-                req.status = _FINISHED_LENGTH_CAPPED
-                self.finished_pending.append(req)
-            return
-        running = self.running
-        free = self.kv.free
         for req in finished:
             req.status = _FINISHED_LENGTH_CAPPED
-            free(req)
-            running.remove(req)  # (by identity: Request defines no equality)
+        if self.async_scheduling:
+            self.finished_pending += finished
+        else:
+            self._release(finished)
 
     def apply_pending(self) -> None:
         """Async scheduling: what applying the previous step's output does once the next step
@@ -524,9 +519,13 @@ class Scheduler:
             req.num_unapplied_tokens = 0
             req.num_rejected_pending = 0
         self.unapplied = []
+        self._release(self.finished_pending)
+        self.finished_pending = []
+
+    def _release(self, finished: list[Request]) -> None:
+        """Free finished requests' blocks, in order, and drop them from RUNNING."""
         running = self.running
         free = self.kv.free
-        for req in self.finished_pending:
+        for req in finished:
             free(req)
-            running.remove(req)
-        self.finished_pending = []
+            running.remove(req)  # (by identity: Request defines no equality)

@@ -739,24 +739,26 @@ def spread_figures(repeats: Sequence[Repeat]) -> dict[str, dict[str, float | Non
     """Per metric, relative to the median of all runs: the range of the server instances'
     medians (``between_instances``; None with one instance) and the median over instances of
     their runs' range (``within_instance``; None with one run per instance)."""
-    out: dict[str, dict[str, float | None]] = {}
     by: dict[int, list[Repeat]] = {}
     for r in repeats:
         by.setdefault(r.instance, []).append(r)
-    for key in SPREAD_METRICS:
-        values = {i: [v for r in rs if (v := metric_value(r.live_summary, key)) is not None] for i, rs in by.items()}
-        every = [v for vs in values.values() for v in vs]
-        mid = float(np.median(every)) if every else None
-        if not mid:
-            out[key] = {"between_instances": None, "within_instance": None}
-            continue
-        medians = [float(np.median(vs)) for vs in values.values() if vs]
-        within = [(max(vs) - min(vs)) / mid for vs in values.values() if len(vs) > 1]
-        out[key] = {
-            "between_instances": (max(medians) - min(medians)) / mid if len(medians) > 1 else None,
-            "within_instance": float(np.median(within)) if within else None,
-        }
-    return out
+    return {key: instance_spread({i: [v for r in rs if (v := metric_value(r.live_summary, key)) is not None]
+                                  for i, rs in by.items()})
+            for key in SPREAD_METRICS}
+
+
+def instance_spread(values: dict[int, list[float]]) -> dict[str, float | None]:
+    """One metric's runs by server instance, relative to the median of all runs: the range of
+    the instances' medians (``between_instances``; None with one instance) and the median over
+    instances of their runs' range (``within_instance``; None with one run per instance)."""
+    every = [v for vs in values.values() for v in vs]
+    mid = float(np.median(every)) if every else None
+    if not mid:
+        return {"between_instances": None, "within_instance": None}
+    medians = [float(np.median(vs)) for vs in values.values() if vs]
+    within = [(max(vs) - min(vs)) / mid for vs in values.values() if len(vs) > 1]
+    return {"between_instances": (max(medians) - min(medians)) / mid if len(medians) > 1 else None,
+            "within_instance": float(np.median(within)) if within else None}
 
 
 def spread_line(data: dict[str, Any]) -> str:
