@@ -77,6 +77,21 @@ def pool_blocks_of(pool, seg):
     return blocks
 
 
+def test_reset_prefix_cache_forgets_every_block_and_is_refused_while_one_is_held():
+    """vLLM's BlockPool.reset_prefix_cache: False while a block is held; then no hit."""
+    pool = kv(num_blocks=5, block_size=4)
+    seg = ((1, 8),)
+    a = make_request(0, 8, 2, seg)
+    pool.allocate_slots(a, 8)
+    assert not pool.reset_prefix_cache()
+    pool.free(a)
+    assert len(pool_blocks_of(pool, seg)) == 2
+    free_order = pool.free_block_ids()
+    assert pool.reset_prefix_cache()
+    assert pool_blocks_of(pool, seg) == [] and pool.free_block_ids() == free_order
+    pool.check_invariants()
+
+
 def test_evicting_a_cached_block_drops_its_hash():
     pool = kv(num_blocks=3, block_size=4)  # 2 usable blocks
     a = make_request(0, 8, 1, ((1, 8),))

@@ -509,8 +509,10 @@ def calibrate_cmd(
 
 from simcap.cli.accuracy import accuracy  # noqa: E402
 from simcap.cli.live import live_app  # noqa: E402  (the `simcap live` sub-commands)
+from simcap.cli.serve import serve  # noqa: E402
 
 app.command("accuracy")(accuracy)
+app.command("serve")(serve)
 app.add_typer(live_app, name="live")
 
 

@@ -571,6 +571,14 @@ class KVCacheManager:
             uncached.reverse()
             self.free_queue.extend(uncached + cached)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``BlockPool.reset_prefix_cache``: forget every cached block, so that no
+        later request hits; refused (False) while any block is held."""
+        if self.free_queue.num_free != self.num_blocks - 1:
+            return False
+        self.prefix_cache.evict(list(range(self.num_blocks)))
+        return True
+
     def ref_counts(self) -> list[int]:
         """Every block's number of holders (``ref_cnt`` as vLLM keeps it, for all blocks)."""
         counts = [0] * self.num_blocks

@@ -301,6 +301,16 @@ class Fleet:
             [r.metrics for r, name in zip(self.replicas, self.groups) if name != "prefill"]
         )
 
+    def open(self) -> None:
+        """Take requests sent from outside, as they come (``simcap serve``): every replica's
+        engine runs and waits for :meth:`send`; a load-reading router's scrapes go on; a
+        step ends wherever anything may happen next, as in a closed loop."""
+        for replica in self.replicas:
+            self.env.process(replica.engine())
+        self.closed = True
+        if any(router.reads_gauges for router in self.routers):
+            self.env.process(self.scrapes())
+
     # ------------------------------------------------------------------ run
 
     def route_ahead(self, times, specs) -> None:

@@ -147,6 +147,13 @@ def _ensure_installed() -> None:
 
 
 @pytest.fixture(scope="session")
+def vllm_install() -> tuple[Path, Path]:
+    """vLLM's venv python and the tiny model's folder (installed first where missing)."""
+    _ensure_installed()
+    return vllm_python(), tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
 def vllm_server(pytestconfig):
     _ensure_installed()
     # Eager mode starts in ~50 s instead of 90-200 s (compiling) on 2 cores; VllmServer requests
