@@ -126,7 +126,7 @@ class ServeApp:
             model_name, len(engine.replicas), engine.gauges, engine.prefix_cache,
             _cache_config(engine),
         )
-        engine.on_finish = self.metrics.finished
+        engine.observer = self.metrics
         self.created = int(time.time())
         self._task: asyncio.Task | None = None
         self.app = Starlette(
@@ -322,11 +322,10 @@ class _Reply:
         """Every choice's chunks and ends, each chunk's lag counted as it is handed on."""
         open_choices = len(self.streams)
         engine = self.engine
-        loop = asyncio.get_running_loop()
         while open_choices:
             item = await self.queue.get()
             if isinstance(item, Chunk):
-                self.on_lag(loop.time() - engine.wall(item.time))
+                self.on_lag(time.monotonic() - engine.wall(item.time))
                 self.usage.completion_tokens += item.num_tokens
             elif isinstance(item, Done):
                 open_choices -= 1

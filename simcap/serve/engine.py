@@ -32,6 +32,7 @@ import asyncio
 import json
 import math
 import random
+import time
 from array import array
 from dataclasses import dataclass
 from typing import IO, Any, NamedTuple
@@ -115,14 +116,16 @@ class ServedEngine:
     """``scenario``'s engine (a fleet when it has a ``deployment``) on the wall clock."""
 
     def __init__(
-        self, scenario: Scenario, *, speed: float = 1.0, on_finish: Any = None,
+        self, scenario: Scenario, *, speed: float = 1.0, observer: Any = None,
         records: IO[str] | None = None, trace: IO[str] | None = None,
     ) -> None:
         if not speed > 0 or math.isinf(speed):
             raise ScenarioError(f"--speed: a positive number (simulated seconds per wall second), got {speed}")
         self.scenario = scenario
         self.speed = speed
-        self.on_finish = on_finish  # (engine index, record, max_tokens asked) when one ends
+        # Told of each chunk handed on (engine index, record, chunk index) and each finished
+        # request (engine index, record, max_tokens asked): ``chunk`` and ``finished``.
+        self.observer = observer
         self.records_file = records
         self.trace_file = trace
         if scenario.deployment is not None:
@@ -164,17 +167,16 @@ class ServedEngine:
         self.failure: str | None = None  # the engine model's error, once it has stopped
         self._start: float | None = None
         self._wake = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ the clock
 
     def wall(self, t: float) -> float:
-        """The event loop's time at which simulated time ``t`` is due."""
+        """The monotonic clock's time (``time.monotonic()``) at which simulated time ``t`` is due."""
         return self._start + t / self.speed
 
     def now(self) -> float:
         """Simulated time now."""
-        return (self._loop.time() - self._start) * self.speed
+        return (time.monotonic() - self._start) * self.speed
 
     def advance(self) -> None:
         """Bring the simulation up to now, and hand every chunk it made to its stream."""
@@ -191,11 +193,10 @@ class ServedEngine:
 
     async def run(self) -> None:
         """Step the simulation as the wall clock reaches each of its events, until cancelled."""
-        loop = self._loop = asyncio.get_running_loop()
-        self._start = loop.time()
+        self._start = time.monotonic()
         while self.failure is None:
             due = self.env.peek()
-            wait = None if due == math.inf else self.wall(due) - loop.time()
+            wait = None if due == math.inf else self.wall(due) - time.monotonic()
             if wait is None or wait > 0:
                 self._wake.clear()
                 try:
@@ -247,33 +248,42 @@ class ServedEngine:
 
     def _deliver(self) -> None:
         records = self.records
+        observer = self.observer
         finished = []
         for rid, stream in self._streams.items():
             rec = records.get(rid)  # (disaggregated: none until the decode replica has it)
             if rec is None:
                 continue
             times = rec.chunk_times
+            if len(times) == stream.delivered and rec.finish_time is None:
+                continue
             queue = stream.queue
             index = stream.index
+            engine = self._engine_of(rid)
             for j in range(stream.delivered, len(times)):
                 queue.put_nowait(Chunk(index, times[j], rec.chunk_tokens[j]))
+                if observer is not None:
+                    observer.chunk(engine, rec, j)
             stream.delivered = len(times)
             if rec.finish_time is not None:
                 queue.put_nowait(Done(index))
-                finished.append((rid, stream, rec))
-        for rid, stream, rec in finished:
+                finished.append((rid, stream, rec, engine))
+        for rid, stream, rec, engine in finished:
             del self._streams[rid]
             del records[rid]
             rec.finish_reason = stream.finish_reason
-            engine = 0
             if self._replica_of is not None:
-                engine = rec.replica = int(self._replica_of[rid])
+                rec.replica = engine
             self.num_finished += 1
-            if self.on_finish is not None:
-                self.on_finish(engine, rec, stream.max_tokens)
+            if observer is not None:
+                observer.finished(engine, rec, stream.max_tokens)
             if self.records_file is not None:
                 self.records_file.write(json.dumps(rec.to_dict()) + "\n")
                 self.records_file.flush()
+
+    def _engine_of(self, rid: int) -> int:
+        """The replica serving request ``rid`` (0 for a lone engine)."""
+        return 0 if self._replica_of is None else int(self._replica_of[rid])
 
     def _fail(self, message: str) -> None:
         self.failure = message

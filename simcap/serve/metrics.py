@@ -6,9 +6,10 @@ that scrape vLLM read a served scenario unchanged. A fleet (``--replicas``) is o
 one engine per replica, labelled ``engine="0"`` .. ``"N-1"``, as vLLM labels the engines of a
 data-parallel server.
 
-Per-request histograms and counters are added when a request finishes, from its record on the
-simulated clock (vLLM's engine-side view: queue, prefill, decode, inference, TTFT, inter-token
-latency per stream chunk, end-to-end); gauges (running, waiting, KV usage) and the prefix-cache
+Figures come from each request's record on the simulated clock (vLLM's engine-side view):
+token counts, TTFT and inter-token latency (one per stream chunk) as each chunk is handed on,
+the per-request histograms (queue, prefill, decode, inference, TPOT, end-to-end, lengths) and
+the finish reason when it finishes, as vLLM adds them; gauges (running, waiting, KV usage) and the prefix-cache
 counters are read from the engines at each scrape. ``simcap:clock_lag_seconds`` is simcap's own:
 how late each stream chunk was written, against the wall-clock time its step ended.
 Not exported: per-step ``iteration_tokens_total`` and the metrics of features simcap does not
@@ -35,11 +36,29 @@ _ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 _TOKENS = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]
 _LAG = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0]
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+# Per-request histograms: key -> (vLLM's name, its help text, its buckets).
+_HISTOGRAMS = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT),
+    "itl": ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL),
+    "tpot": ("vllm:request_time_per_output_token_seconds",
+             "Histogram of time_per_output_token_seconds per request.", _ITL),
+    "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _LATENCY),
+    "queue": ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _LATENCY),
+    "inference": ("vllm:request_inference_time_seconds",
+                  "Histogram of time spent in RUNNING phase for request.", _LATENCY),
+    "prefill": ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                _LATENCY),
+    "decode": ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", _LATENCY),
+    "prompt": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKENS),
+    "generation": ("vllm:request_generation_tokens", "Number of generation tokens processed.", _TOKENS),
+    "max_tokens": ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", _TOKENS),
+}
 _LABELS = ("engine", "model_name")
 
 
 class ServedMetrics:
-    """The registry behind ``/metrics``; :meth:`finished` adds a request, :meth:`text` renders.
+    """The registry behind ``/metrics``; :meth:`chunk` and :meth:`finished` add what a request
+    did, :meth:`text` renders.
 
     ``gauges(i)``: engine i's (running, waiting, KV usage) now; ``prefix_cache(i)``: its
     (queried, hit) prompt tokens so far; ``cache_config``: the labels of
@@ -55,9 +74,6 @@ class ServedMetrics:
         self.model_name = model_name
         self.registry = registry = CollectorRegistry(auto_describe=True)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, _LABELS, buckets=buckets, registry=registry)
-
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, _LABELS + extra, registry=registry)
 
@@ -67,32 +83,10 @@ class ServedMetrics:
             "vllm:request_success", "Count of successfully processed requests.", ("finished_reason",)
         )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL)
-        self.tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", _ITL,
-        )
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _LATENCY)
-        self.queue = histogram(
-            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _LATENCY
-        )
-        self.inference = histogram(
-            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", _LATENCY
-        )
-        self.prefill = histogram(
-            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", _LATENCY
-        )
-        self.decode = histogram(
-            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", _LATENCY
-        )
-        self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKENS)
-        self.request_generation = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", _TOKENS
-        )
-        self.max_tokens = histogram(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", _TOKENS
-        )
+        self.histograms = {
+            key: Histogram(name, doc, _LABELS, buckets=buckets, registry=registry)
+            for key, (name, doc, buckets) in _HISTOGRAMS.items()
+        }
         self.lag = Histogram(
             "simcap:clock_lag_seconds",
             "How late each stream chunk was written, against the wall-clock time its simulated step ended.",
@@ -106,33 +100,38 @@ class ServedMetrics:
                 metric.labels(engine, model_name)
         registry.register(_EngineState(model_name, engines, gauges, prefix_cache, cache_config))
 
+    def chunk(self, engine: int, record: RequestRecord, j: int) -> None:
+        """Chunk ``j`` of a request has been handed on: its tokens; TTFT at the first chunk,
+        an inter-token latency at each later one (as vLLM counts them, step by step)."""
+        labels = (str(engine), self.model_name)
+        times = record.chunk_times
+        self.generation_tokens.labels(*labels).inc(record.chunk_tokens[j])
+        if j == 0:
+            self.prompt_tokens.labels(*labels).inc(record.num_prompt_tokens)
+            self.histograms["ttft"].labels(*labels).observe(times[0] - record.arrival_time)
+        else:
+            self.histograms["itl"].labels(*labels).observe(times[j] - times[j - 1])
+
     def finished(self, engine: int, record: RequestRecord, max_tokens: int) -> None:
         """A finished request's figures, from its record (times on the simulated clock)."""
         labels = (str(engine), self.model_name)
-        times = record.chunk_times
         num_out = record.num_output_tokens
-        self.prompt_tokens.labels(*labels).inc(record.num_prompt_tokens)
-        self.generation_tokens.labels(*labels).inc(num_out)
         self.success.labels(*labels, record.finish_reason or "length").inc()
         if record.num_preemptions:
             self.preemptions.labels(*labels).inc(record.num_preemptions)
-        self.request_prompt.labels(*labels).observe(record.num_prompt_tokens)
-        self.request_generation.labels(*labels).observe(num_out)
-        self.max_tokens.labels(*labels).observe(max_tokens)
-        arrival, finish = record.arrival_time, record.finish_time
-        first = times[0]
+        arrival, finish, first = record.arrival_time, record.finish_time, record.chunk_times[0]
         scheduled = record.scheduled_time if record.scheduled_time is not None else arrival
-        self.ttft.labels(*labels).observe(first - arrival)
-        itl = self.itl.labels(*labels)
-        for a, b in zip(times, times[1:]):
-            itl.observe(b - a)
+        h = {key: histogram.labels(*labels) for key, histogram in self.histograms.items()}
+        h["prompt"].observe(record.num_prompt_tokens)
+        h["generation"].observe(num_out)
+        h["max_tokens"].observe(max_tokens)
         if num_out > 1:
-            self.tpot.labels(*labels).observe((finish - first) / (num_out - 1))
-        self.e2e.labels(*labels).observe(finish - arrival)
-        self.queue.labels(*labels).observe(scheduled - arrival)
-        self.inference.labels(*labels).observe(finish - scheduled)
-        self.prefill.labels(*labels).observe(first - scheduled)
-        self.decode.labels(*labels).observe(finish - first)
+            h["tpot"].observe((finish - first) / (num_out - 1))
+        h["e2e"].observe(finish - arrival)
+        h["queue"].observe(scheduled - arrival)
+        h["inference"].observe(finish - scheduled)
+        h["prefill"].observe(first - scheduled)
+        h["decode"].observe(finish - first)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
