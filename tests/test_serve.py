@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -283,6 +284,16 @@ def test_bad_input_is_one_line(tmp_path, args, says):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], out.stderr
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "simcap", "serve", str(write_scenario(tmp_path)),
+                              "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith(f"error: --host/--port: cannot listen on 127.0.0.1:{port}"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_prompt_rule_and_content_blocks():

@@ -52,8 +52,6 @@ def serve(
             from simcap.studies.fleet_sizing import parse_routers, with_fleet
 
             loaded = with_fleet(loaded, replicas, parse_routers(router, loaded)[0] if router else None)
-        if not speed > 0 or speed == float("inf"):
-            fail(f"--speed: a positive number of simulated seconds per wall-clock second, got {speed}")
         status = run_serve(
             loaded, host=host, port=port, speed=speed, tokenizer=tokenizer,
             served_model_name=served_model_name, records=records, trace=trace,

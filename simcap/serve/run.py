@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from simcap.config.scenario import Scenario
+from simcap.errors import ScenarioError
 from simcap.serve.app import ServeApp
 from simcap.serve.engine import ServedEngine
 from simcap.serve.prompts import PromptReader
@@ -33,10 +35,13 @@ def serve(
 
     reader = PromptReader(tokenizer)
     name = served_model_name or scenario.name or "simcap"
+    engine = ServedEngine(scenario, speed=speed)
+    _check_free(host, port)
     with contextlib.ExitStack() as files:
-        records_file = files.enter_context(open(records, "w")) if records is not None else None
-        trace_file = files.enter_context(open(trace, "w")) if trace is not None else None
-        engine = ServedEngine(scenario, speed=speed, records=records_file, trace=trace_file)
+        if records is not None:
+            engine.records_file = files.enter_context(open(records, "w"))
+        if trace is not None:
+            engine.trace_file = files.enter_context(open(trace, "w"))
         app = ServeApp(engine, reader, name)
         facts = provenance(scenario)
         say(f"simcap serve: model {name!r} on http://{host}:{port} (speed {speed:g}x; prompts: {reader.source})")
@@ -47,6 +52,15 @@ def serve(
         with _stop_signals_end_the_run():
             server.run()
     return engine.status()
+
+
+def _check_free(host: str, port: int) -> None:
+    """The address can be listened on (else one line, before anything starts)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ScenarioError(f"--host/--port: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
 
 
 @contextlib.contextmanager
