@@ -12,9 +12,11 @@ import json
 import random
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -27,7 +29,9 @@ from simcap.fleet.run import simulate
 from simcap.serve.engine import replay_overrides
 from simcap.serve.prompts import PromptReader
 from simcap.workloads.requests import Workload
-from tests.serve_helpers import ROOT, served, write_scenario
+from tests.serve_helpers import ROOT, SCENARIO, served, write_scenario
+
+SCENARIO_ENGINE = SCENARIO["engine"]
 
 VLLM = ROOT / "tests" / "data" / "vllm-0.32"  # what a real vLLM 0.32 answered (captured)
 MS = 1e-3
@@ -107,6 +111,7 @@ def test_openai_client_gets_the_simulation_in_real_time(tmp_path):
     assert len(records) == 24
     start, speed = run.status["clock"]["start_monotonic_s"], run.status["clock"]["speed"]
     natural = [Workload(load_scenario(scenario).workload, 3).spec(i).max_tokens for i in range(24)]
+    late = []
     for rec, job, got in zip(records, jobs, results):  # (the server numbers requests as they arrive)
         n = rec.num_output_tokens
         assert got["usage"].completion_tokens == n
@@ -119,7 +124,12 @@ def test_openai_client_gets_the_simulation_in_real_time(tmp_path):
         assert got["sent"] <= start + rec.arrival_time / speed + MS
         for seen, due in zip(got["chunks"], rec.chunk_times):
             assert seen >= start + due / speed - MS
+            late.append(seen - (start + due / speed))
     assert sorted(results, key=lambda g: g["sent"]) == results
+    # ... and not a step late: a chunk held back one step would be 10 ms (the step's base) late.
+    print(f"chunks seen after their step ended: median {statistics.median(late) * 1e3:.2f} ms, "
+          f"max {max(late) * 1e3:.2f} ms")
+    assert statistics.median(late) < SCENARIO["step_time"]["base"] / 2
     # Replayed by simcap simulate from the trace: the same requests, the same times.
     result = replayed(scenario, run.trace_path, 16)
     t0 = records[0].arrival_time
@@ -249,16 +259,23 @@ def test_responses_have_vllms_shape(tmp_path):
 
 
 def test_fleet_behind_one_endpoint(tmp_path):
-    """``--replicas 2 --router roundrobin``: requests alternate between two engines, labelled
-    engine 0 and 1 in /metrics as vLLM labels a data-parallel server's engines; the fleet's
-    simulation of the served trace gives the same times."""
+    """``--replicas 2 --router roundrobin --speed 4``: requests alternate between two engines,
+    labelled engine 0 and 1 in /metrics as vLLM labels a data-parallel server's engines; each
+    takes at least a quarter of its simulated time on the wall clock; the fleet's simulation of
+    the served trace gives the same times."""
     scenario = write_scenario(tmp_path)
-    with served(scenario, "--replicas", "2", "--router", "roundrobin", folder=tmp_path) as run:
+    walls = []
+    with served(scenario, "--replicas", "2", "--router", "roundrobin", "--speed", "4", folder=tmp_path) as run:
         for i in range(6):
+            start = time.monotonic()
             httpx.post(run.base_url + "/v1/completions", json={"prompt": f"request {i}", "max_tokens": 3,
                                                                "ignore_eos": True}, timeout=30)
+            walls.append(time.monotonic() - start)
         got = series(httpx.get(run.base_url + "/metrics").text)
     records = run.records()
+    assert run.status["clock"]["speed"] == 4
+    for rec, wall in zip(records, walls):
+        assert wall >= (rec.finish_time - rec.arrival_time) / 4 - MS
     assert [r.replica for r in records] == [0, 1, 0, 1, 0, 1]
     for engine in "01":
         key = ("vllm:request_success_total",
@@ -269,6 +286,32 @@ def test_fleet_behind_one_endpoint(tmp_path):
     t0 = records[0].arrival_time
     for rec, sim in zip(records, sorted(result.records, key=lambda r: r.request_id)):
         assert [t - t0 for t in rec.chunk_times] == pytest.approx(sim.chunk_times, abs=1e-9)
+
+
+def test_overload_queues_and_preempts_as_the_engine_model_does(tmp_path):
+    """More requests than the KV pool holds (8 at once, 40 blocks of 16): the server queues and
+    preempts, never fails; every request completes with its tokens; /metrics counts the
+    preemptions the records hold; the replay preempts the same."""
+    engine = {**SCENARIO_ENGINE, "max_num_seqs": 8, "num_gpu_blocks": 40, "max_model_len": 256}
+    scenario = write_scenario(tmp_path, engine=engine)
+
+    def one(i: int) -> dict:
+        body = {"prompt": f"{i:03d} " + "lorem ipsum " * 20, "max_tokens": 60, "ignore_eos": True}
+        return httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+
+    with served(scenario, folder=tmp_path) as run:
+        base = run.base_url
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(one, range(8)))
+        got = series(httpx.get(base + "/metrics").text)
+    assert [a["usage"]["completion_tokens"] for a in answers] == [60] * 8
+    records = run.records()
+    preempted = sum(r.num_preemptions for r in records)
+    assert preempted > 0
+    key = ("vllm:num_preemptions_total", (("engine", "0"), ("model_name", "served")))
+    assert got[key] == preempted
+    result = replayed(scenario, run.trace_path, 16)
+    assert sum(r.num_preemptions for r in result.records) == preempted
 
 
 @pytest.mark.parametrize("args, says", [
