@@ -51,6 +51,17 @@ SESSIONS = ["--set", "workload.num_requests=null", "--set"]  # + "workload.sessi
 # {recipe}: a calibration recipe with a negative bootstrap; {file}: a regular file (a path
 # under it cannot be made); {tmp}: an empty directory.
 CASES = [
+    # serve: refused before it listens
+    (["serve", "{s}", "--speed", "-1"], "--speed"),
+    (["serve", "{s}", "--port", "70000"], "--port"),
+    (["serve", "{s}", "--replicas", "0"], "--replicas"),
+    (["serve", "{s}", "--tokenizer", "{file}"], "--tokenizer"),
+    # score: the profile, the tables, the options
+    (["score", "{csv}", "{csv}"], "s.csv: expected a mapping of name, engine, step_time"),
+    (["score", "{profile}", "{csv}", "--input-len", "0"], "--input-len"),
+    (["score", "{profile}", "{csv}", "--column", "x=y"], "--column"),
+    (["score", "{profile}", "{csv}", "--metrics", "speed"], "--metrics"),
+    (["score", "{profile}", "{csv}"], "compares a profile with benchmark results"),
     # simulate: integers, types, finiteness, limits, plot paths
     (["simulate", "{s}", "--set", "engine.num_gpu_blocks=" + "1" * 31], "engine.num_gpu_blocks"),
     (["simulate", "{s}", "--set", "workload.num_requests=1000000000000"], "workload.num_requests"),
@@ -318,14 +329,14 @@ def paths(tmp_path_factory):
     trace = root / "trace.yaml"
     trace.write_text(yaml.safe_dump({**SCENARIO, "workload": {"trace": {"format": "azure", "path": "t.csv"}}}))
     return {"s": str(scenario), "csv": str(samples), "file": str(regular), "recipe": str(recipe),
-            "t": str(trace)}
+            "t": str(trace), "profile": str(ROOT / "calibration" / "profiles" / "a800-minimax-m3.yaml")}
 
 
 def test_the_table_covers_every_command():
     assert len(CASES) >= 40
     commands = {args[0] if args[0] != "live" else " ".join(args[:2]) for args, _ in CASES}
-    assert commands >= {"simulate", "kv", "crossover", "capacity", "sweep", "calibrate", "fleet",
-                        "live run", "live validate", "live calibrate", "live capacity"}
+    assert commands >= {"simulate", "kv", "crossover", "capacity", "sweep", "calibrate", "fleet", "serve",
+                        "score", "live run", "live validate", "live calibrate", "live capacity"}
 
 
 @pytest.mark.parametrize("args,field", CASES, ids=lambda v: " ".join(v)[:70] if isinstance(v, list) else v)

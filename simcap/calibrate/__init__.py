@@ -39,7 +39,9 @@ The modules, in the order ``simcap calibrate`` uses them:
    and their bootstraps; :mod:`~simcap.calibrate.result` -- the :class:`Fit` they return.
 7. :mod:`~simcap.calibrate.profile_io` -- the profile YAML written from a fit.
 8. :mod:`~simcap.calibrate.fit_report` -- tables and the residual plot.
-9. :mod:`~simcap.calibrate.uncertainty` -- :func:`simulate_with_ci` (``simcap simulate --ci``).
+9. :mod:`~simcap.calibrate.score` -- :func:`score_profile`: a fixed profile against tables, row
+   by row (``simcap score``).
+10. :mod:`~simcap.calibrate.uncertainty` -- :func:`simulate_with_ci` (``simcap simulate --ci``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ _LAZY = {
     "metric_of_key": "simcap.calibrate.metric_keys",
     "metric_value": "simcap.calibrate.metric_keys",
     "calibrate": "simcap.calibrate.pipeline",
+    "check_fit_metrics": "simcap.calibrate.pipeline",
+    "Score": "simcap.calibrate.score",
+    "score_profile": "simcap.calibrate.score",
+    "render_score": "simcap.calibrate.score",
+    "score_plot": "simcap.calibrate.score",
+    "TableReading": "simcap.calibrate.readers",
     "profile_dict": "simcap.calibrate.profile_io",
     "write_profile": "simcap.calibrate.profile_io",
     "BenchmarkPoint": "simcap.calibrate.readers",

@@ -3,15 +3,18 @@ fit for their kind (step samples or benchmark results) and runs it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any, Collection, Sequence
 
 from simcap.calibrate.core import CalibrationError, Form
 from simcap.calibrate.fit_bench import fit_benchmarks, fit_benchmarks_roofline
 from simcap.calibrate.fit_steps import fit_step_samples
+from simcap.calibrate.metric_keys import metric_of_key
 from simcap.calibrate.readers import (
-    _is_step_input, ignored_keys, read_benchmarks, read_step_samples, split_input,
+    TableReading, _is_step_input, ignored_keys, read_benchmarks, read_step_samples, split_input,
 )
 from simcap.calibrate.recipe import Recipe
 from simcap.calibrate.result import Fit
@@ -65,6 +68,30 @@ def check_options(
             )
 
 
+_METRIC = re.compile(r"(ttft|tpot|itl|e2e)_(mean|p50|p90|p95|p99)|(output|request|input|total)_throughput"
+                     r"|per_user_output_tps|itl_frac_.+")
+
+
+def check_fit_metrics(names: Sequence[str], option: str = "--fit-metrics") -> list[str]:
+    """``--fit-metrics`` (or ``option``): each a simcap metric (``tpot_mean``,
+    ``output_throughput``) or a measurement key that stands for one (``median_tpot_ms``);
+    returns the simcap names."""
+    out = []
+    for name in names:
+        hit = metric_of_key(name)
+        metric = hit[0] if hit else name
+        if not _METRIC.fullmatch(metric):
+            raise CalibrationError(
+                f"{option} {name!r}: not a metric; use ttft|tpot|itl|e2e_mean|p50|p90|p95|p99, "
+                "output_throughput, request_throughput, total_throughput, per_user_output_tps, "
+                "or a vllm bench key (median_tpot_ms, ...)"
+            )
+        out.append(metric)
+    if not out:
+        raise CalibrationError(f"{option}: name at least one metric")
+    return out
+
+
 def calibrate(
     inputs: Sequence[str],
     recipe: Recipe,
@@ -81,11 +108,16 @@ def calibrate(
     noise: str | None = "empirical",
     roofline: dict[str, Any] | None = None,
     rows: Collection[str] | None = None,
+    table: TableReading | None = None,
+    fit_metrics: Sequence[str] | None = None,
 ) -> Fit:
     """Read the inputs (or the recipe's datasets), pick the fit for their kind, and run it.
 
     ``rows``: fit only the benchmark rows with these labels (``BenchmarkPoint.label``, e.g.
-    ``no-spec c=4``); an unknown label is refused, naming the labels there are.
+    ``no-spec c=4``); an unknown label is refused, naming the labels there are. ``table``:
+    what a table's columns are and which rows to read
+    (:class:`~simcap.calibrate.readers.TableReading`). ``fit_metrics``: the measured figures
+    the objective fits (default: the recipe's, else every one measured).
 
     ``form="roofline"``: fit the roofline form to step samples
     (:func:`simcap.calibrate.fit_roofline.fit_roofline_samples`); ``roofline`` holds its
@@ -106,9 +138,13 @@ def calibrate(
     if recipe_iterations is not None and not _whole(recipe_iterations, 0, MAX_BOOTSTRAP):
         raise CalibrationError(f"{recipe.path or recipe.name}: bootstrap_iterations: a whole number "
                                f"in [0, {MAX_BOOTSTRAP:,}] (got {recipe_iterations!r})")
+    if fit_metrics is not None:
+        fit_metrics = check_fit_metrics(fit_metrics)
+        recipe = dataclasses.replace(recipe, fit_metrics=list(fit_metrics))
     if form == "roofline":
-        if rows is not None:
-            raise CalibrationError("--rows: picks benchmark rows by label; --form roofline fits step samples")
+        for given, name in ((rows, "--rows"), (table, "--column/--where/--gpus"), (fit_metrics, "--fit-metrics")):
+            if given is not None:
+                raise CalibrationError(f"{name}: reads benchmark tables; --form roofline fits step samples")
         return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
                                    workload=workload, num_speculative_tokens=num_speculative_tokens,
                                    bootstrap=bootstrap, level=level, warn_above=warn_above, noise=noise)
@@ -135,9 +171,10 @@ def calibrate(
         raise CalibrationError("calibrate: give a recipe or measurement files, not both")
     if not datasets:
         raise CalibrationError("calibrate: no input files")
-    step_inputs, points = _read_inputs(datasets, base_dir, recipe, workload, num_speculative_tokens)
-    if rows is not None and step_inputs:
-        raise CalibrationError("--rows: picks benchmark rows by label; step samples have none")
+    step_inputs, points = read_inputs(datasets, base_dir, recipe, workload, num_speculative_tokens, table)
+    for given, name in ((rows, "--rows"), (table, "--column/--where/--gpus"), (fit_metrics, "--fit-metrics")):
+        if given is not None and step_inputs:
+            raise CalibrationError(f"{name}: reads benchmark tables; step samples have none")
     if rows is not None:
         known = {p.label for p in points}
         unknown = sorted(set(rows) - known)
@@ -147,6 +184,12 @@ def calibrate(
         points = [p for p in points if p.label in set(rows)]
     if step_inputs and points:
         raise CalibrationError("calibrate: give step samples or benchmark results, not both")
+    if fit_metrics is not None:
+        measured = {m for p in points for m in p.measured}
+        missing = [m for m in fit_metrics if m not in measured]
+        if missing:
+            raise CalibrationError(f"--fit-metrics: {', '.join(missing)} not measured in these rows "
+                                   f"(measured: {', '.join(sorted(measured))})")
     if step_inputs and roofline_recipe:
         raise CalibrationError("calibrate: a roofline recipe is fitted to benchmark results; "
                                "fit step samples with --form roofline")
@@ -176,8 +219,9 @@ def calibrate(
     return fit
 
 
-def _read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Recipe,
-                 workload: dict[str, Any] | None, num_speculative_tokens: int) -> tuple[list, list]:
+def read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Recipe,
+                 workload: dict[str, Any] | None, num_speculative_tokens: int,
+                 table: TableReading | None = None) -> tuple[list, list]:
     """The step samples and the benchmark points of a recipe's datasets (or input files)."""
     step_inputs: list = []
     points: list = []
@@ -204,7 +248,7 @@ def _read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Rec
                 **(recipe.speculative or {}), **(own if isinstance(own, dict) else {})}
         wl = {**(d.get("workload") or {}), **(workload or {})}  # the command line wins
         points += read_benchmarks(path, selector, engine=recipe.engine, speculative=spec,
-                                  workload=wl, seed=recipe.seed, label=d.get("label"))
+                                  workload=wl, seed=recipe.seed, label=d.get("label"), table=table)
     return step_inputs, points
 
 
@@ -213,7 +257,7 @@ def benchmark_points(recipe: Recipe) -> list:
     s (each with its label, scenario and measured figures): what :func:`calibrate` fits, and
     what a fit on some of them predicts for the rest."""
     base_dir = recipe.path.parent if recipe.path else Path(".")
-    return _read_inputs([dict(d) for d in recipe.datasets], base_dir, recipe, None, 0)[1]
+    return read_inputs([dict(d) for d in recipe.datasets], base_dir, recipe, None, 0)[1]
 
 
 def read_records(path: str | Path) -> list:

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -232,13 +232,109 @@ def _length(values: Any, mean: float | None, what: str, where: str) -> Any:
 
 
 # The row keys of a closed-loop table that describe the run rather than measure it.
-TABLE_SHAPE_KEYS = frozenset({"concurrency", "input_len", "actual_prompt_len", "output_len", "num_prompts",
-                              "failures", "scenario"})
+TABLE_SHAPE_KEYS = frozenset({"concurrency", "request_rate", "input_len", "actual_prompt_len", "output_len",
+                              "num_prompts", "failures", "scenario"})
 
 
 def ignored_keys(points: Iterable["BenchmarkPoint"]) -> list[str]:
     """The table keys :func:`read_benchmarks` read as no metric, over ``points``, sorted."""
     return sorted({k for p in points for k in p.source.get("ignored_keys", ())})
+
+
+# What a table column may be declared as (``--column NAME=KEY``), beside every metric key
+# :func:`metric_of_key` knows: the row's shape, and per-GPU throughputs.
+SHAPE_KEYS = ("concurrency", "request_rate", "input_len", "output_len", "num_prompts")
+_SHAPE_ALIASES = {"isl": "input_len", "osl": "output_len", "rate": "request_rate", "qps_offered": "request_rate",
+                  "max_concurrency": "concurrency"}
+_WHERE = re.compile(r"\s*([A-Za-z_][\w.]*)\s*(<=|>=|==|!=|<|>)\s*(.+?)\s*$")
+_OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "==": lambda a, b: a == b,
+        "!=": lambda a, b: a != b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+
+
+@dataclass(frozen=True)
+class TableReading:
+    """How to read a table's columns (``--column``, ``--where``, ``--gpus``).
+
+    ``columns``: table column -> what it is: a metric key (``median_tpot_ms``,
+    ``output_throughput``, ...; a throughput key ending ``_per_gpu`` is per GPU) or a shape key
+    (``concurrency``, ``request_rate``, ``input_len``, ``output_len``, ``num_prompts``).
+    Columns named so in the file need no declaration; a column neither declared nor known is
+    read as nothing and named. ``where``: conditions ``NAME OP VALUE`` (``<=``, ``>=``, ``==``,
+    ``!=``, ``<``, ``>``; names as declared), all of which a row must meet to be read.
+    ``gpus``: what a per-GPU throughput is multiplied by (default: the deployment's
+    ``engine.memory.tensor_parallel_size``; a per-GPU column without either is refused).
+    """
+
+    columns: tuple[tuple[str, str], ...] = ()
+    where: tuple[str, ...] = ()
+    gpus: int | None = None
+
+    @classmethod
+    def parse(cls, columns: Sequence[str] = (), where: Sequence[str] = (), gpus: int | None = None) -> "TableReading":
+        pairs = []
+        for item in columns:
+            name, sep, key = (t.strip() for t in item.rpartition("="))
+            if not sep or not name or not key:
+                raise CalibrationError(f"--column {item!r}: expected NAME=KEY (a table column and what it is)")
+            if not (_table_key(key) or key in SHAPE_KEYS or key in _SHAPE_ALIASES):
+                raise CalibrationError(
+                    f"--column {item!r}: {key!r} is no metric or shape key; use a vllm bench key "
+                    "(mean_ttft_ms, median_tpot_ms, p99_itl_ms, output_throughput, request_throughput, "
+                    "total_token_throughput, ...; a throughput with _per_gpu is per GPU) or one of "
+                    f"{', '.join(SHAPE_KEYS)}"
+                )
+            pairs.append((name, _SHAPE_ALIASES.get(key, key)))
+        for cond in where:
+            if not _WHERE.fullmatch(cond):
+                raise CalibrationError(f"--where {cond!r}: expected NAME OP VALUE with OP one of <= >= == != < >")
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+            raise CalibrationError(f"--gpus: a whole number >= 1 (got {gpus!r})")
+        return cls(tuple(pairs), tuple(where), gpus)
+
+    def keeps(self, row: dict[str, Any], where: str) -> bool:
+        """Whether ``row`` meets every ``where`` condition."""
+        for cond in self.where:
+            name, op, text = _WHERE.fullmatch(cond).groups()
+            if name not in row:
+                raise CalibrationError(f"--where {cond!r}: {where} has no column {name!r} "
+                                       f"(columns: {', '.join(sorted(row))})")
+            value = row[name]
+            try:
+                wanted: Any = float(text)
+                value = float(value)
+            except (TypeError, ValueError):
+                wanted, value = text.strip("'\""), str(value)
+            if not _OPS[op](value, wanted):
+                return False
+        return True
+
+
+def _table_key(key: str) -> tuple[str, float] | None:
+    """A metric key, or a per-GPU throughput key (``output_throughput_per_gpu``)."""
+    return metric_of_key(key[: -len("_per_gpu")] if key.endswith("_per_gpu") else key)
+
+
+def _number(text: str) -> Any:
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text or None
+
+
+def _csv_table(path: Path, text: str) -> list[dict[str, Any]]:
+    """A CSV table with a header: one dict per row, numbers as numbers, empty cells left out."""
+    reader = csv.DictReader(io.StringIO(text))
+    if not reader.fieldnames:
+        raise CalibrationError(f"{path}: an empty CSV (a table needs a header row)")
+    rows = [{k.strip(): _number(v) for k, v in row.items() if k and v is not None and v.strip()} for row in reader]
+    if not rows:
+        raise CalibrationError(f"{path}: a CSV header without rows")
+    return rows
 
 
 def read_benchmarks(
@@ -250,12 +346,15 @@ def read_benchmarks(
     workload: dict[str, Any] | None = None,
     seed: int = 0,
     label: str | None = None,
+    table: TableReading | None = None,
 ) -> list[BenchmarkPoint]:
     """Benchmark points from a ``vllm bench serve`` result JSON or a closed-loop table.
 
-    A table is a list of rows (or one row) with ``concurrency`` and measured aggregates
-    (:func:`metric_of_key`); ``selector`` picks it inside a larger JSON (``a800_minimax_m3.runs.
-    no_spec``). Other keys (neither a metric nor :data:`TABLE_SHAPE_KEYS`) are read as nothing
+    A table is a list of rows (or one row) with ``concurrency`` (a closed loop) or
+    ``request_rate`` (Poisson arrivals) and measured aggregates (:func:`metric_of_key`), in JSON
+    or in a CSV file with a header; ``selector`` picks it inside a larger JSON
+    (``a800_minimax_m3.runs.no_spec``); ``table`` says what its columns are and which rows to
+    read (:class:`TableReading`). Other keys (neither a metric nor :data:`TABLE_SHAPE_KEYS`) are read as nothing
     and named in each point's source (``ignored_keys``) and in the fit's notes. Prompt/output
     lengths and request counts come from the row (``input_len``, ``actual_prompt_len``,
     ``output_len``, ``num_prompts``), the enclosing ``load`` section
@@ -265,20 +364,34 @@ def read_benchmarks(
     path = Path(path)
     text = _read_text(path)
     where = f"{path}#{selector}" if selector else str(path)
-    data = _parse_json(path, text)
+    table = table or TableReading()
+    if path.suffix.lower() == ".csv":
+        if selector:
+            raise CalibrationError(f"{where}: a CSV file is one table (no #key.path)")
+        data: Any = _csv_table(path, text)
+    else:
+        data = _parse_json(path, text)
     node, parents = _select(data, selector or "", where)
     workload = dict(workload or {})
     source = {"file": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
               "select": selector}
     base = {"engine": engine, "speculative": speculative, "seed": seed}
-    if _is_bench_result(node):
+    if _is_bench_result(node) and not table.columns:
         return [_bench_point(node, where, base, workload, source, label or path.stem)]
     rows = node if isinstance(node, list) else [node]
-    if not rows or not all(isinstance(r, dict) and "concurrency" in r for r in rows):
+    rows = [_declared(r, table, engine, f"{where} row {i}") if isinstance(r, dict) else r
+            for i, r in enumerate(rows)]
+    if not rows or not all(isinstance(r, dict) and ("concurrency" in r or "request_rate" in r) for r in rows):
         raise CalibrationError(
             f"{where}: not a recognised benchmark (a vllm bench result JSON, or rows with "
-            "'concurrency'); pick a table inside a larger file with FILE#key.path"
+            "'concurrency' or 'request_rate': declare a column with --column NAME=concurrency); "
+            "pick a table inside a larger file with FILE#key.path"
         )
+    kept = [i for i, r in enumerate(rows) if table.keeps(r, f"{where} row {i}")]
+    if not kept:
+        raise CalibrationError(f"{where}: no row meets {' and '.join(table.where)}")
+    if table.where:
+        source = {**source, "where": list(table.where)}
     load: dict[str, Any] = {}
     for p in parents:
         if isinstance(p, dict) and isinstance(p.get("load"), dict):
@@ -289,7 +402,8 @@ def read_benchmarks(
     if ignored:
         source = {**source, "ignored_keys": ignored}
     points = []
-    for i, row in enumerate(rows):
+    for i in kept:
+        row = rows[i]
         rw = f"{where} row {i}"
         measured = {}
         for key, value in row.items():
@@ -298,9 +412,12 @@ def read_benchmarks(
                 measured[hit[0]] = float(value) * hit[1]
         if not measured:
             raise CalibrationError(f"{rw}: no measured aggregate (throughput, latency_*, *_ms, ...)")
-        c = row["concurrency"]
-        if not isinstance(c, int) or c <= 0:
+        c = row.get("concurrency")
+        rate = row.get("request_rate") if c is None else None
+        if c is not None and (not isinstance(c, int) or c <= 0):
             raise CalibrationError(f"{rw}: concurrency must be a positive integer (got {c!r})")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+            raise CalibrationError(f"{rw}: request_rate must be a positive number of requests/s (got {rate!r})")
         in_len = workload.get("input_len", row.get("actual_prompt_len", row.get("input_len")))
         out_len = workload.get("output_len", row.get("output_len", load.get("max_tokens")))
         if in_len is None:
@@ -310,15 +427,19 @@ def read_benchmarks(
         if out_len is None:
             raise CalibrationError(f"{rw}: the output length is not in the data; give --output-len")
         n = workload.get("num_requests", row.get("num_prompts"))
-        if n is None:
+        if n is None and rate is not None:
+            n = int(min(max(round(60 * rate), 40), 400))  # a minute of arrivals, 40 to 400 requests
+        elif n is None:
             hold = load.get("hold_seconds", workload.get("hold_s"))
             hold = float(np.mean(hold)) if isinstance(hold, list) else hold
             qps = measured.get("request_throughput")
             n = round(hold * qps) if hold and qps else 60
             n = int(min(max(n, 4 * c, 20), 120))
             n = c * math.ceil(n / c)  # whole rounds of the closed loop
+        arrival = ({"process": "closed", "concurrency": c} if rate is None
+                   else {"process": "poisson", "rate": float(rate)})
         scen = {**base, "workload": {
-            "arrival": {"process": "closed", "concurrency": c}, "num_requests": int(n),
+            "arrival": arrival, "num_requests": int(n),
             "input_len": in_len, "output_len": out_len,
             **{k: v for k, v in workload.items() if k in ("prefix",)},
         }}
@@ -326,14 +447,35 @@ def read_benchmarks(
             measured_note = f" ({row['failures']} failures measured)"
         else:
             measured_note = ""
-        name = row.get("scenario") or f"c={c}"
+        name = row.get("scenario") or (f"c={c}" if rate is None else f"rate={rate:g}")
         name = (label or name) if len(rows) == 1 else f"{label + ' ' if label else ''}{name}"
-        steady = workload.get("num_requests", row.get("num_prompts")) is None
+        steady = rate is None and workload.get("num_requests", row.get("num_prompts")) is None
         points.append(BenchmarkPoint(
             f"{name}{measured_note}", scen, measured,
             {**source, "row": i}, steady_state=steady,
         ))
     return points
+
+
+def _declared(row: dict[str, Any], table: TableReading, engine: dict[str, Any], where: str) -> dict[str, Any]:
+    """``row`` under its declared names (``--column``), each per-GPU throughput made the
+    deployment's (x ``--gpus``, or x its ``engine.memory.tensor_parallel_size``)."""
+    names = dict(table.columns)
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        key = names.get(key, _SHAPE_ALIASES.get(key, key))
+        if key.endswith("_per_gpu") and _table_key(key):
+            gpus = table.gpus or (engine.get("memory") or {}).get("tensor_parallel_size")
+            if not gpus:
+                raise CalibrationError(f"{where}: {key}: a per-GPU figure needs the GPUs of the deployment: "
+                                       "give --gpus N (or engine.memory.tensor_parallel_size)")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = value * gpus
+            key = key[: -len("_per_gpu")]
+        if key in out:
+            raise CalibrationError(f"{where}: two columns read as {key!r}")
+        out[key] = value
+    return out
 
 
 def _bench_point(d, where, base, workload, source, label) -> BenchmarkPoint:
@@ -374,8 +516,9 @@ def split_input(text: str) -> tuple[str, str | None]:
 
 
 def _is_step_input(path: Path) -> bool:
-    if path.suffix.lower() == ".csv":
-        return True
+    if path.suffix.lower() == ".csv":  # step samples have a step-time column; a table has none
+        header = next(csv.reader(io.StringIO(_read_text(path))), [])
+        return any(name.strip() in _TARGETS for name in header)
     if path.suffix.lower() != ".json":
         return True  # a log
     data = _parse_json(path, _read_text(path))

@@ -17,6 +17,32 @@ SET_OPTION = typer.Option(None, "--set", help="Override a scenario key: dotted.k
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
 
 
+# Options of the commands that read benchmark tables (calibrate, score).
+COLUMN_OPTION = typer.Option(
+    None, "--column", metavar="NAME=KEY",
+    help="What a table column is (repeatable): a vllm bench key (mean_ttft_ms, median_tpot_ms, p99_itl_ms, "
+         "output_throughput, total_token_throughput, ...; add _per_gpu for per-GPU throughput) or "
+         "concurrency, request_rate, input_len, output_len, num_prompts. E.g. 'TPOT (ms)=median_tpot_ms'.",
+)
+WHERE_OPTION = typer.Option(
+    None, "--where", metavar="COND",
+    help="Read only the table rows meeting NAME OP VALUE (repeatable, all must hold), e.g. 'concurrency<=16'.",
+)
+GPUS_OPTION = typer.Option(
+    None, "--gpus", help="GPUs of the deployment: a per-GPU throughput column is multiplied by this "
+                         "(default: engine.memory.tensor_parallel_size)."
+)
+
+
+def table_reading(columns: Optional[List[str]], where: Optional[List[str]], gpus: Optional[int]) -> Any:
+    """The :class:`~simcap.calibrate.readers.TableReading` of those options; None when none is given."""
+    if not columns and not where and gpus is None:
+        return None
+    from simcap.calibrate.readers import TableReading
+
+    return TableReading.parse(columns or [], where or [], gpus)
+
+
 def fail(message: str) -> None:
     """One line on stderr, exit code 2: the user's input was wrong."""
     typer.echo(f"error: {message}", err=True)

@@ -10,7 +10,8 @@ from typer.core import TyperGroup
 
 from simcap._version import __version__
 from simcap.cli.common import (
-    JSON_OPTION, SET_OPTION, fail, load_command_scenario, user_errors, warn_when_done)
+    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, SET_OPTION, WHERE_OPTION, fail, load_command_scenario, table_reading,
+    user_errors, warn_when_done)
 from simcap.errors import SimcapError
 from simcap.metrics import report
 from simcap.runtime import startup
@@ -456,6 +457,14 @@ def calibrate_cmd(
         help="Benchmark results: fit only the row with this label (repeatable), e.g. 'no-spec c=4'; "
              "the others are left out (held out, to score the fit on).",
     ),
+    column: Optional[List[str]] = COLUMN_OPTION,
+    where: Optional[List[str]] = WHERE_OPTION,
+    gpus: Optional[int] = GPUS_OPTION,
+    fit_metrics: Optional[str] = typer.Option(
+        None, "--fit-metrics",
+        help="Benchmark results: the figures to fit, comma-separated (e.g. output_throughput,tpot_mean; "
+             "default: every one measured).",
+    ),
 ) -> None:
     """Fit a profile (step-time coefficients) to step samples or benchmark results."""
     import shlex
@@ -488,7 +497,8 @@ def calibrate_cmd(
         fit = cal.calibrate(
             inputs, recipe, form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
             num_speculative_tokens=num_speculative_tokens, bootstrap=bootstrap, warn_above=warn_above,
-            noise=family, roofline=roofline, rows=rows,
+            noise=family, roofline=roofline, rows=rows, table=table_reading(column, where, gpus),
+            fit_metrics=fit_metrics.split(",") if fit_metrics is not None else None,
         )
         command = "simcap calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         cal.write_profile(cal.profile_dict(fit, recipe, command=command), out)
@@ -509,9 +519,11 @@ def calibrate_cmd(
 
 from simcap.cli.accuracy import accuracy  # noqa: E402
 from simcap.cli.live import live_app  # noqa: E402  (the `simcap live` sub-commands)
+from simcap.cli.score import score  # noqa: E402
 from simcap.cli.serve import serve  # noqa: E402
 
 app.command("accuracy")(accuracy)
+app.command("score")(score)
 app.command("serve")(serve)
 app.add_typer(live_app, name="live")
 

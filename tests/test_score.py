@@ -1,0 +1,150 @@
+"""A published table's way to a prediction, by the command line alone: a CSV table whose columns
+are declared (``--column``), rows picked (``--where``), per-GPU throughput, the figures to fit
+(``--fit-metrics``), and ``simcap score`` of the fitted profile on the rows it did not see.
+
+The table is made by simulating a known deployment (so the truth is known): a linear step time
+on 2 GPUs, closed loops at 1-16 clients, written as a vendor would (per-GPU output throughput,
+median TPOT, ISL/OSL columns, its own header names).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from simcap.calibrate.core import CalibrationError
+from simcap.calibrate.readers import TableReading, read_benchmarks
+from simcap.config.scenario import parse_scenario
+from simcap.fleet.run import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = {"max_num_seqs": 32, "max_num_batched_tokens": 2048, "block_size": 16, "num_gpu_blocks": 8192,
+          "max_model_len": 4096}
+GPUS = 2
+TRUTH = {"base": 0.012, "per_prefill_token": 2.0e-5, "per_decode_token": 4.0e-4}
+HEADER = ["Concurrency", "ISL", "OSL", "Output tok/s/GPU", "TPOT (ms)", "Notes"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "simcap", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory) -> Path:
+    """The vendor's table: what the true deployment does at 1, 2, 4, 8 and 16 clients."""
+    folder = tmp_path_factory.mktemp("table")
+    path = folder / "vendor.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(HEADER)
+        for c in (1, 2, 4, 8, 16):
+            result = simulate(parse_scenario({
+                "engine": ENGINE, "step_time": TRUTH, "seed": 0,
+                "workload": {"arrival": {"process": "closed", "concurrency": c}, "num_requests": 8 * c,
+                             "input_len": 512, "output_len": 128},
+            }))
+            s = result.summary
+            steady = c * s.output_tokens / s.completed / s.e2e_s.mean  # closed loop, Little's law
+            writer.writerow([c, 512, 128, f"{steady / GPUS:.3f}", f"{s.tpot_s.p50 * 1e3:.4f}", "bf16"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """What the planner knows: the deployment, and a step time to start from (not the truth)."""
+    path = tmp_path_factory.mktemp("base") / "base.yaml"
+    path.write_text(yaml.safe_dump({"name": "vendor-base", "engine": ENGINE,
+                                    "step_time": {"base": 0.005, "per_prefill_token": 1e-5, "per_decode_token": 1e-4}}))
+    return path
+
+
+COLUMNS = ["--column", "Concurrency=concurrency", "--column", "ISL=input_len", "--column", "OSL=output_len",
+           "--column", "Output tok/s/GPU=output_throughput_per_gpu", "--column", "TPOT (ms)=median_tpot_ms",
+           "--gpus", str(GPUS)]
+DECLARED = COLUMNS[1:-2:2]
+
+
+def test_declared_columns_per_gpu_throughput_and_a_row_filter(table):
+    reading = TableReading.parse(DECLARED, ["concurrency<=4"], GPUS)
+    points = read_benchmarks(table, engine=ENGINE, speculative=None, table=reading)
+    assert [p.label for p in points] == ["c=1", "c=2", "c=4"]
+    rows = list(csv.DictReader(table.open()))
+    # Per GPU x the deployment's 2 GPUs; the median TPOT's milliseconds in seconds.
+    assert points[0].measured["output_throughput"] == pytest.approx(2 * float(rows[0]["Output tok/s/GPU"]))
+    assert points[2].measured["tpot_p50"] == pytest.approx(float(rows[2]["TPOT (ms)"]) * 1e-3)
+    assert points[0].scenario["workload"]["arrival"] == {"process": "closed", "concurrency": 1}
+    assert points[0].source["ignored_keys"] == ["Notes"] and points[0].source["where"] == ["concurrency<=4"]
+    gpus = read_benchmarks(table, engine=ENGINE, speculative=None, table=TableReading.parse(DECLARED, gpus=8))
+    assert gpus[0].measured["output_throughput"] == pytest.approx(4 * points[0].measured["output_throughput"])
+    with pytest.raises(CalibrationError, match="a per-GPU figure needs the GPUs of the deployment: give --gpus N"):
+        read_benchmarks(table, engine=ENGINE, speculative=None, table=TableReading.parse(DECLARED))
+
+
+def test_rate_rows_are_poisson_arrivals(tmp_path):
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps([{"request_rate": 2.5, "input_len": 100, "output_len": 20, "mean_ttft_ms": 80},
+                                {"rate": 5, "input_len": 100, "output_len": 20, "mean_ttft_ms": 95}]))
+    points = read_benchmarks(path, engine=ENGINE, speculative=None)
+    assert [p.label for p in points] == ["rate=2.5", "rate=5"]
+    assert points[1].scenario["workload"]["arrival"] == {"process": "poisson", "rate": 5.0}
+    assert points[0].scenario["workload"]["num_requests"] == 150 and not points[0].steady_state
+
+
+@pytest.mark.parametrize("columns, where, says", [
+    (["TPOT=tpot_ms"], [], "--column 'TPOT=tpot_ms': 'tpot_ms' is no metric or shape key"),
+    (["no key"], [], "--column 'no key': expected NAME=KEY"),
+    ([], ["concurrency ~ 4"], "--where 'concurrency ~ 4': expected NAME OP VALUE"),
+])
+def test_table_options_are_refused_in_one_line(columns, where, says):
+    with pytest.raises(CalibrationError, match=__import__("re").escape(says)):
+        TableReading.parse(columns, where)
+
+
+def test_fit_low_rows_score_high_rows_by_the_command_line(table, base, tmp_path):
+    """calibrate on the rows at 1-4 clients, fitting throughput and TPOT; score then names
+    those rows fitted and the rows at 8 and 16 held out, and predicts them near the truth."""
+    profile = tmp_path / "fitted.yaml"
+    fit = run("calibrate", table, "--base", base, "--out", profile, *COLUMNS, "--where", "concurrency<=4",
+              "--fit-metrics", "output_throughput,tpot_p50", "--bootstrap", "0", "--json")
+    assert fit.returncode == 0, fit.stderr
+    out = run("score", profile, table, *COLUMNS, "--json", "--plot", tmp_path / "score.png")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    parts = {r["point"]: r["fitted"] for r in data["rows"]}
+    assert parts == {"c=1": True, "c=2": True, "c=4": True, "c=8": False, "c=16": False}
+    held = [r for r in data["rows"] if not r["fitted"]]
+    assert {r["metric"] for r in held} == {"output_throughput", "tpot_p50"}
+    print("\nheld out:", [(r["point"], r["metric"], f"{r['rel_error']:+.2%}") for r in held])
+    assert data["summary"]["held_out"]["figures"] == 4
+    assert data["summary"]["held_out"]["max_abs_rel_error"] < 0.05, held
+    assert (tmp_path / "score.png").stat().st_size > 10_000
+    # The human table says which part each row is in.
+    text = run("score", profile, table, *COLUMNS, "--metrics", "output_throughput")
+    assert text.returncode == 0 and "held out" in text.stdout and "fitted" in text.stdout
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--fit-metrics", "tpot_mode"], "--fit-metrics 'tpot_mode': not a metric"),
+    (["--fit-metrics", "ttft_mean"], "--fit-metrics: ttft_mean not measured in these rows"),
+    (["--where", "concurrency>64"], "no row meets concurrency>64"),
+    (["--where", "gpu==1"], "--where 'gpu==1'"),
+])
+def test_calibrate_table_options_refused_in_one_line(table, base, tmp_path, extra, says):
+    out = run("calibrate", table, "--base", base, "--out", tmp_path / "p.yaml", *COLUMNS, *extra)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], out.stderr
+
+
+def test_score_refuses_what_it_cannot_read(table, base, tmp_path):
+    undeclared = run("score", base, table)
+    assert undeclared.returncode == 2 and "declare a column with --column NAME=concurrency" in undeclared.stderr
+    unknown_row = run("score", base, table, *COLUMNS, "--rows", "c=3")
+    assert unknown_row.returncode == 2 and "--rows: no row labelled 'c=3'" in unknown_row.stderr
