@@ -128,7 +128,7 @@ def test_live_validate_against_simcap_serve_reproduces_the_simulation(tmp_path, 
     """``simcap live validate`` (its own client, 3 repeats, the prefix cache reset between
     them) against ``simcap serve`` of the same scenario: every run gives the same figures, and
     the prediction is the measurement less the HTTP front end: E2E and TPOT p50 within 1%,
-    output throughput within 1%, TTFT p50 within 5%."""
+    output throughput within 1%; TTFT p50 below the measured one, by less than half a step."""
     scenario = write_scenario(
         tmp_path, **SLOW,
         workload={"arrival": {"process": "poisson", "rate": 3.0}, "num_requests": 30, "input_len": 200,
@@ -142,7 +142,10 @@ def test_live_validate_against_simcap_serve_reproduces_the_simulation(tmp_path, 
     print(f"  clock lag at the server: {run.status['clock_lag']}")
     for key in ("e2e_p50", "tpot_p50", "output_throughput"):
         assert abs(errors[key]) < 0.01, key
-    assert abs(errors["ttft_p50"]) < 0.05
+    ttft = data["metrics"]["ttft_p50"]
+    front = ttft["live_median"] - ttft["predicted"]
+    print(f"  front end at TTFT p50: {_ms(front)}")
+    assert 0 <= front < STEP_BASE_S / 2
     for key in ("e2e_p50", "output_throughput"):
         m = data["metrics"][key]
         assert m["live_max"] - m["live_min"] <= 0.01 * m["live_median"], key  # the runs agree
