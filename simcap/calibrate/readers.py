@@ -516,9 +516,10 @@ def split_input(text: str) -> tuple[str, str | None]:
 
 
 def _is_step_input(path: Path) -> bool:
-    if path.suffix.lower() == ".csv":  # step samples have a step-time column; a table has none
-        header = next(csv.reader(io.StringIO(_read_text(path))), [])
-        return any(name.strip() in _TARGETS for name in header)
+    if path.suffix.lower() == ".csv":  # step samples have a step-time or step-content column; a table neither
+        header = {name.strip() for name in next(csv.reader(io.StringIO(_read_text(path))), [])}
+        step_columns = set(_TARGETS).union(*_COLUMNS.values())
+        return bool(header & step_columns)
     if path.suffix.lower() != ".json":
         return True  # a log
     data = _parse_json(path, _read_text(path))
