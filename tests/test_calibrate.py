@@ -382,7 +382,7 @@ def test_rows_fit_some_benchmark_rows_and_name_the_labels_there_are(tmp_path):
     bad = run("calibrate", recipe, "--out", str(tmp_path / "x.yaml"), "--rows", "no-spec c=3")
     assert bad.returncode == 2
     assert bad.stderr.strip() == (
-        "error: rows: no benchmark row labelled 'no-spec c=3' (rows: eagle3 c=1, eagle3 c=2, eagle3 c=4, "
+        "error: --rows: no benchmark row labelled 'no-spec c=3' (rows: eagle3 c=1, eagle3 c=2, eagle3 c=4, "
         "no-spec c=1, no-spec c=16, no-spec c=2, no-spec c=4, no-spec c=8)")
 
 

@@ -147,4 +147,4 @@ def test_score_refuses_what_it_cannot_read(table, base, tmp_path):
     undeclared = run("score", base, table)
     assert undeclared.returncode == 2 and "declare a column with --column NAME=concurrency" in undeclared.stderr
     unknown_row = run("score", base, table, *COLUMNS, "--rows", "c=3")
-    assert unknown_row.returncode == 2 and "--rows: no row labelled 'c=3'" in unknown_row.stderr
+    assert unknown_row.returncode == 2 and "--rows: no benchmark row labelled 'c=3'" in unknown_row.stderr

@@ -123,10 +123,17 @@ def residual_plot(fit: Fit, path: str | Path) -> None:
         ax2.invert_yaxis()
     ax1.set_title("fitted vs measured")
     ax2.set_title(f"max |error| {fit.quality.get('max_rel_error', 0):.1%}")
+    save_figure(fig, path, "the residual plot")
+
+
+def save_figure(fig: Any, path: str | Path, what: str) -> None:
+    """Lay out, write and close a figure; a path that cannot be written is one line."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
     except (OSError, ValueError) as exc:
-        raise CalibrationError(f"{path}: cannot write the residual plot: {exc}") from None
+        raise CalibrationError(f"{path}: cannot write {what}: {exc}") from None
     finally:
         plt.close(fig)

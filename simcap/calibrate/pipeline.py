@@ -175,13 +175,7 @@ def calibrate(
     for given, name in ((rows, "--rows"), (table, "--column/--where/--gpus"), (fit_metrics, "--fit-metrics")):
         if given is not None and step_inputs:
             raise CalibrationError(f"{name}: reads benchmark tables; step samples have none")
-    if rows is not None:
-        known = {p.label for p in points}
-        unknown = sorted(set(rows) - known)
-        if unknown:
-            raise CalibrationError(f"rows: no benchmark row labelled {', '.join(map(repr, unknown))} "
-                                   f"(rows: {', '.join(sorted(known))})")
-        points = [p for p in points if p.label in set(rows)]
+    points = pick_rows(points, rows)
     if step_inputs and points:
         raise CalibrationError("calibrate: give step samples or benchmark results, not both")
     if fit_metrics is not None:
@@ -217,6 +211,19 @@ def calibrate(
     if ignored:
         fit.notes.append(f"table keys read as no metric (left out of the fit): {', '.join(ignored)}")
     return fit
+
+
+def pick_rows(points: list, rows: Collection[str] | None) -> list:
+    """The points labelled as in ``rows`` (``--rows``; None: all); an unknown label is refused,
+    naming the labels there are."""
+    if rows is None:
+        return points
+    known = {p.label for p in points}
+    unknown = sorted(set(rows) - known)
+    if unknown:
+        raise CalibrationError(f"--rows: no benchmark row labelled {', '.join(map(repr, unknown))} "
+                               f"(rows: {', '.join(sorted(known))})")
+    return [p for p in points if p.label in set(rows)]
 
 
 def read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Recipe,

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Collection, Sequence
 
 from simcap.calibrate.core import CalibrationError
+from simcap.calibrate.fit_report import save_figure
 from simcap.calibrate.metric_keys import metric_value
-from simcap.calibrate.pipeline import read_inputs, check_fit_metrics
+from simcap.calibrate.pipeline import check_fit_metrics, pick_rows, read_inputs
 from simcap.calibrate.readers import TableReading
 from simcap.calibrate.recipe import base_from_profile
 from simcap.config.profiles import load_profile
@@ -91,13 +92,7 @@ def score_profile(
     if step_inputs:
         raise CalibrationError("score: compares a profile with benchmark results (tables, vllm bench JSON), "
                                "not step samples")
-    if rows is not None:
-        known = {p.label for p in points}
-        unknown = sorted(set(rows) - known)
-        if unknown:
-            raise CalibrationError(f"--rows: no row labelled {', '.join(map(repr, unknown))} "
-                                   f"(rows: {', '.join(sorted(known))})")
-        points = [p for p in points if p.label in set(rows)]
+    points = pick_rows(points, rows)
     fitted_rows = _fitted_rows(prof.provenance)
     out_rows: list[dict[str, Any]] = []
     sources: list[dict[str, Any]] = []
@@ -193,10 +188,4 @@ def score_plot(score: Score, path: str | Path) -> None:
     held = score.summary()["held_out"]
     ax2.set(xlabel="relative error (%)  (blue: fitted, orange: held out)",
             title="held out: median |error| " + (f"{held['median_abs_rel_error']:.1%}" if held["figures"] else "n/a"))
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except (OSError, ValueError) as exc:
-        raise CalibrationError(f"{path}: cannot write the score plot: {exc}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, "the score plot")
