@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,7 @@ def test_rate_rows_are_poisson_arrivals(tmp_path):
     ([], ["concurrency ~ 4"], "--where 'concurrency ~ 4': expected NAME OP VALUE"),
 ])
 def test_table_options_are_refused_in_one_line(columns, where, says):
-    with pytest.raises(CalibrationError, match=__import__("re").escape(says)):
+    with pytest.raises(CalibrationError, match=re.escape(says)):
         TableReading.parse(columns, where)
 
 

@@ -14,7 +14,7 @@ Content: the prompt's token ids in blocks of the
 engine's ``block_size``; each block is keyed by a hash of everything up to its end (a chain, as
 vLLM's block hashes), so two prompts that open with the same blocks share those blocks' KV in
 the modelled prefix cache, and no others. The same keys are a Mooncake trace's ``hash_ids``
-(:func:`simcap.serve.engine.trace_line`), so ``simcap simulate`` replays a served workload with
+(``simcap serve --trace``, :mod:`simcap.serve.engine`), so ``simcap simulate`` replays a served workload with
 the same sharing.
 """
 
