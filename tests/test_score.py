@@ -149,3 +149,37 @@ def test_score_refuses_what_it_cannot_read(table, base, tmp_path):
     assert undeclared.returncode == 2 and "declare a column with --column NAME=concurrency" in undeclared.stderr
     unknown_row = run("score", base, table, *COLUMNS, "--rows", "c=3")
     assert unknown_row.returncode == 2 and "--rows: no benchmark row labelled 'c=3'" in unknown_row.stderr
+
+
+TABLES = ROOT / "examples" / "tables"
+VENDOR_COLUMNS = ["--column", "Concurrency=concurrency", "--column", "ISL=input_len", "--column", "OSL=output_len",
+                  "--column", "Output tok/s=output_throughput", "--column", "Median TTFT (ms)=median_ttft_ms",
+                  "--column", "Mean TPOT (ms)=mean_tpot_ms"]
+
+
+@pytest.mark.parametrize("table, extra", [
+    ("guidellm-chat.json", []), ("vllm-bench-chat.json", []), ("vendor-style.csv", VENDOR_COLUMNS),
+])
+def test_tables_measured_by_real_clients_read_as_the_clients_meant(table, extra):
+    """The shipped tables, measured by GuideLLM and vllm bench serve against simcap serve of
+    examples/chat.yaml, scored with that deployment's profile: TPOT (the engine's own pace, which
+    no client overhead touches) agrees within 2% on every row, so each reader maps its tool's
+    fields right (GuideLLM's inter-token latency is per request, after the first token; its
+    time_per_output_token_ms, which includes the first token, is read as nothing)."""
+    out = run("score", TABLES / "chat-profile.yaml", TABLES / table, *extra, "--metrics", "tpot_mean", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    rows = data["rows"]
+    assert len(rows) == (1 if table.startswith("vllm") else 4)
+    assert all(not r["fitted"] for r in rows)
+    assert all(abs(r["rel_error"]) < 0.02 for r in rows), rows
+
+
+def test_a_guidellm_report_is_a_table_of_its_runs():
+    points = read_benchmarks(TABLES / "guidellm-chat.json", engine={}, speculative=None)
+    assert [p.label for p in points] == ["c=1", "c=2", "c=4", "c=8"]
+    workload = points[3].scenario["workload"]
+    assert workload["arrival"] == {"process": "closed", "concurrency": 8}
+    assert (workload["input_len"], workload["output_len"], workload["num_requests"]) == (149, 32, 24)
+    assert set(points[0].measured) >= {"ttft_mean", "ttft_p50", "tpot_mean", "e2e_p99", "output_throughput"}
+    assert points[0].source["format"] == "guidellm"

@@ -1,5 +1,6 @@
 """Reading measurements: step samples (CSV, JSON, vLLM iteration logs) and benchmark results
-(``vllm bench serve`` JSON, closed-loop concurrency tables), with the file errors they raise."""
+(``vllm bench serve`` JSON, GuideLLM reports, tables in JSON or CSV), with the file errors they
+raise."""
 
 from __future__ import annotations
 
@@ -309,6 +310,65 @@ class TableReading:
         return True
 
 
+# A GuideLLM report's per-request distributions, as table keys: TTFT; its inter-token latency
+# (per request, (last token - first token) / (tokens - 1): vLLM's TPOT, weighted by each
+# request's tokens after the first); request latency (seconds) as E2E.
+_GUIDELLM_LATENCIES = {"time_to_first_token_ms": ("ttft", 1.0), "inter_token_latency_ms": ("tpot", 1.0),
+                       "request_latency": ("e2el", 1e3)}
+_GUIDELLM_STATS = {"mean": "mean", "median": "median", "p90": "p90", "p95": "p95", "p99": "p99"}
+
+
+def _is_guidellm_report(d: Any) -> bool:
+    runs = d.get("benchmarks") if isinstance(d, dict) else None
+    return bool(runs) and isinstance(runs, list) and all(isinstance(b, dict) and "metrics" in b for b in runs)
+
+
+def _guidellm_rows(report: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A GuideLLM report (``guidellm run --output kind=json``; 0.8's schema): one table row
+    per benchmark, its load from the strategy (``concurrent``: its streams; ``synchronous``:
+    1; ``constant``/``poisson``: its rate) and its figures from the successful requests."""
+    rows = []
+    for i, bench in enumerate(report["benchmarks"]):
+        config = bench.get("config") or bench.get("args") or {}
+        strategy = config.get("strategy") or {}
+        kind = strategy.get("type_")
+        row: dict[str, Any] = {}
+        if kind == "concurrent":
+            row["concurrency"] = int(strategy["streams"])
+        elif kind == "synchronous":
+            row["concurrency"] = 1
+        elif kind in ("constant", "poisson") and strategy.get("rate"):
+            row["request_rate"] = float(strategy["rate"])
+        else:
+            raise CalibrationError(f"{where} benchmark {i}: a GuideLLM {kind!r} run is not modelled "
+                                   "(concurrent, synchronous, constant and poisson runs are)")
+        metrics = bench["metrics"]
+
+        def successful(name: str) -> dict[str, Any]:
+            return (metrics.get(name) or {}).get("successful") or {}
+
+        for name, (what, scale) in _GUIDELLM_LATENCIES.items():
+            dist = successful(name)
+            for stat, key in _GUIDELLM_STATS.items():
+                value = dist.get(stat, (dist.get("percentiles") or {}).get(stat))
+                if isinstance(value, (int, float)) and dist.get("count"):
+                    row[f"{key}_{what}_ms"] = value * scale
+        for name, key in (("output_tokens_per_second", "output_throughput"),
+                          ("requests_per_second", "request_throughput")):
+            value = successful(name).get("mean")
+            if isinstance(value, (int, float)):
+                row[key] = value
+        for name, key in (("prompt_token_count", "input_len"), ("output_token_count", "output_len")):
+            value = successful(name).get("mean")
+            if isinstance(value, (int, float)) and value > 0:
+                row[key] = max(1, int(round(value)))
+        count = (metrics.get("request_totals") or {}).get("successful")
+        if isinstance(count, int) and count > 0:
+            row["num_prompts"] = count
+        rows.append(row)
+    return rows
+
+
 def _table_key(key: str) -> tuple[str, float] | None:
     """A metric key, or a per-GPU throughput key (``output_throughput_per_gpu``)."""
     return metric_of_key(key[: -len("_per_gpu")] if key.endswith("_per_gpu") else key)
@@ -352,7 +412,7 @@ def read_benchmarks(
 
     A table is a list of rows (or one row) with ``concurrency`` (a closed loop) or
     ``request_rate`` (Poisson arrivals) and measured aggregates (:func:`metric_of_key`), in JSON
-    or in a CSV file with a header; ``selector`` picks it inside a larger JSON
+    or in a CSV file with a header, or a GuideLLM report (:func:`_guidellm_rows`); ``selector`` picks it inside a larger JSON
     (``a800_minimax_m3.runs.no_spec``); ``table`` says what its columns are and which rows to
     read (:class:`TableReading`). Other keys (neither a metric nor :data:`TABLE_SHAPE_KEYS`) are read as nothing
     and named in each point's source (``ignored_keys``) and in the fit's notes. Prompt/output
@@ -372,9 +432,12 @@ def read_benchmarks(
     else:
         data = _parse_json(path, text)
     node, parents = _select(data, selector or "", where)
+    if _is_guidellm_report(node):
+        node = _guidellm_rows(node, where)
     workload = dict(workload or {})
     source = {"file": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
-              "select": selector}
+              "select": selector, **({"format": "guidellm"} if isinstance(node, list) and _is_guidellm_report(data)
+                                     else {})}
     base = {"engine": engine, "speculative": speculative, "seed": seed}
     if _is_bench_result(node) and not table.columns:
         return [_bench_point(node, where, base, workload, source, label or path.stem)]
