@@ -106,6 +106,29 @@ def test_preempted_request_goes_to_head_of_waiting_and_recomputes_prompt_and_out
     assert b.num_computed_tokens >= min(b.num_tokens, sched.max_num_batched_tokens) - 1
 
 
+def test_aborted_requests_leave_running_or_waiting_and_free_their_blocks():
+    """vLLM's finish_requests(..., FINISHED_ABORTED) between steps: a running request frees its
+    blocks and its slot, a waiting one leaves the queue, a finished one is left alone; the next
+    schedule admits the request the aborted one was holding back."""
+    sched = make_scheduler(max_num_seqs=1, num_gpu_blocks=64, block_size=16)
+    a, b = make_request(0, 40, 50), make_request(1, 40, 50)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.update_from_output(sched.schedule())
+    assert sched.running == [a] and list(sched.waiting) == [b]
+    held = sched.kv.num_free_blocks
+    sched.abort_requests([a])
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.is_finished
+    assert sched.running == [] and sched.kv.num_free_blocks == held + 3  # 40 prompt + 1 token: 3 blocks
+    out = sched.schedule()
+    assert [r.request_id for r in out.reqs] == [1]
+    c = make_request(2, 8, 4)
+    sched.add_request(c)
+    sched.abort_requests([c, a])  # (a: finished already, nothing happens)
+    assert list(sched.waiting) == [] and c.status == RequestStatus.FINISHED_ABORTED
+    sched.kv.check_invariants()
+
+
 def test_max_num_seqs_caps_running_and_blocks_the_queue():
     sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=4096)
     reqs = [make_request(i, 32, 3) for i in range(4)]

@@ -314,6 +314,42 @@ def test_overload_queues_and_preempts_as_the_engine_model_does(tmp_path):
     assert sum(r.num_preemptions for r in result.records) == preempted
 
 
+def test_a_client_that_goes_away_aborts_its_request(tmp_path):
+    """One sequence at a time (max_num_seqs 1): a long streamed request whose client closes
+    after two chunks, and a long whole-response request whose client times out, are aborted
+    before the next step, so the request sent next starts at once instead of after the long
+    one's 200 steps (2 s); /metrics counts the aborts, and the records end with reason abort."""
+    scenario = write_scenario(tmp_path, engine={**SCENARIO_ENGINE, "max_num_seqs": 1})
+    with served(scenario, folder=tmp_path) as run:
+        body = {"prompt": "a long answer", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        seen = 0
+        with httpx.stream("POST", run.base_url + "/v1/completions", json=body, timeout=30) as resp:
+            for line in resp.iter_lines():
+                seen += line.startswith("data: {")
+                if seen == 2:
+                    break  # (and the connection closes)
+        start = time.monotonic()
+        short = httpx.post(run.base_url + "/v1/completions", json={"prompt": "next", "max_tokens": 3,
+                                                                  "ignore_eos": True}, timeout=30)
+        waited = time.monotonic() - start
+        # A whole-response client that gives up (its read times out) aborts too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(run.base_url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+        start = time.monotonic()
+        httpx.post(run.base_url + "/v1/completions", json={"prompt": "last", "max_tokens": 3, "ignore_eos": True},
+                   timeout=30)
+        waited_again = time.monotonic() - start
+        got = series(httpx.get(run.base_url + "/metrics").text)
+    assert seen == 2 and short.json()["usage"]["completion_tokens"] == 3
+    assert waited < 1.0 and waited_again < 1.0, (waited, waited_again)  # (vs 2 s of the long one)
+    records = run.records()
+    assert [(r.request_id, r.finish_reason) for r in records] == [(0, "abort"), (1, "length"), (2, "abort"),
+                                                                 (3, "length")]
+    assert 1 <= records[0].num_output_tokens < 200 and records[2].num_output_tokens < 200
+    key = ("vllm:request_success_total", (("engine", "0"), ("finished_reason", "abort"), ("model_name", "served")))
+    assert got[key] == 2
+
+
 @pytest.mark.parametrize("args, says", [
     (["--speed", "0"], "--speed: a positive number"),
     (["--router", "least_request"], "--router: give --replicas N"),

@@ -28,6 +28,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED_LENGTH_CAPPED = 3  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = 4  # its client went away (simcap serve)
 
 
 _WAITING = RequestStatus.WAITING  # (read through the class at every request, it costs more)

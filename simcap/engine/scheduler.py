@@ -70,6 +70,7 @@ class SchedulerSettings(Protocol):
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 _FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 
 
 @dataclass(frozen=True)
@@ -510,6 +511,20 @@ class Scheduler:
             self.finished_pending += finished
         else:
             self._release(finished)
+
+    def abort_requests(self, requests: list[Request]) -> None:
+        """vLLM's ``finish_requests(ids, FINISHED_ABORTED)``, between steps: each request not
+        finished yet leaves RUNNING (or WAITING, a preempted one too) and frees its blocks, as
+        a finished one does."""
+        for req in requests:
+            if req.status >= _FINISHED_LENGTH_CAPPED:
+                continue
+            if req.status == _RUNNING:
+                self.running.remove(req)  # (by identity)
+            else:
+                self.waiting.remove(req)
+            req.status = _FINISHED_ABORTED
+            self.kv.free(req)
 
     def apply_pending(self) -> None:
         """Async scheduling: what applying the previous step's output does once the next step

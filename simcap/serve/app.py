@@ -17,7 +17,9 @@ fields are accepted and have no effect on timing, as in the engine model. Bad re
 vLLM's error body (``{"error": {"message", "type", "param", "code"}}``) and status code, with
 vLLM's messages; ``max_tokens`` past the context is cut to what the context leaves, as vLLM
 0.32 does. The text is synthetic: one ``" x"`` per output token (count tokens from ``usage``).
-A client that goes away does not abort its request: it runs to its end in the engine model.
+A client that goes away (a closed stream, or a dropped connection while it waits for a whole
+response) aborts its requests, as vLLM's server does: they leave the engine before its next step
+and free their blocks; their records end with finish reason ``abort``.
 """
 
 from __future__ import annotations
@@ -352,6 +354,7 @@ class _Reply:
                 out["usage"] = self.usage.to_dict()
             return f"data: {_json(out)}\n\n"
 
+        ended = False
         try:
             async for item in self.items():
                 if not isinstance(item, Chunk):
@@ -364,9 +367,14 @@ class _Reply:
                 total, reason = ends[index]
                 finish = reason if produced[index] >= total else None
                 yield event([self._choice(index, TOKEN_TEXT * item.num_tokens, finish)], continuous_usage)
+            ended = True
         except SimulationError as exc:
+            ended = True
             yield f"data: {_json({'error': {'message': str(exc), 'type': 'EngineDeadError', 'code': 500}})}\n\n"
             return
+        finally:
+            if not ended:  # the client went away (the stream was closed or cancelled)
+                self.engine.abort(self.streams)
         if include_usage:
             yield f"data: {_json({**head, 'choices': [], 'usage': self.usage.to_dict()})}\n\n"
         yield "data: [DONE]\n\n"
@@ -397,8 +405,20 @@ class _Awaited(Response):
         self.reply = reply
 
     async def __call__(self, scope, receive, send) -> None:
+        async def disconnected() -> None:  # (the body has been read: what comes next is the end)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        whole = asyncio.ensure_future(self.reply.whole())
+        watch = asyncio.ensure_future(disconnected())
+        await asyncio.wait({whole, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not whole.done():  # the client went away first
+            whole.cancel()
+            self.reply.engine.abort(self.reply.streams)
+            return
+        watch.cancel()
         try:
-            body = await self.reply.whole()
+            body = whole.result()
         except SimulationError as exc:
             await ApiError(500, str(exc), kind="EngineDeadError").response()(scope, receive, send)
             return

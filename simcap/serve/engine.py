@@ -239,6 +239,15 @@ class ServedEngine:
         self._wake.set()
         return stream
 
+    def abort(self, streams: list[Stream]) -> None:
+        """The client of these streams went away: each request not finished yet leaves its
+        engine before the next step (vLLM aborts it; its record ends with reason ``abort``)."""
+        for stream in streams:
+            rid = stream.request_id
+            if rid in self._streams:
+                self.replicas[self._engine_of(rid)].abort(rid)
+        self._wake.set()
+
     def _natural_length(self, i: int) -> int | None:
         answers = self._answers
         if answers is None:
@@ -271,7 +280,8 @@ class ServedEngine:
         for rid, stream, rec, engine in finished:
             del self._streams[rid]
             del records[rid]
-            rec.finish_reason = stream.finish_reason
+            if rec.finish_reason != "abort":
+                rec.finish_reason = stream.finish_reason
             if self._replica_of is not None:
                 rec.replica = engine
             self.num_finished += 1

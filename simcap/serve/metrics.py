@@ -119,15 +119,18 @@ class ServedMetrics:
         self.success.labels(*labels, record.finish_reason or "length").inc()
         if record.num_preemptions:
             self.preemptions.labels(*labels).inc(record.num_preemptions)
-        arrival, finish, first = record.arrival_time, record.finish_time, record.chunk_times[0]
+        arrival, finish = record.arrival_time, record.finish_time
         scheduled = record.scheduled_time if record.scheduled_time is not None else arrival
         h = {key: histogram.labels(*labels) for key, histogram in self.histograms.items()}
         h["prompt"].observe(record.num_prompt_tokens)
         h["generation"].observe(num_out)
         h["max_tokens"].observe(max_tokens)
+        h["e2e"].observe(finish - arrival)
+        if not record.chunk_times:  # (aborted before its first token)
+            return
+        first = record.chunk_times[0]
         if num_out > 1:
             h["tpot"].observe((finish - first) / (num_out - 1))
-        h["e2e"].observe(finish - arrival)
         h["queue"].observe(scheduled - arrival)
         h["inference"].observe(finish - scheduled)
         h["prefill"].observe(first - scheduled)

@@ -270,6 +270,7 @@ class EngineWorld:
         self._verify_stretches = _StretchGaps()
         self._verify_tokens: list[int] = []  # per gap, per request: the later chunk's tokens
         self._wakeup: simpy.Event | None = None
+        self._aborts: list[int] = []  # request ids whose clients went away (simcap serve)
         # Clients waiting on a request, called with its output tokens when it finishes.
         self._on_finish: dict[int, Callable[[int], object]] = {}
         self._session_of: dict[int, tuple[int, int]] = {}  # request id -> (session, turn)
@@ -307,6 +308,33 @@ class EngineWorld:
         """A client's request: submitted now, ``done`` called with its output tokens when it ends."""
         self._on_finish[spec.request_id] = done
         self.submit(spec, now, client_id)
+
+    def abort(self, request_id: int) -> None:
+        """``request_id``'s client went away: the request leaves the engine before the next
+        step is scheduled, as vLLM's engine core takes aborts between steps (its record ends
+        with finish reason ``abort``). Stepping one step at a time only (``fast=False``)."""
+        if self.fast:
+            raise SimulationError("aborts need the reference path (fast=False)")
+        self._aborts.append(request_id)
+
+    def _apply_aborts(self, now: float) -> None:
+        ids = set(self._aborts)
+        self._aborts.clear()
+        scheduler = self.scheduler
+        reqs = [r for r in scheduler.running if r.request_id in ids]
+        reqs += [r for r in scheduler.waiting if r.request_id in ids]
+        if not reqs:
+            return
+        scheduler.abort_requests(reqs)
+        if self.records is not None:
+            for req in reqs:
+                rec = self.records[req.request_id]
+                rec.finish_time = now
+                rec.finish_reason = "abort"
+                rec.scheduled_time = req.scheduled_ts
+                rec.num_preemptions = req.num_preemptions
+        if self.fleet is not None:
+            self.fleet.responses_ended(self.index, reqs, now)
 
     def replay_clients(self, trace: ClosedLoopTrace) -> None:
         """One client per ``trace.clients[c]``: wait the gap, send, wait for the response."""
@@ -538,6 +566,8 @@ class EngineWorld:
                 continue
             if stop is not None and now >= stop.next_check and stop(self, now):
                 return
+            if self._aborts:
+                self._apply_aborts(now)
             if not (scheduler.running or scheduler.waiting):  # (has_unfinished_requests)
                 if not clients:
                     if next_arrival == math.inf:
