@@ -183,3 +183,18 @@ def test_a_guidellm_report_is_a_table_of_its_runs():
     assert (workload["input_len"], workload["output_len"], workload["num_requests"]) == (149, 32, 24)
     assert set(points[0].measured) >= {"ttft_mean", "ttft_p50", "tpot_mean", "e2e_p99", "output_throughput"}
     assert points[0].source["format"] == "guidellm"
+
+
+def test_the_readme_journey(tmp_path):
+    """The top README's path: fit the GuideLLM sweep's rows at 1-2 clients from a flat start,
+    score the sweep (1-2 fitted, 4 and 8 held out) and the 16-client run it lacks."""
+    profile = tmp_path / "fitted.yaml"
+    fit = run("calibrate", TABLES / "guidellm-chat.json", "--base", TABLES / "start.yaml", "--where",
+              "concurrency<=2", "--fit-metrics", "tpot_mean,e2e_mean", "--out", profile)
+    assert fit.returncode == 0, fit.stderr
+    sweep = json.loads(run("score", profile, TABLES / "guidellm-chat.json", "--json").stdout)
+    assert {r["point"]: r["fitted"] for r in sweep["rows"]} == {"c=1": True, "c=2": True, "c=4": False, "c=8": False}
+    beyond = json.loads(run("score", profile, TABLES / "guidellm-chat-c16.json", "--json").stdout)
+    assert {r["point"] for r in beyond["rows"]} == {"c=16"} and not any(r["fitted"] for r in beyond["rows"])
+    held = {r["metric"]: r["rel_error"] for r in sweep["rows"] if not r["fitted"] and r["point"] == "c=4"}
+    assert abs(held["tpot_mean"]) < 0.05 and abs(held["e2e_mean"]) < 0.10, held
