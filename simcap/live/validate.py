@@ -705,8 +705,8 @@ def validate(
         notes.append("every run was disturbed: the comparison uses them all; rerun on a quiet machine")
     if scenario.engine.async_scheduling is None:
         notes.append(
-            "engine.async_scheduling unset: the modelled version's default is used; a CPU server "
-            "always runs without async scheduling (set engine.async_scheduling=false)"
+            "engine.async_scheduling unset: the modelled version's default is used; vLLM's CPU "
+            "build always runs without async scheduling (against one, set engine.async_scheduling=false)"
         )
     metrics, ks = compare(results)
     sessions = compare_sessions(results) if has_sessions else None
