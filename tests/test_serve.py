@@ -229,6 +229,7 @@ def test_responses_have_vllms_shape(tmp_path):
             ({"max_tokens": 3}, 400, "BadRequestError", "prompt",
              "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"),
             ({"prompt": "x" * 5000}, 400, "BadRequestError", "input_tokens", None),
+            ({"prompt": [[]], "max_tokens": 3}, 400, "BadRequestError", "prompt", None),
             ({"prompt": "hi", "max_tokens": "abc"}, 400, "Bad Request", "body.max_tokens", None),
         ]
         for body, code, kind, param, message in cases:
@@ -237,8 +238,9 @@ def test_responses_have_vllms_shape(tmp_path):
             assert (resp.status_code, error["code"], error["type"], error["param"]) == (code, code, kind, param), body
             if message:
                 assert error["message"] == message
-        bad_json = httpx.post(run.base_url + "/v1/completions", content=b"not json", timeout=30)
-        assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body.0"
+        for raw in (b"not json", b"\xff\xfe{"):
+            bad_json = httpx.post(run.base_url + "/v1/completions", content=raw, timeout=30)
+            assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body.0"
         assert httpx.get(run.base_url + "/nope").json() == {"detail": "Not Found"}
         assert httpx.get(run.base_url + "/v1/completions").status_code == 405
         # max_tokens past the context is cut to what is left (vLLM 0.32), finish reason length.

@@ -265,6 +265,9 @@ class ServeApp:
             raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                                 f"got {body.min_tokens}.")
         for prompt in prompts:
+            if prompt.num_tokens == 0:
+                raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty. "
+                                    "(parameter=prompt)", "prompt")
             if prompt.num_tokens >= limit:
                 raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
                                     f"contains {prompt.num_tokens} input tokens, which exceeds this limit even "
@@ -433,9 +436,10 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except ValueError as exc:
+    except ValueError as exc:  # (JSONDecodeError, or bytes that are not UTF-8)
+        why = getattr(exc, "msg", None) or "not UTF-8 text"
         raise ApiError(400, f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.0', "
-                            f"'msg': 'JSON decode error', 'ctx': {{'error': '{exc.msg}'}}}}", "body.0", "Bad Request")
+                            f"'msg': 'JSON decode error', 'ctx': {{'error': '{why}'}}}}", "body.0", "Bad Request")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
