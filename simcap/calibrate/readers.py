@@ -324,9 +324,10 @@ def _is_guidellm_report(d: Any) -> bool:
 
 
 def _guidellm_rows(report: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    """A GuideLLM report (``guidellm run --output kind=json``; 0.8's schema): one table row
-    per benchmark, its load from the strategy (``concurrent``: its streams; ``synchronous``:
-    1; ``constant``/``poisson``: its rate) and its figures from the successful requests."""
+    """A GuideLLM report (``guidellm run --output kind=json`` of 0.8, ``guidellm benchmark run
+    --output-path`` of 0.3): one table row per benchmark, its load from the strategy (under
+    ``config``, 0.8, or ``args``, 0.3; ``concurrent``: its streams; ``synchronous``: 1;
+    ``constant``/``poisson``: its rate) and its figures from the successful requests."""
     rows = []
     for i, bench in enumerate(report["benchmarks"]):
         config = bench.get("config") or bench.get("args") or {}
@@ -362,7 +363,7 @@ def _guidellm_rows(report: dict[str, Any], where: str) -> list[dict[str, Any]]:
             value = successful(name).get("mean")
             if isinstance(value, (int, float)) and value > 0:
                 row[key] = max(1, int(round(value)))
-        count = (metrics.get("request_totals") or {}).get("successful")
+        count = (metrics.get("request_totals") or bench.get("request_totals") or {}).get("successful")
         if isinstance(count, int) and count > 0:
             row["num_prompts"] = count
         rows.append(row)
