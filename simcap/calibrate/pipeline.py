@@ -142,9 +142,7 @@ def calibrate(
         fit_metrics = check_fit_metrics(fit_metrics)
         recipe = dataclasses.replace(recipe, fit_metrics=list(fit_metrics))
     if form == "roofline":
-        for given, name in ((rows, "--rows"), (table, "--column/--where/--gpus"), (fit_metrics, "--fit-metrics")):
-            if given is not None:
-                raise CalibrationError(f"{name}: reads benchmark tables; --form roofline fits step samples")
+        _no_table_options(rows, table, fit_metrics, "--form roofline fits step samples")
         return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
                                    workload=workload, num_speculative_tokens=num_speculative_tokens,
                                    bootstrap=bootstrap, level=level, warn_above=warn_above, noise=noise)
@@ -172,9 +170,8 @@ def calibrate(
     if not datasets:
         raise CalibrationError("calibrate: no input files")
     step_inputs, points = read_inputs(datasets, base_dir, recipe, workload, num_speculative_tokens, table)
-    for given, name in ((rows, "--rows"), (table, "--column/--where/--gpus"), (fit_metrics, "--fit-metrics")):
-        if given is not None and step_inputs:
-            raise CalibrationError(f"{name}: reads benchmark tables; step samples have none")
+    if step_inputs:
+        _no_table_options(rows, table, fit_metrics, "step samples have none")
     points = pick_rows(points, rows)
     if step_inputs and points:
         raise CalibrationError("calibrate: give step samples or benchmark results, not both")
@@ -211,6 +208,13 @@ def calibrate(
     if ignored:
         fit.notes.append(f"table keys read as no metric (left out of the fit): {', '.join(ignored)}")
     return fit
+
+
+def _no_table_options(rows: Any, table: Any, fit_metrics: Any, why: str) -> None:
+    """Refuse, in one line, the options that read benchmark tables where there is none."""
+    for given, name in ((rows, "--rows"), (table, "--column/--where/--gpus"), (fit_metrics, "--fit-metrics")):
+        if given is not None:
+            raise CalibrationError(f"{name}: reads benchmark tables; {why}")
 
 
 def pick_rows(points: list, rows: Collection[str] | None) -> list:

@@ -315,7 +315,7 @@ class TableReading:
 # request's tokens after the first); request latency (seconds) as E2E.
 _GUIDELLM_LATENCIES = {"time_to_first_token_ms": ("ttft", 1.0), "inter_token_latency_ms": ("tpot", 1.0),
                        "request_latency": ("e2el", 1e3)}
-_GUIDELLM_STATS = {"mean": "mean", "median": "median", "p90": "p90", "p95": "p95", "p99": "p99"}
+_GUIDELLM_STATS = ("mean", "median", "p90", "p95", "p99")
 
 
 def _is_guidellm_report(d: Any) -> bool:
@@ -350,10 +350,10 @@ def _guidellm_rows(report: dict[str, Any], where: str) -> list[dict[str, Any]]:
 
         for name, (what, scale) in _GUIDELLM_LATENCIES.items():
             dist = successful(name)
-            for stat, key in _GUIDELLM_STATS.items():
+            for stat in _GUIDELLM_STATS:
                 value = dist.get(stat, (dist.get("percentiles") or {}).get(stat))
                 if isinstance(value, (int, float)) and dist.get("count"):
-                    row[f"{key}_{what}_ms"] = value * scale
+                    row[f"{stat}_{what}_ms"] = value * scale
         for name, key in (("output_tokens_per_second", "output_throughput"),
                           ("requests_per_second", "request_throughput")):
             value = successful(name).get("mean")
@@ -433,12 +433,12 @@ def read_benchmarks(
     else:
         data = _parse_json(path, text)
     node, parents = _select(data, selector or "", where)
-    if _is_guidellm_report(node):
+    guidellm = _is_guidellm_report(node)
+    if guidellm:
         node = _guidellm_rows(node, where)
     workload = dict(workload or {})
     source = {"file": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
-              "select": selector, **({"format": "guidellm"} if isinstance(node, list) and _is_guidellm_report(data)
-                                     else {})}
+              "select": selector, **({"format": "guidellm"} if guidellm else {})}
     base = {"engine": engine, "speculative": speculative, "seed": seed}
     if _is_bench_result(node) and not table.columns:
         return [_bench_point(node, where, base, workload, source, label or path.stem)]

@@ -43,6 +43,18 @@ def table_reading(columns: Optional[List[str]], where: Optional[List[str]], gpus
     return TableReading.parse(columns or [], where or [], gpus)
 
 
+def with_replicas(scenario: Any, replicas: Optional[int], router: Optional[str]) -> Any:
+    """``--replicas N [--router R]``: the scenario as a fleet of N replicas (its own when neither
+    is given); ``--router`` alone is refused."""
+    if router is not None and replicas is None:
+        fail("--router: give --replicas N with it (or a deployment in the scenario)")
+    if replicas is None:
+        return scenario
+    from simcap.studies.fleet_sizing import parse_routers, with_fleet
+
+    return with_fleet(scenario, replicas, parse_routers(router, scenario)[0] if router else None)
+
+
 def fail(message: str) -> None:
     """One line on stderr, exit code 2: the user's input was wrong."""
     typer.echo(f"error: {message}", err=True)

@@ -11,7 +11,7 @@ from typer.core import TyperGroup
 from simcap._version import __version__
 from simcap.cli.common import (
     COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, SET_OPTION, WHERE_OPTION, fail, load_command_scenario, table_reading,
-    user_errors, warn_when_done)
+    user_errors, warn_when_done, with_replicas)
 from simcap.errors import SimcapError
 from simcap.metrics import report
 from simcap.runtime import startup
@@ -256,13 +256,7 @@ def capacity_cmd(
             from simcap.studies.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        loaded = load_command_scenario(scenario, set_)
-        if router is not None and replicas is None:
-            fail("--router: give --replicas N with it (or a deployment in the scenario)")
-        if replicas is not None:
-            from simcap.studies.fleet_sizing import parse_routers, with_fleet
-
-            loaded = with_fleet(loaded, replicas, parse_routers(router, loaded)[0] if router else None)
+        loaded = with_replicas(load_command_scenario(scenario, set_), replicas, router)
         result = cap.find_capacity(
             loaded,
             cap.parse_slo(slo) if slo else None,

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from simcap.cli.common import SET_OPTION, fail, load_command_scenario, user_errors
+from simcap.cli.common import SET_OPTION, load_command_scenario, user_errors, with_replicas
 
 
 def serve(
@@ -34,9 +34,8 @@ def serve(
     ),
     trace: Optional[Path] = typer.Option(
         None, "--trace",
-        help="Write the arrivals as a Mooncake trace to FILE: `simcap simulate` replays it "
-             "(--set workload.trace.format=mooncake --set workload.trace.path=FILE "
-             "--set workload.trace.block_size=<engine block size>).",
+        help="Write the arrivals as a Mooncake trace to FILE, for `simcap simulate` to replay "
+             "(the overrides: simcap/serve/README.md, or simcap.serve.engine.replay_overrides).",
     ),
     set_: Optional[List[str]] = SET_OPTION,
 ) -> None:
@@ -45,13 +44,7 @@ def serve(
     from simcap.serve.run import lag_line, serve as run_serve
 
     with user_errors():
-        loaded = load_command_scenario(scenario, set_)
-        if router is not None and replicas is None:
-            fail("--router: give --replicas N with it (or a deployment in the scenario)")
-        if replicas is not None:
-            from simcap.studies.fleet_sizing import parse_routers, with_fleet
-
-            loaded = with_fleet(loaded, replicas, parse_routers(router, loaded)[0] if router else None)
+        loaded = with_replicas(load_command_scenario(scenario, set_), replicas, router)
         status = run_serve(
             loaded, host=host, port=port, speed=speed, tokenizer=tokenizer,
             served_model_name=served_model_name, records=records, trace=trace,

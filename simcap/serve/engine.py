@@ -150,7 +150,6 @@ class ServedEngine:
                     f"{(kv.num_blocks - 1) * kv.block_size} tokens; vLLM refuses to start so "
                     "(lower max_model_len or give the pool more blocks)"
                 )
-        self.world = world
         self.env = world.env
         self.records: dict[int, RequestRecord] = world.records
         self.block_size = scenario.engine.block_size
@@ -302,10 +301,6 @@ class ServedEngine:
         self._streams.clear()
 
     # ------------------------------------------------------------------ state
-
-    @property
-    def num_running(self) -> int:
-        return len(self._streams)
 
     def gauges(self, i: int) -> tuple[int, int, float]:
         """Engine i's (running, waiting, KV usage) as a scrape now reads them."""
