@@ -17,9 +17,12 @@ its speculative config (the two arms of a live crossover)::
       dtype: bfloat16
       enforce_eager: true
     speculative:                    # --speculative-config, as vLLM's JSON
-      method: ngram                 # ngram | eagle3 | eagle (these two need model: a draft head)
+      method: ngram                 # ngram | eagle3 | eagle (these two need model: a draft head's
+                                    # folder, or tiny-eagle3, built by .ci/vllm-cpu-setup)
       num_speculative_tokens: 3
       prompt_lookup_max: 4
+      # rejection_sample_method: synthetic   # accepted drafts drawn at these rates (the drafter
+      # synthetic_acceptance_rates: [0.56, 0.41, 0.30]   # still runs); or synthetic_acceptance_length
     startup_timeout_s: 420
     extra_args: []                  # any further vllm serve arguments, as given
 
@@ -42,9 +45,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from simcap.config.scenario import Scenario, format_validation_error
 from simcap.config.yaml_files import read_yaml_mapping
 from simcap.errors import ScenarioError
-from simcap.live.server import VllmServer, tiny_model_dir, tiny_moe_model_dir
+from simcap.live.server import VllmServer, tiny_eagle3_dir, tiny_model_dir, tiny_moe_model_dir
 
 BUILT_MODELS = {"tiny": tiny_model_dir, "tiny-moe": tiny_moe_model_dir}
+BUILT_DRAFTS = {"tiny-eagle3": tiny_eagle3_dir}
 
 
 class _Strict(BaseModel):
@@ -71,10 +75,17 @@ class LaunchSpeculative(_Strict):
     num_speculative_tokens: int = Field(ge=1, le=16)
     prompt_lookup_max: int | None = Field(None, ge=1)
     prompt_lookup_min: int | None = Field(None, ge=1)
-    model: str | None = Field(None, description="EAGLE / EAGLE3: the draft head's folder")
+    model: str | None = Field(
+        None, description="EAGLE / EAGLE3: the draft head's folder, or tiny-eagle3 (built by .ci/vllm-cpu-setup)")
+    rejection_sample_method: Literal["standard", "synthetic"] | None = Field(
+        None, description="synthetic: which drafts are accepted is drawn at the rates below")
+    synthetic_acceptance_length: float | None = Field(None, ge=1.0)
+    synthetic_acceptance_rates: tuple[float, ...] | None = Field(
+        None, description="unconditional per-position rates, non-increasing, one per draft")
 
     @model_validator(mode="after")
     def _method_keys(self) -> "LaunchSpeculative":
+        self._synthetic_keys()
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("speculative.model: ngram drafts from the prompt; allowed only for eagle, eagle3")
@@ -88,6 +99,29 @@ class LaunchSpeculative(_Strict):
                 if getattr(self, key) is not None:
                     raise ValueError(f"speculative.{key}: allowed only for ngram (method is {self.method})")
         return self
+
+    def _synthetic_keys(self) -> None:
+        """vLLM's own checks of the synthetic keys, as one-line errors before a server starts."""
+        length, rates, k = self.synthetic_acceptance_length, self.synthetic_acceptance_rates, self.num_speculative_tokens
+        if self.rejection_sample_method != "synthetic":
+            if length is not None or rates is not None:
+                key = "synthetic_acceptance_length" if length is not None else "synthetic_acceptance_rates"
+                raise ValueError(f"speculative.{key}: allowed only with rejection_sample_method: synthetic")
+            return
+        if (length is None) == (rates is None):
+            raise ValueError("speculative.rejection_sample_method: synthetic needs exactly one of "
+                             "synthetic_acceptance_length and synthetic_acceptance_rates")
+        if length is not None and length > k + 1:
+            raise ValueError(f"speculative.synthetic_acceptance_length: must be in [1, {k + 1}] "
+                             f"(num_speculative_tokens + 1) (got {length:g})")
+        if rates is not None:
+            if len(rates) != k:
+                raise ValueError(f"speculative.synthetic_acceptance_rates: must have {k} entries, one per "
+                                 f"draft position (got {len(rates)})")
+            if not all(0.0 <= r <= 1.0 for r in rates):
+                raise ValueError(f"speculative.synthetic_acceptance_rates: entries must be in [0, 1] (got {list(rates)})")
+            if any(b > a for a, b in zip(rates, rates[1:])):
+                raise ValueError(f"speculative.synthetic_acceptance_rates: must be non-increasing (got {list(rates)})")
 
 
 class ServerConfig(_Strict):
@@ -110,7 +144,8 @@ class ServerConfig(_Strict):
             return None
         data = self.speculative.model_dump(exclude_none=True)
         if "model" in data:
-            data["model"] = str((base_dir / data["model"]).resolve())
+            built = BUILT_DRAFTS.get(data["model"])
+            data["model"] = str(built() if built else (base_dir / data["model"]).resolve())
         return json.dumps(data, separators=(",", ":"))
 
 

@@ -15,6 +15,7 @@ the temporary files it created.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import signal
@@ -45,18 +46,6 @@ class VllmServerError(SimcapError):
         self.log_tail = log_tail
 
 
-_AMX_HOOK = """\
-import os
-import sys
-
-try:
-    import torch
-
-    _ok = torch.cpu._init_amx()
-except Exception as _exc:  # keep the server starting; the log says why
-    _ok = repr(_exc)
-print(f"simcap amx hook: pid {os.getpid()} AMX permission requested: {_ok}", file=sys.stderr)
-"""
 
 
 def vllm_home() -> Path:
@@ -77,6 +66,13 @@ def tiny_moe_model_dir() -> Path:
     """The tiny Qwen3-MoE of ``.ci/vllm-cpu-setup`` (``$SIMCAP_VLLM_MOE_MODEL`` overrides)."""
     env = os.environ.get("SIMCAP_VLLM_MOE_MODEL")
     return Path(env) if env else vllm_home() / "moe-model"
+
+
+def tiny_eagle3_dir() -> Path:
+    """The tiny EAGLE3 draft head of ``.ci/vllm-cpu-setup``, for the tiny dense model
+    (``$SIMCAP_VLLM_EAGLE3_HEAD`` overrides)."""
+    env = os.environ.get("SIMCAP_VLLM_EAGLE3_HEAD")
+    return Path(env) if env else vllm_home() / "eagle3-head"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -160,6 +156,21 @@ class VllmServer:
                 pass
         return found
 
+    @property
+    def synthetic_acceptance(self) -> bool:
+        """Whether the arguments' ``--speculative-config`` asks for synthetic acceptance."""
+        args = self.extra_args
+        for i, arg in enumerate(args):
+            value = args[i + 1] if arg == "--speculative-config" and i + 1 < len(args) else (
+                arg.split("=", 1)[1] if arg.startswith("--speculative-config=") else None)
+            if value is not None:
+                try:
+                    spec = json.loads(value)
+                except ValueError:
+                    return False
+                return isinstance(spec, dict) and spec.get("rejection_sample_method") == "synthetic"
+        return False
+
     def command(self) -> list[str]:
         return [
             str(self.python), "-m", "vllm.entrypoints.openai.api_server",
@@ -207,13 +218,17 @@ class VllmServer:
             VLLM_CACHE_ROOT=str(cache_root),
             TMPDIR=str(tmp),
         )
-        if self.eager:
-            # Eager mode dies with an illegal instruction on AMX machines unless the process
-            # asked the kernel for AMX state first; a sitecustomize does it in every process.
-            hook = self._workdir / "amx_hook"
+        # A sitecustomize runs in every process of the server (simcap/live/vllm_sitecustomize.py):
+        # eager mode dies with an illegal instruction on AMX machines unless the process asked
+        # the kernel for AMX state first; synthetic acceptance needs the CPU rejection kernels
+        # to take synthetic mode.
+        hooks = {"SIMCAP_AMX_HOOK": self.eager, "SIMCAP_CPU_SYNTHETIC_ACCEPTANCE": self.synthetic_acceptance}
+        if any(hooks.values()):
+            hook = self._workdir / "hook"
             hook.mkdir()
-            (hook / "sitecustomize.py").write_text(_AMX_HOOK)
+            shutil.copyfile(Path(__file__).with_name("vllm_sitecustomize.py"), hook / "sitecustomize.py")
             env["PYTHONPATH"] = str(hook)
+            env.update({key: "1" for key, on in hooks.items() if on})
         env.update(self.extra_env)
         self._sys_tmp_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
         log = open(self.log_path, "ab")

@@ -20,12 +20,13 @@ from simcap.live.launch import (
     startup_failure_line,
 )
 from simcap.config.scenario import load_scenario
-from simcap.live.server import VllmServerError, tiny_model_dir
+from simcap.live.server import VllmServerError, tiny_eagle3_dir, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_YAML = REPO / "examples" / "servers" / "cpu-tiny.yaml"
 SCENARIO_YAML = REPO / "examples" / "cpu-tiny-ngram.yaml"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 3, "model": "tiny-eagle3"}
 
 
 def test_example_launch_config_builds_both_arms():
@@ -67,6 +68,40 @@ def test_launch_config_defaults_paths_and_extra_args(tmp_path):
     assert "--speculative-config" not in server_args(config, tmp_path, speculative=False)
 
 
+def test_synthetic_acceptance_config_reaches_vllm_and_turns_on_the_cpu_hook(tmp_path):
+    rates = [0.56, 0.41, 0.3]
+    config = parse_server_config({"speculative": {**EAGLE3, "rejection_sample_method": "synthetic",
+                                                  "synthetic_acceptance_rates": rates}})
+    spec = launch_server(config, tmp_path)
+    args = spec.extra_args
+    sent = json.loads(args[args.index("--speculative-config") + 1])
+    assert sent == {**EAGLE3, "model": str(tiny_eagle3_dir()), "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_rates": rates}
+    assert spec.synthetic_acceptance
+    # The baseline arm, standard sampling and an ngram server get no synthetic hook.
+    assert not launch_server(config, tmp_path, speculative=False).synthetic_acceptance
+    assert not launch_server(parse_server_config({"speculative": EAGLE3}), tmp_path).synthetic_acceptance
+    assert not launch_server(SERVER_YAML).synthetic_acceptance
+
+
+def test_synthetic_accept_follows_vllms_kernels():
+    """Hand-computed: conditional rates 0.5 / 0.5 / 0.5; request 0 accepts both drafts (bonus
+    follows), request 1 rejects its first (target's token, nothing after), request 2 has no
+    drafts (bonus only), request 3 accepts one then meets a padding -1 (rejected)."""
+    from simcap.live.vllm_sitecustomize import synthetic_accept
+
+    out = [[-1, -1, -1] for _ in range(4)]
+    cu = [2, 4, 4, 6]
+    draft = [10, 11, 20, 21, 40, -1]
+    fallback = [90, 91, 92, 93, 94, 95]
+    uniform = [0.1, 0.4, 0.7, 0.1, 0.2, 0.1]
+    synthetic_accept(out, cu, draft, fallback, [100, 101, 102, 103], uniform, [0.5, 0.5, 0.5], range(4))
+    assert out == [[10, 11, 100], [92, -1, -1], [102, -1, -1], [40, 95, -1]]
+    skipped = [[-1, -1, -1] for _ in range(4)]
+    synthetic_accept(skipped, cu, draft, fallback, [100, 101, 102, 103], uniform, [0.5, 0.5, 0.5], [1])
+    assert skipped[0] == skipped[2] == skipped[3] == [-1, -1, -1] and skipped[1] == [92, -1, -1]
+
+
 @pytest.mark.parametrize("data, message", [
     ({"engin": {}}, "s.yaml: engin: unknown key; allowed keys: model, served_model_name, engine, speculative"),
     ({"engine": {"max_num_seq": 8}}, "s.yaml: engine.max_num_seq: unknown key; allowed keys: max_num_seqs,"),
@@ -81,6 +116,27 @@ def test_launch_config_defaults_paths_and_extra_args(tmp_path):
     ({"speculative": {**NGRAM, "model": "d"}}, "s.yaml: speculative.model: ngram drafts from the prompt"),
     ({"speculative": {**NGRAM, "prompt_lookup_min": 5}},
      "s.yaml: speculative.prompt_lookup_min: must be <= prompt_lookup_max (4) (got 5)"),
+    ({"speculative": {**EAGLE3, "synthetic_acceptance_length": 2.2}},
+     "s.yaml: speculative.synthetic_acceptance_length: allowed only with rejection_sample_method: synthetic"),
+    ({"speculative": {**EAGLE3, "rejection_sample_method": "synthetic"}},
+     "s.yaml: speculative.rejection_sample_method: synthetic needs exactly one of synthetic_acceptance_length and"),
+    ({"speculative": {**EAGLE3, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0,
+                      "synthetic_acceptance_rates": [0.5, 0.3, 0.1]}},
+     "s.yaml: speculative.rejection_sample_method: synthetic needs exactly one of"),
+    ({"speculative": {**EAGLE3, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4.5}},
+     "s.yaml: speculative.synthetic_acceptance_length: must be in [1, 4] (num_speculative_tokens + 1) (got 4.5)"),
+    ({"speculative": {**EAGLE3, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 0.5}},
+     "s.yaml: speculative.synthetic_acceptance_length: input should be greater than or equal to 1"),
+    ({"speculative": {**EAGLE3, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5, 0.3]}},
+     "s.yaml: speculative.synthetic_acceptance_rates: must have 3 entries, one per draft position (got 2)"),
+    ({"speculative": {**EAGLE3, "rejection_sample_method": "synthetic",
+                      "synthetic_acceptance_rates": [0.5, 0.6, 0.1]}},
+     "s.yaml: speculative.synthetic_acceptance_rates: must be non-increasing (got [0.5, 0.6, 0.1])"),
+    ({"speculative": {**EAGLE3, "rejection_sample_method": "synthetic",
+                      "synthetic_acceptance_rates": [1.5, 0.6, 0.1]}},
+     "s.yaml: speculative.synthetic_acceptance_rates: entries must be in [0, 1] (got [1.5, 0.6, 0.1])"),
+    ({"speculative": {**EAGLE3, "rejection_sample_method": "block"}},
+     "s.yaml: speculative.rejection_sample_method: input should be 'standard' or 'synthetic'"),
     ({"startup_timeout_s": -1}, "s.yaml: startup_timeout_s: input should be greater than 0"),
     ({"extra_args": "--seed 7"}, "s.yaml: extra_args: input should be a valid"),
 ])  # fmt: skip
