@@ -85,6 +85,33 @@ def test_crossover_matches_the_closed_form():
     assert fine["between"] == [5, 7] and abs(fine["value"] - B_STAR) < 0.1
 
 
+def test_a_baseline_arm_with_its_own_step_time_moves_the_crossover_as_the_closed_form_says():
+    """The baseline priced by its own profile (decode 2 d, as a server without the drafter's
+    work might not be): cycle_base = base + 128 (base + 2 d B), so the gain is zero at
+    B* = 96 base / (96 v + 32 d - 256 d) = 7.5 clients. The speculative arm is untouched."""
+    b_star = 96 * BASE / (96 * V + 32 * D - 256 * D)
+    assert b_star == pytest.approx(7.5)
+    baseline = parse_scenario(synthetic(step_time={"per_decode_token": 2 * D}, speculative=None))
+    result = find_crossover(parse_scenario(synthetic()), [5, 7, 8, 11], baseline=baseline)
+    alone = find_crossover(parse_scenario(synthetic()), [5, 7, 8, 11])
+    for p, q in zip(result.points, alone.points):
+        assert p.spec == q.spec
+        base_cycle = BASE + 128 * (BASE + 2 * D * p.load)
+        spec_cycle = BASE + 32 * (BASE + D * p.load + 3 * V * p.load)
+        assert p.gain_pct["throughput"] == pytest.approx(100 * (base_cycle / spec_cycle - 1), rel=1e-6)
+    assert result.crossover["between"] == [7, 8] and abs(result.crossover["value"] - b_star) < 0.1
+    assert result.provenance["baseline"]["step_time"]["per_decode_token"] == 2 * D
+    # The same step time as the scenario's gives the default's answer exactly.
+    same = find_crossover(parse_scenario(synthetic()), [5, 7], baseline=parse_scenario(synthetic()))
+    assert [p.baseline for p in same.points] == [p.baseline for p in find_crossover(
+        parse_scenario(synthetic()), [5, 7]).points]
+    with pytest.raises(ScenarioError, match=r"^baseline: its workload section differs from the scenario's"):
+        find_crossover(parse_scenario(synthetic()), [1, 2],
+                       baseline=parse_scenario(synthetic(workload={"output_len": 64})))
+    with pytest.raises(ScenarioError, match=r"^baseline: seed 3 differs from the scenario's 0"):
+        find_crossover(parse_scenario(synthetic()), [1, 2], baseline=parse_scenario(synthetic(seed=3)))
+
+
 def test_stochastic_acceptance_still_brackets_the_crossover():
     # Acceptance length 2.5 spread over positions: no lockstep, but the sign change stays
     # between the grid points around the steady-state estimate (~7.6 clients for 64 tokens).
@@ -217,6 +244,23 @@ def test_cli_bad_input_one_line_exit_2(scenario_file, args, field):
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), result.stderr
+
+
+def test_cli_baseline_profile_prices_the_baseline_arm(scenario_file, tmp_path):
+    """--baseline-profile: the profile of a server without speculation (decode 2 d here) prices
+    the baseline arm alone; the crossover moves to the closed form's 7.5 clients."""
+    profile = tmp_path / "plain-server.yaml"
+    profile.write_text(yaml.safe_dump({
+        "name": "plain-server", "engine": synthetic()["engine"],
+        "step_time": dict(base=BASE, per_prefill_token=0.0, per_decode_token=2 * D),
+    }))
+    result = invoke(str(scenario_file), "--concurrency", "5,7,8,11", "--baseline-profile", str(profile), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["crossover"]["between"] == [7, 8] and abs(data["crossover"]["value"] - 7.5) < 0.1
+    assert data["provenance"]["baseline"]["profile"]["name"] == "plain-server"
+    missing = invoke(str(scenario_file), "--concurrency", "1,2", "--baseline-profile", str(tmp_path / "none.yaml"))
+    assert missing.exit_code == 2 and missing.stderr.strip().endswith("cannot read profile file: No such file or directory")
 
 
 def test_cli_scenario_without_speculation(tmp_path):

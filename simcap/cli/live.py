@@ -611,7 +611,7 @@ def crossover_cmd(
     console = report.wide_console(130)
     console.print("measured (live servers from the launch config)", style="bold")
     render_crossover(result.measured, console)
-    console.print("predicted (profile calibrated at the lowest concurrencies)", style="bold")
+    console.print("predicted (each arm's profile calibrated on its own server at the lowest concurrencies)", style="bold")
     render_crossover(result.predicted, console)
     for line in comparison_lines(data):
         console.print(line)

@@ -188,6 +188,11 @@ def crossover_cmd(
     ),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a throughput/latency figure (PNG, SVG, PDF)."),
     workers: int = typer.Option(1, "--workers", help="Worker processes (the arms run in parallel)."),
+    baseline_profile: Optional[Path] = typer.Option(
+        None, "--baseline-profile",
+        help="Price the baseline arm with this profile (step time, KV pool), e.g. one calibrated on the "
+             "server without speculation; default: the scenario's own, speculation removed.",
+    ),
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -202,12 +207,15 @@ def crossover_cmd(
 
             check_figure_path(plot, "--plot")
         loaded = load_command_scenario(scenario, set_)
+        baseline = None if baseline_profile is None else load_command_scenario(
+            scenario, set_, profile=baseline_profile)
         result = xo.find_crossover(
             loaded,
             concurrencies=None if concurrency is None else xo.parse_load_list(concurrency, "--concurrency", integer=True),
             rates=None if rate is None else xo.parse_load_list(rate, "--rate", integer=False),
             per_stream_tps=per_stream_tps,
             workers=workers,
+            baseline=baseline,
         )
     if plot is not None:
         with user_errors():

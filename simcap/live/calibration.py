@@ -693,6 +693,16 @@ def _spread(samples: StepSamples, term: str) -> bool:
     return bool(len(samples) and np.ptp(samples.X[:, TERMS.index(term)]) > 0)
 
 
+def _proportional(samples: StepSamples, a: str, b: str) -> bool:
+    """Whether column ``b`` is a fixed multiple of column ``a`` in every step (EAGLE: k verified
+    drafts per decode request), so a fit cannot tell their coefficients apart."""
+    x, y = samples.X[:, TERMS.index(a)], samples.X[:, TERMS.index(b)]
+    if not np.any(x):
+        return False
+    ratio = y[x > 0] / x[x > 0]
+    return bool(np.all(y[x == 0] == 0) and np.ptp(ratio) < 1e-9)
+
+
 def fit_log_samples(
     samples: StepSamples, k: int, host_overhead: float, *, bootstrap: int = 200, seed: int = 0,
     noise: str | None = "empirical",
@@ -712,15 +722,25 @@ def fit_log_samples(
     pre = samples.X[:, TERMS.index("per_prefill_token")]
     decode_only = pre == 0
     stage1_terms = ["base", "per_decode_token"]
-    if k and _spread(samples, "per_verify_token"):
+    folded = k and _spread(samples, "per_verify_token") and _proportional(samples, "per_decode_token", "per_verify_token")
+    if k and _spread(samples, "per_verify_token") and not folded:
         stage1_terms.append("per_verify_token")
     stage2_terms = ["per_prefill_token"]
     mixed = samples.X[:, TERMS.index("mixed_step")]
     if 0 < mixed.sum() < len(samples) - 1:
         stage2_terms.append("mixed_step")
+    fold_note = (
+        f"per_verify_token tied to per_decode_token: every decode request verified its k = {k} drafts "
+        "(EAGLE drafts every step), so the log cannot tell a decode token from its drafts; each of a "
+        f"request's 1 + {k} tokens costs per_decode_token, which holds its share of the draft passes too, "
+        "and base their fixed cost"
+    ) if folded else None
     if decode_only.sum() < 10 or (~decode_only).sum() < 3:
-        return fit_step_samples([samples], Form.parse(stage1_terms + stage2_terms),
-                                host_overhead=host_overhead, bootstrap=bootstrap, seed=seed, noise=noise)
+        fit = fit_step_samples([samples], Form.parse(stage1_terms + stage2_terms),
+                               host_overhead=host_overhead, bootstrap=bootstrap, seed=seed, noise=noise)
+        if fold_note:
+            fit.notes.append(fold_note)
+        return fit
     sub = StepSamples(samples.X[decode_only], samples.y[decode_only], samples.available,
                       {**samples.source, "rows": int(decode_only.sum()), "subset": "decode-only steps"})
     form1 = Form.parse(stage1_terms)
@@ -742,7 +762,8 @@ def fit_log_samples(
                           f"{seed}, {seed + 1}; stage 2 holds stage 1's estimates)"),
         level=f2.level, residuals=f2.residuals, sources=f2.sources,
         warnings=list(f2.warnings),
-        notes=[f"stage 1: {int(decode_only.sum())} decode-only steps, R^2 {f1.quality.get('r2')}, "
+        notes=[*([fold_note] if fold_note else []),
+               f"stage 1: {int(decode_only.sum())} decode-only steps, R^2 {f1.quality.get('r2')}, "
                f"median |error| {f1.quality.get('median_abs_rel_error')}",
                f"stage 2: all {len(samples)} steps, R^2 {f2.quality.get('r2')}, median |error| "
                f"{f2.quality.get('median_abs_rel_error')}",

@@ -6,12 +6,14 @@ launch config (:mod:`simcap.live.launch`), one after the other:
 
 1. **The speculative arm**: the server with the config's speculative section. A profile is
    calibrated on it first (:func:`~simcap.live.calibration.calibrate_live`, from its per-step
-   log) with at most ``calibrate_up_to`` clients -- the lowest concurrencies only, so the
-   higher points are a prediction. Then, at each concurrency (the prefix cache reset before
-   each), the closed-loop workload :func:`simcap.studies.crossover.arm_scenarios` gives that point
+   log: verify tokens and, for EAGLE, the draft passes priced as their own terms) with at
+   most ``calibrate_up_to`` clients -- the lowest concurrencies only, so the higher points
+   are a prediction. Then, at each concurrency (the prefix cache reset before each), the
+   closed-loop workload :func:`simcap.studies.crossover.arm_scenarios` gives that point
    (``max(num_requests, requests_per_client x c)`` requests). The server's spec-decode
    counters give each point's acceptance.
-2. **The baseline arm**: the same server without the speculative config, the same workloads.
+2. **The baseline arm**: the same server without the speculative config, calibrated the same
+   way on its own log (its own profile), then the same workloads.
 
 Each server is stopped (its whole process group) before the next starts. Prompts repeat every
 ``prompt_period`` tokens (:class:`~simcap.live.prompts.PromptBuilder`), so ngram's prompt
@@ -19,11 +21,13 @@ lookup finds matches and its drafts are accepted where the model continues the p
 
 The measured points become a :class:`~simcap.studies.crossover.CrossoverResult` through the same
 analysis and rendering as ``simcap crossover``. The prediction is ``simcap crossover`` itself
-(:func:`~simcap.studies.crossover.find_crossover`) on the scenario with the calibrated step time, the
-server's KV pool and the acceptance (per-position rates and, for ngram, the proposal rate)
-the server's counters measured at the lowest concurrency: the acceptance of this workload's
-content, measured where the profile was calibrated. For ngram the calibration's proposal
-onset and spread over requests (from its step log) go with it.
+(:func:`~simcap.studies.crossover.find_crossover`) with each arm priced by its own server's
+profile (step time and KV pool; ``simcap crossover --baseline-profile``), and the acceptance
+(per-position rates and, for ngram, the proposal rate) the server's counters measured at the
+lowest concurrency: the acceptance of this workload's content, measured where the profile was
+calibrated. For ngram the calibration's proposal onset and spread over requests (from its
+step log) go with it. Beside it, ``one_profile``: both arms priced by the speculative
+server's profile alone, the only choice of a user with one server.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from simcap.live.calibration import calibrate_live
 from simcap.live.client import LiveError, LiveRun, run_live
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.launch import ServerConfig, engine_mismatches, launch_server
-from simcap.live.validate import _local_port, _warmup, adopt_run_acceptance, reset_prefix_cache
+from simcap.live.validate import _local_port, adopt_run_acceptance, reset_prefix_cache
 
 DEFAULT_PROMPT_PERIOD = 16
 ARMS = ("spec", "baseline")
@@ -95,31 +99,39 @@ class LiveCrossover:
     points: list[MeasuredPoint]
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    one_profile: CrossoverResult | None = None  # both arms priced by the speculative server's profile
 
     def comparison(self) -> dict[str, Any]:
         """Per concurrency: the measured and predicted throughput gain; and both crossovers."""
         rows = []
-        for m, p in zip(self.measured.points, self.predicted.points):
+        one = self.one_profile.points if self.one_profile is not None else [None] * len(self.measured.points)
+        for m, p, o in zip(self.measured.points, self.predicted.points, one):
             gm, gp = m.gain_pct["throughput"], p.gain_pct["throughput"]
-            rows.append({
+            row = {
                 "concurrency": int(m.load),
                 "throughput_gain_pct": {"measured": gm, "predicted": gp},
                 "same_sign": None if gm is None or gp is None else (gm > 0) == (gp > 0),
                 "spec_tokens_per_s": {"measured": m.spec.output_tokens_per_s, "predicted": p.spec.output_tokens_per_s},
                 "baseline_tokens_per_s": {"measured": m.baseline.output_tokens_per_s,
                                           "predicted": p.baseline.output_tokens_per_s},
-            })
+                "spec_tpot_mean_s": {"measured": m.spec.tpot_mean_s, "predicted": p.spec.tpot_mean_s},
+                "baseline_tpot_mean_s": {"measured": m.baseline.tpot_mean_s, "predicted": p.baseline.tpot_mean_s},
+            }
+            if o is not None:
+                row["throughput_gain_pct"]["one_profile"] = o.gain_pct["throughput"]
+            rows.append(row)
         mc, pc = self.measured.crossover, self.predicted.crossover
-        return {
-            "points": rows,
-            "crossover": {"measured": {k: mc[k] for k in ("status", "value", "between")},
-                          "predicted": {k: pc[k] for k in ("status", "value", "between")}},
-        }
+        crossover = {"measured": {k: mc[k] for k in ("status", "value", "between")},
+                     "predicted": {k: pc[k] for k in ("status", "value", "between")}}
+        if self.one_profile is not None:
+            crossover["one_profile"] = {k: self.one_profile.crossover[k] for k in ("status", "value", "between")}
+        return {"points": rows, "crossover": crossover}
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "measured": self.measured.to_dict(),
             "predicted": self.predicted.to_dict(),
+            "one_profile": None if self.one_profile is None else self.one_profile.to_dict(),
             "comparison": self.comparison(),
             "calibration": self.calibration,
             "servers": self.servers,
@@ -202,8 +214,7 @@ def live_crossover(
     measured: dict[tuple[str, int], MeasuredPoint] = {}
     live_kw: dict[str, Any] = dict(request_timeout_s=request_timeout_s, prompt_period=prompt_period)
     try:
-        profile_path = folder / "profile.yaml"
-        calibration: dict[str, Any] = {}
+        calibrations: dict[str, dict[str, Any]] = {}
         for arm in ARMS:
             spec = arm == "spec"
             # Without out_dir the server logs into its own temporary folder, kept if it fails.
@@ -214,29 +225,29 @@ def live_crossover(
                 servers.append({"arm": arm, "startup_s": round(server.startup_seconds or 0.0, 1),
                                 "log": str(server.log_path), "command": server.command()[1:]})
                 model = config.served_model_name
-                if spec:
-                    say(f"{arm} arm: calibrating with at most {cap} clients")
-                    cal = calibrate_live(
-                        server.base_url, model, profile_path, max_num_seqs=config.engine.max_num_seqs,
-                        max_num_batched_tokens=config.engine.max_num_batched_tokens,
-                        max_model_len=config.engine.max_model_len, log_path=server.log_path,
-                        num_requests=calibration_requests, speculative_method=config.speculative.method,
-                        request_timeout_s=request_timeout_s, bootstrap=bootstrap, seed=scenario.seed,
-                        server_pids=sorted(server.pids()), max_concurrency=cap, prompt_period=prompt_period,
-                        noise=None, name=f"{config.served_model_name} calibrated at <= {cap} clients",
-                    )  # fmt: skip
-                    calibration = {
-                        "profile": str(profile_path),
-                        "concurrencies": sorted({p["concurrency"] for p in cal.phases}),
-                        "requests": sum(p["num_requests"] for p in cal.phases),
-                        "source": cal.source,
-                        "step_time": cal.profile["step_time"],
-                        "speculative": cal.speculative,
-                        "notes": list(cal.notes),
-                        "wall_s": round(cal.wall_s, 1),
-                    }
-                else:
-                    _warmup(arms[0][1], server.base_url, model, "completions", **live_kw)
+                say(f"{arm} arm: calibrating with at most {cap} clients")
+                profile_path = folder / f"profile-{arm}.yaml"
+                cal = calibrate_live(
+                    server.base_url, model, profile_path, max_num_seqs=config.engine.max_num_seqs,
+                    max_num_batched_tokens=config.engine.max_num_batched_tokens,
+                    max_model_len=config.engine.max_model_len, log_path=server.log_path,
+                    num_requests=calibration_requests,
+                    speculative_method=config.speculative.method if spec else None,
+                    request_timeout_s=request_timeout_s, bootstrap=bootstrap, seed=scenario.seed,
+                    server_pids=sorted(server.pids()), max_concurrency=cap, prompt_period=prompt_period,
+                    noise=None, name=f"{config.served_model_name} ({arm} server) calibrated at <= {cap} clients",
+                )  # fmt: skip
+                calibrations[arm] = {
+                    "profile": str(profile_path),
+                    "concurrencies": sorted({p["concurrency"] for p in cal.phases}),
+                    "requests": sum(p["num_requests"] for p in cal.phases),
+                    "source": cal.source,
+                    "step_time": cal.profile["step_time"],
+                    "num_gpu_blocks": cal.profile["engine"].get("num_gpu_blocks"),
+                    "speculative": cal.speculative,
+                    "notes": list(cal.notes),
+                    "wall_s": round(cal.wall_s, 1),
+                }
                 pids = sorted(server.pids())
                 for c, (spec_sc, base_sc, _) in zip(loads, arms):
                     sc = spec_sc if spec else base_sc
@@ -269,24 +280,30 @@ def live_crossover(
             "measured": "live: vLLM servers started from the launch config, one per arm",
             "prompt_period": prompt_period,
         })
+        calibration = {**calibrations["spec"], "baseline": calibrations["baseline"]}
         predicted_scenario, how = _predicted_scenario(scenario, calibration, measured[("spec", loads[0])], loads[0])
+        baseline_scenario, _ = _predicted_scenario(scenario, calibrations["baseline"], None, loads[0])
         calibration["acceptance_fed"] = how
         say("predicting")
-        predicted = find_crossover(predicted_scenario, loads, requests_per_client=requests_per_client)
-        predicted.provenance["calibrated_at_concurrencies"] = calibration["concurrencies"]
+        predicted = find_crossover(predicted_scenario, loads, requests_per_client=requests_per_client,
+                                   baseline=baseline_scenario)
+        one_profile = find_crossover(predicted_scenario, loads, requests_per_client=requests_per_client)
+        for prediction in (predicted, one_profile):
+            prediction.provenance["calibrated_at_concurrencies"] = calibration["concurrencies"]
         points_out = [measured[(arm, c)] for arm in ARMS for c in loads]
         return LiveCrossover(result, predicted, calibration, servers, points_out, notes,
-                             time.monotonic() - started)
+                             time.monotonic() - started, one_profile)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
 def _predicted_scenario(
-    scenario: Scenario, calibration: dict[str, Any], lowest: MeasuredPoint, concurrency: int
+    scenario: Scenario, calibration: dict[str, Any], lowest: MeasuredPoint | None, concurrency: int
 ) -> tuple[Scenario, str]:
     """The scenario with the calibrated step time, the server's KV pool and the acceptance
-    measured at the lowest concurrency (see the module doc)."""
+    measured at the lowest concurrency (see the module doc); ``lowest`` None: the baseline
+    arm's scenario (no acceptance to feed)."""
     profile = Path(calibration["profile"])
     data = scenario.model_dump(mode="json")
     data["profile"] = profile.name  # its step time, and the server's KV pool and release
@@ -294,6 +311,8 @@ def _predicted_scenario(
     for key in ("num_gpu_blocks", "memory", "vllm_version", "async_scheduling"):
         data["engine"].pop(key, None)
     sc = parse_scenario(data, base_dir=profile.parent)
+    if lowest is None:
+        return sc, "none (baseline arm)"
     # ngram: the onset and the spread of match probabilities over requests, from the
     # calibration's step log (the rate measured below then counts the steps after the onset).
     fitted = {key: value for key, value in (calibration.get("speculative") or {}).items()
@@ -325,16 +344,18 @@ def comparison_lines(data: dict[str, Any]) -> list[str]:
 
     comp, cal = data["comparison"], data["calibration"]
     lines = [
-        f"calibrated at concurrencies {', '.join(str(c) for c in cal['concurrencies'])} "
-        f"({cal['requests']} requests, {cal['source']} of the speculative server); acceptance fed to "
-        f"the prediction: {cal['acceptance_fed']}"
+        f"each arm calibrated on its own server at concurrencies "
+        f"{', '.join(str(c) for c in cal['concurrencies'])} ({cal['requests']} + {cal['baseline']['requests']} "
+        f"requests, {cal['source']}); acceptance fed to the prediction: {cal['acceptance_fed']}"
     ]
     for row in comp["points"]:
         g = row["throughput_gain_pct"]
         sign = {True: "same sign", False: "SIGN DIFFERS", None: "-"}[row["same_sign"]]
+        one = f"; one profile for both arms {pct(g['one_profile'])}" if "one_profile" in g else ""
         lines.append(f"{row['concurrency']} clients: throughput gain measured {pct(g['measured'])}, "
-                     f"predicted {pct(g['predicted'])} ({sign})")
+                     f"predicted {pct(g['predicted'])} ({sign}){one}")
     xo = comp["crossover"]
-    lines.append(f"throughput crossover: measured {where(xo['measured'])}, predicted {where(xo['predicted'])}")
+    lines.append(f"throughput crossover: measured {where(xo['measured'])}, predicted {where(xo['predicted'])}"
+                 + (f"; one profile for both arms {where(xo['one_profile'])}" if "one_profile" in xo else ""))
     return lines
 

@@ -319,11 +319,28 @@ def per_stream_answer(
 # --------------------------------------------------------------------------- running
 
 
+def check_baseline(scenario: Scenario, baseline: Scenario) -> None:
+    """A separate baseline arm must run the same workload: only its step time, KV pool and
+    release may differ (a profile calibrated on the server without speculation)."""
+    for section in ("workload", "slo"):
+        mine = getattr(scenario, section)
+        theirs = getattr(baseline, section)
+        if (mine and mine.model_dump(mode="json")) != (theirs and theirs.model_dump(mode="json")):
+            raise ScenarioError(
+                f"baseline: its {section} section differs from the scenario's; the baseline arm "
+                "must run the same workload (give it through its own profile, not another scenario)"
+            )
+    if scenario.seed != baseline.seed:
+        raise ScenarioError(f"baseline: seed {baseline.seed} differs from the scenario's {scenario.seed}")
+
+
 def arm_scenarios(
     scenario: Scenario, *, concurrency: int | None = None, rate: float | None = None,
-    requests_per_client: int = REQUESTS_PER_CLIENT,
+    requests_per_client: int = REQUESTS_PER_CLIENT, baseline: Scenario | None = None,
 ) -> tuple[Scenario, Scenario, int | None]:
-    """The (speculative, baseline) scenarios at one load point, and its request count."""
+    """The (speculative, baseline) scenarios at one load point, and its request count.
+    ``baseline``: the baseline arm's own scenario (default: ``scenario`` without its
+    speculative section), at the same load point."""
     if scenario.speculative is None:
         raise ScenarioError(
             "speculative: the scenario has no speculative section; crossover compares a "
@@ -351,9 +368,13 @@ def arm_scenarios(
             arrival = {"process": "gamma", "rate": float(rate), "burstiness": old["burstiness"]}
     wl["arrival"] = arrival
     spec = _rebuild(data, scenario)
-    data = dict(data)
+    if baseline is None:
+        data = dict(data)
+    else:
+        data = baseline.model_dump(mode="json")
+        data["workload"] = wl
     data.pop("speculative")
-    base = _rebuild(data, scenario)
+    base = _rebuild(data, scenario if baseline is None else baseline)
     return spec, base, wl.get("num_requests")
 
 
@@ -378,8 +399,12 @@ def find_crossover(
     requests_per_client: int = REQUESTS_PER_CLIENT,
     workers: int = 1,
     runner: Runner | None = None,
+    baseline: Scenario | None = None,
 ) -> CrossoverResult:
     """Run ``scenario`` with and without its ``speculative`` section at each load point.
+    ``baseline``: the baseline arm's own scenario, for a step time and KV pool of its own (a
+    profile calibrated on the server without speculation; ``--baseline-profile``); it must run
+    the same workload, and its speculative section is dropped.
 
     Closed loop at ``concurrencies`` (default 1, 2, 4, ..., 128) or open loop at ``rates``
     (requests/s), never both. ``per_stream_tps``: also report the highest load at which each
@@ -389,7 +414,7 @@ def find_crossover(
     """
     return find_crossovers(
         [scenario], concurrencies, rates, per_stream_tps, requests_per_client=requests_per_client,
-        workers=workers, runner=runner,
+        workers=workers, runner=runner, baselines=None if baseline is None else [baseline],
     )[0]
 
 
@@ -402,15 +427,22 @@ def find_crossovers(
     requests_per_client: int = REQUESTS_PER_CLIENT,
     workers: int = 1,
     runner: Runner | None = None,
+    baselines: Sequence[Scenario | None] | None = None,
 ) -> list[CrossoverResult]:
     """:func:`find_crossover` for several scenarios at the same load points, every arm of
     every scenario in one batch: a few bundles of arms of similar estimated cost per worker
     process, costliest first, so that the processes finish together and wait little on the
-    parent. Each result is the one :func:`find_crossover` gives for its scenario."""
+    parent. Each result is the one :func:`find_crossover` gives for its scenario (and its
+    entry of ``baselines``, where given)."""
     check_workers(workers)
-    for scenario in scenarios:
+    baselines = list(baselines) if baselines is not None else [None] * len(scenarios)
+    if len(baselines) != len(scenarios):
+        raise ValueError("baselines: one entry (or None) per scenario")
+    for scenario, baseline in zip(scenarios, baselines):
         if scenario.speculative is None:
             arm_scenarios(scenario, concurrency=1)  # raises the one-line error
+        if baseline is not None:
+            check_baseline(scenario, baseline)
     if concurrencies is not None and rates is not None:
         raise ScenarioError("--rate: give either concurrencies (closed loop) or rates (open loop), not both")
     if per_stream_tps is not None and (
@@ -430,11 +462,11 @@ def find_crossovers(
         )
     started = time.perf_counter()
     arms = []  # per scenario, per load: (spec scenario, baseline scenario, num_requests)
-    for scenario in scenarios:
+    for scenario, baseline in zip(scenarios, baselines):
         mine = []
         for load in loads:
             kw = {"concurrency": load} if axis == "concurrency" else {"rate": load}
-            mine.append(arm_scenarios(scenario, requests_per_client=requests_per_client, **kw))
+            mine.append(arm_scenarios(scenario, requests_per_client=requests_per_client, baseline=baseline, **kw))
         arms.append(mine)
     tasks = [sc for mine in arms for spec_sc, base_sc, _ in mine for sc in (spec_sc, base_sc)]
     own = runner is None
@@ -459,7 +491,7 @@ def find_crossovers(
             for i, (load, (_, _, n)) in enumerate(zip(loads, mine))
         ]
         results.append(analyse(scenario, axis, loads, points, per_stream_tps,
-                                requests_per_client, wall))
+                                requests_per_client, wall, baselines[j]))
     return results
 
 
@@ -492,6 +524,7 @@ def _bundles(costs: list[float], count: int) -> list[list[int]]:
 def analyse(
     scenario: Scenario, axis: str, loads: list, points: list[CrossoverPoint],
     per_stream_tps: float | None, requests_per_client: int, wall: float,
+    baseline: Scenario | None = None,
 ) -> CrossoverResult:
     """The crossovers and the per-stream answer of both arms at every load point (simulated
     here, or measured live by :mod:`simcap.live.crossover_arms`)."""
@@ -513,7 +546,12 @@ def analyse(
     prov = provenance(scenario)
     prov.update({
         "speculative": scenario.speculative.model_dump(mode="json"),
-        "baseline": "the same scenario with the speculative section removed",
+        "baseline": "the same scenario with the speculative section removed" if baseline is None else {
+            "scenario": "its own step time and KV pool, the same workload, no speculative section",
+            "profile": provenance(baseline).get("profile"),
+            "step_time": baseline.step_time.model_dump(mode="json"),
+            "num_gpu_blocks": baseline.engine.num_gpu_blocks,
+        },
         "same_workload_and_seed": True,
         "sizing": (
             f"closed loop: max(num_requests, {requests_per_client} x concurrency) requests per "

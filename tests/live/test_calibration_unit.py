@@ -73,6 +73,31 @@ def test_two_stage_fit_recovers_the_step_time_of_a_log(tmp_path):
     assert len(fit.bootstrap) == 20 and fit.quality["n"] == 80
 
 
+def test_eagle_log_ties_verify_to_decode_where_every_request_drafts(tmp_path):
+    """EAGLE drafts k = 3 tokens for every decode request in every step, so the log's
+    generation tokens are always 4 per request: decode and verify columns are proportional and
+    only their sum is fitted (as per_decode_token, verify tied to it). Steps of 12 ms + 2 ms per
+    request: 0.5 ms per token of the 4."""
+    lines = [LINE.format(i=i, a=0, b=0, c=c, d=4 * c, ms=12 + 2 * c)
+             for i, c in enumerate([1, 2, 3, 4, 5, 6] * 4)]
+    lines += [LINE.format(i=100 + i, a=1, b=b, c=0, d=0, ms=12 + 0.05 * b) for i, b in enumerate([64, 128, 256, 512])]
+    path = tmp_path / "eagle.iterations.log"
+    path.write_text("\n".join(lines) + "\n")
+    fit = fit_log_samples(read_step_samples(path, 3), 3, 0.0, bootstrap=5)
+    c = fit.coefficients
+    assert c["base"] == pytest.approx(0.012) and c["per_decode_token"] == pytest.approx(0.0005)
+    assert c["per_verify_token"] == c["per_decode_token"] and "per_verify_token" not in fit.form.free
+    assert fit.notes[0].startswith("per_verify_token tied to per_decode_token: every decode request verified its k = 3")
+    # Where some requests draft fewer (ngram finds no match), the two are told apart.
+    mixed = [LINE.format(i=i, a=0, b=0, c=c, d=c + v, ms=12 + 1.0 * c + 0.3 * v)
+             for i, (c, v) in enumerate([(1, 0), (1, 3), (2, 3), (2, 6), (3, 0), (3, 9), (4, 4), (4, 12)] * 3)]
+    path.write_text("\n".join(mixed + lines[-4:]) + "\n")
+    fit = fit_log_samples(read_step_samples(path, 3), 3, 0.0, bootstrap=5)
+    assert fit.coefficients["per_verify_token"] == pytest.approx(0.0003)
+    assert fit.coefficients["per_decode_token"] == pytest.approx(0.001)
+    assert not any(n.startswith("per_verify_token tied") for n in fit.notes)
+
+
 def test_log_window_is_what_was_appended(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("before\n")

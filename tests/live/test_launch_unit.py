@@ -314,6 +314,12 @@ def test_prediction_takes_the_calibrated_profile_and_the_measured_acceptance(tmp
     spec2 = sc2.speculative
     assert spec2.proposal_concentration == 0.7 and spec2.proposal_onset_tokens == 4
     assert spec2.proposal_rate == round(100 / 110, 6)
+    # The baseline arm: its own server's profile, no acceptance to feed (the arm drops it).
+    plain = _write(tmp_path / "plain.yaml", {**yaml.safe_load(profile.read_text()), "name": "cpu-tiny-plain",
+                                             "step_time": {"base": 0.003, "per_decode_token": 1.5e-4}})
+    base_sc, base_how = _predicted_scenario(load_scenario(SCENARIO_YAML), {"profile": str(plain)}, None, 1)
+    assert base_how == "none (baseline arm)" and base_sc.step_time.base == 0.003
+    assert base_sc.profile.name == "cpu-tiny-plain" and base_sc.workload == sc.workload
     assert how2 == ("server counters of the speculative arm at 1 clients: acceptance length 3.400, proposal rate "
                     "0.909 (scenario 2.500, 1.000) from the onset, 4 output tokens (calibration's step log), "
                     "proposal concentration 0.7 over requests (calibration's step log)")

@@ -3,8 +3,10 @@ CPU servers that the commands start and stop themselves (from ``examples/servers
 
 - A two-point crossover (1 and 4 clients, short runs): both arms measured at both points, the
   speculative arm's acceptance read from the server's spec-decode counters, and the prediction
-  of a profile calibrated at 1-2 clients beside it. No accuracy threshold: the machine's noise
+  of each arm's profile calibrated at 1-2 clients beside it. No accuracy threshold: the machine's noise
   (2 shared cores) is larger than any the test could hold; the figures are printed.
+- The same with EAGLE3 (``examples/servers/cpu-tiny-eagle3.yaml``: the tiny draft head, synthetic
+  acceptance): the server's acceptance counters against the configured rates.
 - A launch config whose server fails to start: one line with its exit code and last log lines.
 - ``validate --restarts 1``: two server instances, the band over both.
 
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.live
 REPO = Path(__file__).resolve().parents[2]
 SERVER_YAML = REPO / "examples" / "servers" / "cpu-tiny.yaml"
 SCENARIO_YAML = REPO / "examples" / "cpu-tiny-ngram.yaml"
+EAGLE3_SERVER = REPO / "examples" / "servers" / "cpu-tiny-eagle3.yaml"
+EAGLE3_SCENARIO = REPO / "examples" / "cpu-tiny-eagle3.yaml"
 
 
 def _gone(base_url: str) -> bool:
@@ -84,7 +88,12 @@ def test_two_point_live_crossover(live_cli, tmp_path):
     for r in comp["points"]:
         g = r["throughput_gain_pct"]
         assert g["measured"] is not None and g["predicted"] is not None
-    assert set(comp["crossover"]) == {"measured", "predicted"}
+    assert set(comp["crossover"]) == {"measured", "predicted", "one_profile"}
+    # Each arm priced by its own server's profile; the one-profile prediction beside it.
+    base_cal = cal["baseline"]
+    assert base_cal["concurrencies"] == [1, 2] and base_cal["profile"] != cal["profile"]
+    assert predicted["provenance"]["baseline"]["step_time"]["base"] == pytest.approx(base_cal["step_time"]["base"])
+    assert data["one_profile"]["provenance"]["baseline"] == "the same scenario with the speculative section removed"
     # Both servers started and were stopped.
     assert [s["arm"] for s in data["servers"]] == ["spec", "baseline"]
     spec_cmd, base_cmd = data["servers"][0]["command"], data["servers"][1]["command"]
@@ -97,6 +106,51 @@ def test_two_point_live_crossover(live_cli, tmp_path):
         print(f"  {r['concurrency']} clients: throughput gain measured {g['measured']:+.1f}%, predicted "
               f"{g['predicted']:+.1f}%; spec tok/s {r['spec_tokens_per_s']}, base {r['baseline_tokens_per_s']}")
     print(f"  acceptance fed: {cal['acceptance_fed']}; notes: {data['notes']}")
+
+
+def test_two_point_eagle3_crossover_with_a_real_drafter(live_cli, tmp_path):
+    """EAGLE3 with the tiny draft head (.ci/vllm-cpu-setup), synthetic acceptance at the
+    launch config's per-position rates: the drafter runs, the server counts its drafts, each arm
+    is calibrated on its own server. The counted acceptance must be the configured one within
+    sampling error (the CPU rejection kernels' synthetic mode is simcap's server hook)."""
+    out_dir = tmp_path / "xo-eagle3"
+    t0 = time.monotonic()
+    code, out, err = live_cli("crossover", EAGLE3_SCENARIO, "--launch", EAGLE3_SERVER, "--concurrency", "1,4",
+                              "--requests-per-client", "3", "--calibration-requests", "16", "--prompt-period", "0",
+                              "--out-dir", out_dir, "--json")
+    took = time.monotonic() - t0
+    assert code == 0, err
+    data = json.loads(out)
+    rates = yaml.safe_load(EAGLE3_SERVER.read_text())["speculative"]["synthetic_acceptance_rates"]
+    runs = {(r["arm"], r["concurrency"]): r for r in data["runs"]}
+    drafts = accepted = 0.0
+    per_pos = [0.0] * len(rates)
+    for c in (1, 4):
+        server = runs[("spec", c)]["server"]
+        assert runs[("spec", c)]["failed"] == 0 and runs[("baseline", c)]["failed"] == 0
+        n = server["spec_decode_num_drafts"]
+        drafts += n
+        accepted += server["spec_decode_num_accepted_tokens"]
+        per_pos = [a + n * r for a, r in zip(per_pos, server["spec_decode_acceptance_rates"])]
+        assert server["spec_decode_num_draft_tokens"] == 3 * n  # EAGLE3 drafts k = 3 every step
+    assert drafts > 300
+    for got, want in zip(per_pos, rates):  # binomial proportions over the drafts, 4 sd
+        assert abs(got / drafts - want) < 4 * (want * (1 - want) / drafts) ** 0.5, (got / drafts, want)
+    cal = data["calibration"]
+    assert cal["speculative"]["method"] == "eagle3" and cal["speculative"]["num_speculative_tokens"] == 3
+    assert any(n.startswith("per_verify_token tied to per_decode_token") for n in cal["notes"])
+    assert cal["baseline"]["step_time"]["draft_per_pass"] == 0.0
+    # The spec server's steps cost more than the plain server's at the same batch (the drafter).
+    spec_st, base_st = cal["step_time"], cal["baseline"]["step_time"]
+    assert spec_st["base"] + 4 * spec_st["per_decode_token"] > base_st["base"] + base_st["per_decode_token"]
+    comp = data["comparison"]
+    print(f"\nlive EAGLE3 crossover (1, 4 clients) took {took:.0f} s; acceptance counted "
+          f"{1 + accepted / drafts:.3f} over {drafts:.0f} drafts, per position "
+          f"{[round(a / drafts, 3) for a in per_pos]} (configured {rates})")
+    for r in comp["points"]:
+        g = r["throughput_gain_pct"]
+        print(f"  {r['concurrency']} clients: throughput gain measured {g['measured']:+.1f}%, predicted "
+              f"{g['predicted']:+.1f}% (one profile for both arms {g['one_profile']:+.1f}%)")
 
 
 def test_launch_config_whose_server_fails_to_start(live_cli, tmp_path, write_yaml):
