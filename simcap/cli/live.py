@@ -352,6 +352,22 @@ def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Option
                         calibrate_up_to=calibrate_up_to, api_key=api_key, prompt_period=prompt_period)
 
 
+def _roofline_form(form: str, hardware: Optional[str], model: Optional[str], combine: str,
+                   routing_skew: str = "0", prior_sd: float = 1.0) -> Optional[dict]:
+    """``--form``: None for linear, the roofline options for roofline; one-line errors."""
+    if form == "linear":
+        return None
+    from simcap.live.client import LiveError
+
+    if form != "roofline":
+        raise LiveError(f"--form: linear or roofline (got {form!r})")
+    if not hardware or not model:
+        raise LiveError("--form roofline: give --hardware and --roofline-model (catalog names or files)")
+    from simcap.calibrate.fit_roofline import roofline_options
+
+    return roofline_options(hardware, model, combine=combine, routing_skew=routing_skew, prior_sd=prior_sd)
+
+
 @live_app.command("calibrate")
 def calibrate_cmd(
     ctx: typer.Context,
@@ -411,16 +427,7 @@ def calibrate_cmd(
     command = _command_line(ctx, "simcap live calibrate", secret=frozenset({"api_key"}))
     say = None if json_out else (lambda msg: typer.echo(f"calibrate: {msg}", err=True))
     try:
-        roofline = None
-        if form == "roofline":
-            from simcap.calibrate.fit_roofline import roofline_options
-
-            roofline = roofline_options(hardware, roofline_model, combine=combine,
-                                        routing_skew=routing_skew, prior_sd=prior_sd)
-        elif form != "linear":
-            from simcap.live.client import LiveError
-
-            raise LiveError(f"--form: linear or roofline (got {form!r})")
+        roofline = _roofline_form(form, hardware, roofline_model, combine, routing_skew, prior_sd)
         startup.end()  # the run and the fit: collections as usual
         result = calibrate_live(
             base_url, model, out, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -572,14 +579,26 @@ def crossover_cmd(
         help="Prompts repeat every this many tokens, so ngram's prompt lookup finds matches (0: random prompts).",
     ),
     out_dir: Optional[Path] = typer.Option(
-        None, "--out-dir", help="Keep the profile, the servers' logs and every run's records here."
+        None, "--out-dir", help="Keep the profiles, the calibration runs, the servers' logs and every run's records here."
     ),
+    form: str = typer.Option(
+        "linear", "--form",
+        help="Step-time form of both arms' profiles: linear (two-stage fit) or roofline (efficiencies on "
+             "--hardware and --roofline-model).",
+    ),
+    hardware: Optional[str] = typer.Option(
+        None, "--hardware", help="--form roofline: catalog hardware name (or a YAML file of one entry)."
+    ),
+    roofline_model: Optional[str] = typer.Option(
+        None, "--roofline-model", help="--form roofline: catalog model name or config.json of the served model."
+    ),
+    combine: str = typer.Option("sum", "--combine", help="--form roofline: sum or max of compute and memory."),
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
     request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
 ) -> None:
     """Measure speculation on vs off at each concurrency on servers started from --launch, beside
-    the crossover predicted from a profile calibrated at the lowest concurrencies."""
+    the crossover predicted from each arm's profile calibrated at the lowest concurrencies."""
     from simcap.live.crossover_arms import comparison_lines, live_crossover
     from simcap.live.launch import load_server_config, startup_failure_line
     from simcap.live.server import VllmServerError
@@ -588,13 +607,14 @@ def crossover_cmd(
     say = None if json_out else (lambda msg: typer.echo(f"live crossover: {msg}", err=True))
     try:
         loads = parse_load_list(concurrency, "--concurrency", integer=True)
+        roofline = _roofline_form(form, hardware, roofline_model, combine)
         config, base_dir = load_server_config(launch)
         sc = load_command_scenario(scenario, set_)
         result = live_crossover(
             sc, config, loads, base_dir=base_dir, calibrate_up_to=calibrate_up_to,
             calibration_requests=calibration_requests, requests_per_client=requests_per_client,
             prompt_period=prompt_period or None, out_dir=out_dir, progress=say,
-            request_timeout_s=request_timeout,
+            request_timeout_s=request_timeout, roofline=roofline,
         )  # fmt: skip
     except VllmServerError as exc:
         fail(f"--launch {launch}: {startup_failure_line(exc)}")

@@ -397,6 +397,8 @@ def calibrate_live(
     metrics = facts.metrics
     assert metrics is not None
     k, method = _drafting(base_url, facts, speculative_method, log, notes)
+    if roofline is not None and k and method in ("eagle", "eagle3"):
+        roofline = {**roofline, "num_draft_passes": k}  # the drafter's k passes are terms of their own
 
     live_kw: dict[str, Any] = dict(api_key=api_key, request_timeout_s=request_timeout_s, progress=False,
                                    prompt_period=prompt_period)

@@ -169,11 +169,15 @@ def live_crossover(
     bootstrap: int = 50,
     progress: Callable[[str], None] | None = None,
     request_timeout_s: float | None = 600.0,
+    roofline: dict[str, Any] | None = None,
 ) -> LiveCrossover:
     """Measure both arms at each concurrency on servers started from ``config`` and predict
     them from a profile calibrated at ``calibrate_up_to`` clients at most (default: the lowest
-    concurrency, 2 if that is 1 and 2 is below the highest). ``out_dir``: where the profile, the servers' logs and every
-    run's records go (default: a temporary folder, removed). Raises one-line
+    concurrency, 2 if that is 1 and 2 is below the highest). ``roofline``: fit both profiles in
+    the roofline form (``hardware``, ``model``, ``combine``: as ``live calibrate --form roofline``;
+    None: the linear form). ``out_dir``: where the profiles, the calibration runs (recorded for
+    replays), the servers' logs and every run's records go (default: a temporary folder,
+    removed). Raises one-line
     :class:`ScenarioError` / :class:`LiveError` / :class:`~simcap.live.server.VllmServerError`."""
     import tempfile
 
@@ -236,6 +240,7 @@ def live_crossover(
                     request_timeout_s=request_timeout_s, bootstrap=bootstrap, seed=scenario.seed,
                     server_pids=sorted(server.pids()), max_concurrency=cap, prompt_period=prompt_period,
                     noise=None, name=f"{config.served_model_name} ({arm} server) calibrated at <= {cap} clients",
+                    roofline=roofline, record=folder / f"calibration-{arm}" if out_dir is not None else None,
                 )  # fmt: skip
                 calibrations[arm] = {
                     "profile": str(profile_path),

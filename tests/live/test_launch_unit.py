@@ -226,6 +226,8 @@ def _server_yaml(tmp_path, **changes) -> Path:
      "--calibrate-up-to: 4 clients reaches the highest concurrency (4)"),
     (["--concurrency", "1,x"], {}, "--concurrency: expected comma-separated positive integers"),
     (["--concurrency", "4"], {}, "--concurrency: give at least two concurrencies"),
+    (["--concurrency", "1,4", "--form", "cubic"], {}, "--form: linear or roofline (got 'cubic')"),
+    (["--concurrency", "1,4", "--form", "roofline"], {}, "--form roofline: give --hardware and --roofline-model"),
 ])  # fmt: skip
 def test_live_crossover_bad_input_fails_before_any_server_starts(tmp_path, args, changes, message):
     server = _server_yaml(tmp_path, **changes)
