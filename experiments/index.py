@@ -186,6 +186,27 @@ def live_ngram_proposer(d: dict) -> tuple[str, str]:
     return question, result
 
 
+def live_eagle3_crossover(d: dict) -> tuple[str, str]:
+    def where(c: dict) -> str:
+        return f"{c['value']:.1f}" if c["status"] == "found" else "none"
+
+    parts = []
+    for s in d["summary"].values():
+        held = [r for r in s["points"] if r["held_out"]]
+        worst = {kind: max(held, key=lambda r: abs(r[kind]["error_points"])) for kind in ("roofline", "linear")}
+        one = max(abs(r["one_profile"]["error_points"]) for r in s["points"])
+        xs = s["crossovers"]
+        parts.append(
+            f"acceptance {s['acceptance_length']}: crossover measured {' / '.join(where(c['measured']) for c in xs)}, "
+            f"predicted {' / '.join(where(c['roofline']) for c in xs)} clients; held-out gain error up to "
+            f"**{worst['roofline']['roofline']['error_points']:+.1f} points** (roofline; linear "
+            f"{worst['linear']['linear']['error_points']:+.1f}), one profile for both arms up to {one:.0f}")
+    question = "Does EAGLE3 help or hurt at each concurrency on a real vLLM server with a real drafter?"
+    result = (f"each arm calibrated at 1-{d['meta']['calibrate_up_to']} clients, {d['meta']['instances']} server "
+              "instances: " + "; ".join(parts))
+    return question, result
+
+
 # (folder, results file, row): the order of the table.
 STUDIES = [
     ("a800-eagle3-crossover", "results.json", a800_eagle3_crossover),
@@ -196,6 +217,7 @@ STUDIES = [
     ("cpu-extrapolation", "results-roofline.json", cpu_extrapolation),
     ("live-cpu-validation", "results.json", live_cpu_validation),
     ("live-ngram-proposer", "results.json", live_ngram_proposer),
+    ("live-eagle3-crossover", "results.json", live_eagle3_crossover),
 ]
 
 

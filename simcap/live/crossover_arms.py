@@ -172,7 +172,8 @@ def live_crossover(
     roofline: dict[str, Any] | None = None,
 ) -> LiveCrossover:
     """Measure both arms at each concurrency on servers started from ``config`` and predict
-    them from a profile calibrated at ``calibrate_up_to`` clients at most (default: the lowest
+    them from each arm's profile, calibrated on its own server at ``calibrate_up_to`` clients
+    at most (default: the lowest
     concurrency, 2 if that is 1 and 2 is below the highest). ``roofline``: fit both profiles in
     the roofline form (``hardware``, ``model``, ``combine``: as ``live calibrate --form roofline``;
     None: the linear form). ``out_dir``: where the profiles, the calibration runs (recorded for
