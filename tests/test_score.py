@@ -199,3 +199,52 @@ def test_the_readme_journey(tmp_path):
     assert {r["point"] for r in beyond["rows"]} == {"c=16"} and not any(r["fitted"] for r in beyond["rows"])
     held = {r["metric"]: r["rel_error"] for r in sweep["rows"] if not r["fitted"] and r["point"] == "c=4"}
     assert abs(held["tpot_mean"]) < 0.05 and abs(held["e2e_mean"]) < 0.10, held
+
+
+PUBLIC = ROOT / "calibration" / "data" / "public" / "dstack-deepseek-r1"
+PUBLIC_ROWS = ("--column", "random_input_len=input_len", "--column", "random_output_len=output_len",
+               "--where", "GPU==h200", "--where", "backend==vllm", "--where", "dataset_name==random",
+               "--where", "output_len==800")
+
+
+def test_the_readme_journey_on_a_public_table(tmp_path):
+    """The top README's path on dstack's published DeepSeek-R1 sweep (8 x H200, vLLM): fitted at
+    4-16 clients, scored at 32-128. The figures are the README's table: close where fitted,
+    far beyond (a straight line through the low rows), each as printed there."""
+    table = PUBLIC / "online_results.csv"
+    assert table.read_bytes().startswith(b"\xef\xbb\xbf")  # kept verbatim: its byte-order mark too
+    profile = tmp_path / "r1-h200.yaml"
+    fit = run("calibrate", table, "--base", PUBLIC / "start.yaml", *PUBLIC_ROWS, "--where", "concurrency<=16",
+              "--fit-metrics", "tpot_mean,output_throughput", "--out", profile)
+    assert fit.returncode == 0, fit.stderr
+    assert "concurrency (not read: 'max_concurrency' is concurrency)" in " ".join(fit.stdout.split())
+    scored = json.loads(run("score", profile, table, *PUBLIC_ROWS, "--json").stdout)
+    rows = {(r["point"], r["metric"]): r for r in scored["rows"]}
+    assert {p: rows[(p, "tpot_mean")]["fitted"] for p in ("c=4", "c=8", "c=16", "c=32", "c=64", "c=128")} == {
+        "c=4": True, "c=8": True, "c=16": True, "c=32": False, "c=64": False, "c=128": False}
+    readme = (ROOT / "README.md").read_text()
+    for point, clients in (("c=32", 32), ("c=64", 64), ("c=128", 128)):
+        r = rows[(point, "tpot_mean")]
+        line = (f"| {clients} (held out) | TPOT mean | {r['measured'] * 1e3:.1f} ms | {r['predicted'] * 1e3:.1f} ms "
+                f"| {r['rel_error'] * 100:+.1f}% |")
+        assert line in readme, line
+    for point in ("c=4", "c=8", "c=16"):
+        for metric in ("tpot_mean", "output_throughput"):
+            assert abs(rows[(point, metric)]["rel_error"]) < 0.06, (point, metric)
+
+
+def test_a_declared_or_aliased_column_beats_a_bare_one(tmp_path):
+    """``max_concurrency`` (the load a client set) over ``concurrency`` (what SGLang's
+    bench_serving measured); a declared column over both; two of one standing: an error."""
+    path = tmp_path / "t.csv"
+    path.write_text("\ufeffmax_concurrency,concurrency,input_len,output_len,mean_tpot_ms\n4,3,100,20,10\n")
+    def loads(reading: TableReading) -> list:
+        return [p.scenario["workload"]["arrival"]["concurrency"]
+                for p in read_benchmarks(path, engine=ENGINE, speculative=None, table=reading)]
+
+    assert loads(TableReading()) == [4]
+    assert loads(TableReading.parse(["concurrency=concurrency"])) == [3]
+    path.write_text("load,clients,input_len,output_len,mean_tpot_ms\n4,5,100,20,10\n")
+    with pytest.raises(CalibrationError, match=r"two columns read as 'concurrency' \('load' and 'clients'\); "
+                                                r"declare the one to read with --column NAME=concurrency"):
+        loads(TableReading.parse(["load=concurrency", "clients=concurrency"]))

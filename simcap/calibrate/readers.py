@@ -176,8 +176,9 @@ def log_step_samples(lines: Iterable[str], num_speculative_tokens: int = 0, wher
 
 
 def _read_text(path: Path) -> str:
+    """The file's text; a leading byte-order mark (spreadsheet CSVs often have one) dropped."""
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise CalibrationError(f"{path}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError:
@@ -523,11 +524,17 @@ def read_benchmarks(
 
 def _declared(row: dict[str, Any], table: TableReading, engine: dict[str, Any], where: str) -> dict[str, Any]:
     """``row`` under its declared names (``--column``), each per-GPU throughput made the
-    deployment's (x ``--gpus``, or x its ``engine.memory.tensor_parallel_size``)."""
+    deployment's (x ``--gpus``, or x its ``engine.memory.tensor_parallel_size``). Where two
+    columns would be read as the same key, a declared column beats an undeclared one, and a
+    known alias beats the bare key (``max_concurrency``, the load a benchmark client sets, over
+    the ``concurrency`` SGLang's ``bench_serving`` measures); the other is not read (named among
+    the ignored keys). Two of the same standing: a one-line error."""
     names = dict(table.columns)
     out: dict[str, Any] = {}
-    for key, value in row.items():
-        key = names.get(key, _SHAPE_ALIASES.get(key, key))
+    rank: dict[str, tuple[int, str]] = {}
+    for column, value in row.items():
+        key = names.get(column, _SHAPE_ALIASES.get(column, column))
+        standing = 2 if column in names else 1 if column in _SHAPE_ALIASES else 0
         if key.endswith("_per_gpu") and _table_key(key):
             gpus = table.gpus or (engine.get("memory") or {}).get("tensor_parallel_size")
             if not gpus:
@@ -537,8 +544,16 @@ def _declared(row: dict[str, Any], table: TableReading, engine: dict[str, Any], 
                 value = value * gpus
             key = key[: -len("_per_gpu")]
         if key in out:
-            raise CalibrationError(f"{where}: two columns read as {key!r}")
+            other_standing, other = rank[key]
+            if other_standing == standing:
+                raise CalibrationError(f"{where}: two columns read as {key!r} ({other!r} and {column!r}); "
+                                       f"declare the one to read with --column NAME={key}")
+            if other_standing > standing:
+                out[f"{column} (not read: {other!r} is {key})"] = value
+                continue
+            out[f"{other} (not read: {column!r} is {key})"] = out[key]
         out[key] = value
+        rank[key] = (standing, column)
     return out
 
 
