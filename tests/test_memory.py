@@ -177,8 +177,8 @@ def test_missing_heads_and_bad_values_are_named():
     cfg = {"num_hidden_layers": "62", "num_attention_heads": 8, "torch_dtype": "bfloat16"}
     assert one_line_error(ModelShape.from_hf_config, cfg).startswith(
         "model.config: num_hidden_layers must be a positive integer")
-    mla = {"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512}
-    assert one_line_error(ModelShape.from_hf_config, mla).startswith("model.config: MLA")
+    mla = {"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "torch_dtype": "bfloat16"}
+    assert one_line_error(ModelShape.from_hf_config, mla) == "model.config: config.json has no qk_rope_head_dim"
     assert one_line_error(load_hf_config, SHAPES / "no-such.json").startswith("model.config: cannot read")
 
 
@@ -309,3 +309,24 @@ def test_d_a800_kv_share_to_pool_under_the_stated_m3_assumption():
     assert plan.blocks_per_max_model_len == 1024 and plan.max_model_len_fits
     assert plan.max_concurrency_at_max_model_len == pytest.approx(2551 / 1024)  # 2.49
     assert plan.cuda_graph_gb == 0.0  # VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0
+
+
+def test_mla_caches_one_latent_per_token_whole_on_every_rank():
+    """DeepSeek-R1 (the catalog's shape, from its config.json), by hand: the cache holds
+    kv_lora_rank + qk_rope_head_dim = 576 bf16 values per token and layer, 61 layers: 70,272
+    bytes, the same on each of 8 TP ranks (vLLM's MLA spec: one KV head, no separate V).
+    Attention weights per layer: q 1536 x (7168 + 128 x 192), kv 7168 x 576 + 512 x 128 x 256,
+    o 128 x 128 x 7168. Totals: 671.0B parameters (published 671B), 36.6B active (37B)."""
+    from simcap.catalog import resolve_model
+
+    m = resolve_model("deepseek-r1", path="step_time.model")
+    assert (m.num_kv_heads, m.head_size, m.is_mla) == (1, 576, True)
+    assert m.kv_bytes_per_token(8) == m.kv_bytes_per_token(1) == m.kv_bytes_per_token_total() == 576 * 2 * 61
+    assert m.kv_heads_per_rank(8) == 1
+    assert m.attention_params_per_layer() == 1536 * (7168 + 128 * 192) + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert round(m.total_weight_params() / 1e9, 1) == 671.0
+    assert round(m.active_params_per_token() / 1e9, 1) == 36.6
+    assert m.attention_flops_per_pair() == 2 * 61 * 128 * (576 + 512)
+    # A standard model's pair: QK and AV over head_size each (4 x layers x heads x head_size).
+    plain = ModelShape(num_layers=2, num_kv_heads=2, head_size=64, dtype_bytes=2, num_attention_heads=8)
+    assert plain.attention_flops_per_pair() == 4 * 2 * 8 * 64 and not plain.is_mla

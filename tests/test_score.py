@@ -202,35 +202,63 @@ def test_the_readme_journey(tmp_path):
 
 
 PUBLIC = ROOT / "calibration" / "data" / "public" / "dstack-deepseek-r1"
-PUBLIC_ROWS = ("--column", "random_input_len=input_len", "--column", "random_output_len=output_len",
-               "--where", "GPU==h200", "--where", "backend==vllm", "--where", "dataset_name==random",
-               "--where", "output_len==800")
+PUBLIC_COLS = ("--column", "random_input_len=input_len", "--column", "random_output_len=output_len",
+               "--where", "backend==vllm", "--where", "dataset_name==random", "--where", "output_len==800")
+ROOFLINE_TERMS = "base,efficiency.weights,efficiency.experts,efficiency.compute,efficiency.kv_read"
 
 
 def test_the_readme_journey_on_a_public_table(tmp_path):
-    """The top README's path on dstack's published DeepSeek-R1 sweep (8 x H200, vLLM): fitted at
-    4-16 clients, scored at 32-128. The figures are the README's table: close where fitted,
-    far beyond (a straight line through the low rows), each as printed there."""
+    """The top README's path on dstack's published DeepSeek-R1 sweep, by the command line: the
+    H200 vLLM rows fitted at 4-16 clients in both forms, scored at 32-128; the roofline profile
+    moved to the MI300X by ``--set step_time.hardware=mi300x`` and scored on that GPU's rows.
+    Every cell of the README's two tables is what these commands print."""
     table = PUBLIC / "online_results.csv"
     assert table.read_bytes().startswith(b"\xef\xbb\xbf")  # kept verbatim: its byte-order mark too
-    profile = tmp_path / "r1-h200.yaml"
-    fit = run("calibrate", table, "--base", PUBLIC / "start.yaml", *PUBLIC_ROWS, "--where", "concurrency<=16",
-              "--fit-metrics", "tpot_mean,output_throughput", "--out", profile)
+    h200 = (*PUBLIC_COLS, "--where", "GPU==h200")
+    fit_rows = (*h200, "--where", "concurrency<=16", "--fit-metrics", "tpot_mean,output_throughput")
+    linear, roofline = tmp_path / "r1-h200.yaml", tmp_path / "r1-h200-roofline.yaml"
+    fit = run("calibrate", table, "--base", PUBLIC / "start.yaml", *fit_rows, "--out", linear)
     assert fit.returncode == 0, fit.stderr
     assert "concurrency (not read: 'max_concurrency' is concurrency)" in " ".join(fit.stdout.split())
-    scored = json.loads(run("score", profile, table, *PUBLIC_ROWS, "--json").stdout)
-    rows = {(r["point"], r["metric"]): r for r in scored["rows"]}
-    assert {p: rows[(p, "tpot_mean")]["fitted"] for p in ("c=4", "c=8", "c=16", "c=32", "c=64", "c=128")} == {
-        "c=4": True, "c=8": True, "c=16": True, "c=32": False, "c=64": False, "c=128": False}
+    fit = run("calibrate", table, "--base", PUBLIC / "start-roofline.yaml", *fit_rows, "--form", ROOFLINE_TERMS,
+              "--out", roofline)
+    assert fit.returncode == 0, fit.stderr
+
+    def scored(profile, *args):
+        out = run("score", profile, table, *args, "--json")
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        return data, {(r["point"], r["metric"]): r for r in data["rows"]}
+
+    _, lin = scored(linear, *h200)
+    _, roof = scored(roofline, *h200)
+    moved_data, moved = scored(roofline, *PUBLIC_COLS, "--where", "GPU==mi300x", "--set", "step_time.hardware=mi300x")
     readme = (ROOT / "README.md").read_text()
-    for point, clients in (("c=32", 32), ("c=64", 64), ("c=128", 128)):
-        r = rows[(point, "tpot_mean")]
-        line = (f"| {clients} (held out) | TPOT mean | {r['measured'] * 1e3:.1f} ms | {r['predicted'] * 1e3:.1f} ms "
-                f"| {r['rel_error'] * 100:+.1f}% |")
+    for c in (4, 8, 16, 32, 64, 128):
+        p = f"c={c}"
+        assert lin[(p, "tpot_mean")]["fitted"] == roof[(p, "tpot_mean")]["fitted"] == (c <= 16)
+        t, o = lin[(p, "tpot_mean")], lin[(p, "output_throughput")]
+        rt, ro = roof[(p, "tpot_mean")], roof[(p, "output_throughput")]
+        line = (f"| {c} ({'fitted' if c <= 16 else 'held out'}) | {t['measured'] * 1e3:.1f} ms | "
+                f"{t['rel_error'] * 100:+.1f}% | {rt['rel_error'] * 100:+.1f}% | {o['measured']:.0f} | "
+                f"{o['rel_error'] * 100:+.1f}% | {ro['rel_error'] * 100:+.1f}% |")
         assert line in readme, line
-    for point in ("c=4", "c=8", "c=16"):
-        for metric in ("tpot_mean", "output_throughput"):
-            assert abs(rows[(point, metric)]["rel_error"]) < 0.06, (point, metric)
+    for c in (4, 16, 32, 64, 128):
+        t, o = moved[(f"c={c}", "tpot_mean")], moved[(f"c={c}", "output_throughput")]
+        assert not t["fitted"]  # other rows of the same file: held out
+        line = (f"| {c} | {t['measured'] * 1e3:.1f} ms | {t['rel_error'] * 100:+.1f}% | {o['measured']:.0f} | "
+                f"{o['rel_error'] * 100:+.1f}% |")
+        assert line in readme, line
+    assert moved_data["notes"][0].startswith("the profile as changed by --set step_time.hardware=mi300x")
+
+
+def test_score_set_is_checked_as_a_profile_is(tmp_path):
+    bad = run("score", PUBLIC / "start.yaml", PUBLIC / "online_results.csv", *PUBLIC_COLS, "--where", "GPU==h200",
+              "--set", "engine.max_num_seqs=0")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "engine.max_num_seqs: input should be greater than 0 (got 0)" in bad.stderr, bad.stderr
+    bad = run("score", PUBLIC / "start.yaml", PUBLIC / "online_results.csv", "--set", "step_tim.base=1")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: profile.step_tim: "), bad.stderr
 
 
 def test_a_declared_or_aliased_column_beats_a_bare_one(tmp_path):

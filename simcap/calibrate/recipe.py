@@ -62,9 +62,11 @@ class Recipe:
         return cls(path=path, **data)
 
 
-def base_from_profile(path: str | Path) -> Recipe:
-    """A recipe without datasets from a profile file (``--base``): deployment and start values."""
-    profile, _ = load_profile(path)
+def base_from_profile(path: str | Path, profile: Any = None) -> Recipe:
+    """A recipe without datasets from a profile file (``--base``): deployment and start values
+    (``profile``: the file's :class:`~simcap.config.profiles.Profile`, when already read)."""
+    if profile is None:
+        profile, _ = load_profile(path)
     return Recipe(name=profile.name, path=Path(path), hardware=profile.hardware, model=profile.model,
                   description=profile.description, engine=dict(profile.engine),
                   speculative=dict(profile.speculative) if profile.speculative else None,

@@ -71,6 +71,7 @@ def score_profile(
     profile: str | Path, inputs: Sequence[str], *, table: TableReading | None = None,
     workload: dict[str, Any] | None = None, rows: Collection[str] | None = None,
     metrics: Sequence[str] | None = None, speculative: bool | None = None,
+    overrides: Sequence[str] = (),
 ) -> Score:
     """Simulate every row of ``inputs`` with ``profile`` and compare with what it measured.
 
@@ -79,13 +80,14 @@ def score_profile(
     ``input_len`` / ``output_len`` where a table lacks them (assumptions). ``speculative``:
     False where the rows ran without speculative decoding (the profile's ``speculative``
     section left out); by default a fitted row runs as the fit ran it, the others with the
-    profile's."""
+    profile's. ``overrides``: ``dotted.key=value`` changes to the profile (``--set``), e.g.
+    ``step_time.hardware=mi300x``: the profile moved to other hardware by its datasheet."""
     wanted = set(check_fit_metrics(metrics, "--metrics")) if metrics is not None else None
     try:
-        prof, digest = load_profile(profile)
+        prof, digest = load_profile(profile, list(overrides))
     except ScenarioError as exc:
         raise CalibrationError(str(exc)) from None
-    recipe = base_from_profile(profile)
+    recipe = base_from_profile(profile, prof)
     # Several tables: each row's label names its table (``no_spec c=4``), as a recipe's datasets do.
     datasets = [{"input": i, **({"label": _table_name(i)} if len(inputs) > 1 else {})} for i in inputs]
     step_inputs, points = read_inputs(datasets, Path("."), recipe, workload, 0, table)
@@ -126,6 +128,8 @@ def score_profile(
         raise CalibrationError("score: no measured figure to compare"
                                + (f" among --metrics {', '.join(sorted(wanted))}" if wanted else ""))
     notes = []
+    if overrides:
+        notes.append("the profile as changed by --set " + ", ".join(overrides) + " (its fit did not see the change)")
     if not fitted_rows:
         notes.append("the profile names no fitted table rows (provenance.data): every row counts as held out")
     return Score(str(profile), digest, out_rows, sources, notes)

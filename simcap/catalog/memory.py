@@ -90,6 +90,7 @@ _SHAPE_EXTRAS = (
     "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
     "tie_word_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
     "num_shared_experts", "shared_expert_intermediate_size", "num_dense_layers",
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
 )
 
 
@@ -128,6 +129,15 @@ class ModelShape(_Model):
     num_dense_layers: int = Field(
         0, ge=0, description="Layers of an MoE model with a dense MLP (first_k_dense_replace)."
     )
+    # Multi-head latent attention (DeepSeek-V2/V3/R1): the cache holds one latent of
+    # kv_lora_rank + qk_rope_head_dim values per token and layer, whole on every TP rank (vLLM's
+    # MLA spec: one KV head of that size, no separate V); num_kv_heads is 1 and head_size that
+    # latent's width.
+    kv_lora_rank: int | None = Field(None, gt=0, description="MLA: width of the compressed KV latent.")
+    q_lora_rank: int | None = Field(None, gt=0, description="MLA: width of the compressed query (None: none).")
+    qk_rope_head_dim: int | None = Field(None, gt=0, description="MLA: rotary part of each query/key head.")
+    qk_nope_head_dim: int | None = Field(None, gt=0, description="MLA: non-rotary part of each query/key head.")
+    v_head_dim: int | None = Field(None, gt=0, description="MLA: width of each value head.")
 
     @model_serializer(mode="wrap")
     def _drop_unset_extras(self, handler):
@@ -155,12 +165,6 @@ class ModelShape(_Model):
         top = config
         if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
             config = config["text_config"]
-        if "kv_lora_rank" in config:
-            raise ScenarioError(
-                "model.config: MLA (kv_lora_rank) caches one latent per token, not K and V per "
-                "head; simcap does not model it"
-            )
-
         def get_int(name: str, fallback: str | None = None) -> int:
             value = config.get(name)
             if value is None and fallback is not None:
@@ -173,8 +177,16 @@ class ModelShape(_Model):
             return value
 
         num_layers = get_int("num_hidden_layers")
-        num_kv_heads = get_int("num_key_value_heads", "num_attention_heads")
-        if config.get("head_dim") is not None:
+        mla: dict[str, Any] = {}
+        if "kv_lora_rank" in config:  # MLA: one latent per token and layer (see the fields)
+            for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                mla[name] = get_int(name)
+            if config.get("q_lora_rank") is not None:
+                mla["q_lora_rank"] = get_int("q_lora_rank")
+        num_kv_heads = 1 if mla else get_int("num_key_value_heads", "num_attention_heads")
+        if mla:
+            head_size = mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
+        elif config.get("head_dim") is not None:
             head_size = get_int("head_dim")
         else:
             hidden, heads = get_int("hidden_size"), get_int("num_attention_heads")
@@ -196,7 +208,7 @@ class ModelShape(_Model):
             dtype_bytes = _dtype_bytes(dtype, "model.config.torch_dtype")
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size,
                    dtype_bytes=dtype_bytes, draft_layers=draft_layers,
-                   **_compute_fields(config, top, num_layers))
+                   **_compute_fields(config, top, num_layers), **mla)
 
     # ------------------------------------------------------------ weights (roofline form)
 
@@ -223,10 +235,36 @@ class ModelShape(_Model):
                 return name
         return None
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
     def attention_params_per_layer(self) -> int:
-        """Q, K, V and O projections: hidden x head_size x (2 query heads + 2 KV heads)."""
+        """Q, K, V and O projections: hidden x head_size x (2 query heads + 2 KV heads). MLA:
+        the query (through q_lora_rank when given), the KV down-projection to the latent and
+        the rotary key, its up-projection to every head's key and value, and the output."""
         assert self.hidden_size and self.num_attention_heads
-        return self.hidden_size * self.head_size * 2 * (self.num_attention_heads + self.num_kv_heads)
+        h, heads = self.hidden_size, self.num_attention_heads
+        if self.is_mla:
+            assert self.kv_lora_rank and self.qk_rope_head_dim and self.qk_nope_head_dim and self.v_head_dim
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * heads * qk if not self.q_lora_rank else self.q_lora_rank * (h + heads * qk)
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + heads * self.v_head_dim * h
+        return h * self.head_size * 2 * (heads + self.num_kv_heads)
+
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one query token attending one cached token, all layers: 2 x heads x (the
+        query-key width + the value width). MLA as vLLM decodes it (the up-projections absorbed:
+        keys over the whole latent and its rotary part, values over the latent)."""
+        assert self.num_attention_heads
+        if self.is_mla:
+            assert self.kv_lora_rank
+            qk, v = self.head_size, self.kv_lora_rank
+        else:
+            qk = v = self.head_size
+        return 2 * self.num_layers * self.num_attention_heads * (qk + v)
 
     def dense_mlp_params(self) -> int:
         """One gated dense MLP (gate, up, down): 3 x hidden x intermediate_size."""
@@ -302,6 +340,8 @@ class ModelShape(_Model):
         tp, heads = tensor_parallel_size, self.num_kv_heads
         if tp <= 0:
             raise ScenarioError(f"engine.memory.tensor_parallel_size: must be > 0 (got {tp})")
+        if self.is_mla:
+            return 1  # the latent, whole on every rank
         if (heads >= tp and heads % tp) or (heads < tp and tp % heads):
             raise ScenarioError(
                 f"engine.memory.tensor_parallel_size: {tp} and the model's {heads} KV heads do "
@@ -312,7 +352,12 @@ class ModelShape(_Model):
     def kv_bytes_per_token(self, tensor_parallel_size: int) -> int:
         """KV bytes one token takes on ONE card (all KV layers, this rank's heads)."""
         heads = self.kv_heads_per_rank(tensor_parallel_size)
-        return 2 * heads * self.head_size * self.dtype_bytes * self.kv_layers
+        return self._kv_tensors * heads * self.head_size * self.dtype_bytes * self.kv_layers
+
+    @property
+    def _kv_tensors(self) -> int:
+        """K and V (2), or MLA's one latent (1)."""
+        return 1 if self.is_mla else 2
 
     def kv_bytes_per_token_total(self) -> int:
         """KV bytes one token takes in the whole model, each head counted once.
@@ -320,7 +365,7 @@ class ModelShape(_Model):
         Equals ``kv_bytes_per_token(tp) * tp`` when the heads split evenly; when ``tp`` exceeds
         the KV heads the cards hold replicas, and their sum exceeds this figure.
         """
-        return 2 * self.num_kv_heads * self.head_size * self.dtype_bytes * self.kv_layers
+        return self._kv_tensors * self.num_kv_heads * self.head_size * self.dtype_bytes * self.kv_layers
 
 
 def _compute_fields(config: dict[str, Any], top: dict[str, Any], num_layers: int) -> dict[str, Any]:

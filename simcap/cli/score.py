@@ -7,7 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from simcap.cli.common import COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, WHERE_OPTION, table_reading, user_errors
+from simcap.cli.common import (
+    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, SET_OPTION, WHERE_OPTION, table_reading, user_errors,
+)
 from simcap.metrics import report
 
 
@@ -31,6 +33,7 @@ def score(
     input_len: Optional[int] = typer.Option(None, "--input-len", help="Prompt tokens, where the table lacks them."),
     output_len: Optional[int] = typer.Option(None, "--output-len", help="Output tokens, where the table lacks them."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write predicted vs measured to FILE (PNG/SVG/PDF)."),
+    set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Predicted vs measured for every row of the tables, with the error; which rows the profile
@@ -48,6 +51,7 @@ def score(
         result = score_profile(
             profile, tables, table=table_reading(column, where, gpus), workload=workload or None, rows=rows,
             metrics=metrics.split(",") if metrics is not None else None, speculative=speculative,
+            overrides=set_ or (),
         )
         if plot is not None:
             score_plot(result, plot)

@@ -41,9 +41,14 @@ class Profile(BaseModel):
 SECTIONS = ("engine", "step_time", "speculative")
 
 
-def load_profile(path: str | Path) -> tuple[Profile, str]:
-    """Read and validate a profile file; returns it with the SHA-256 of its bytes."""
+def load_profile(path: str | Path, overrides: list[str] | None = None) -> tuple[Profile, str]:
+    """Read and validate a profile file; returns it with the SHA-256 of its bytes.
+    ``overrides``: ``dotted.key=value`` changes applied before validation (``--set``)."""
     data, raw = read_yaml_mapping(path, "profile", "name, engine, step_time, ...")
+    if overrides:
+        from simcap.config.scenario import apply_overrides
+
+        apply_overrides(data, list(overrides))
     try:
         profile = Profile.model_validate(data)
     except ValidationError as exc:

@@ -375,8 +375,7 @@ class RooflinePhysics:
             tp_latency = 2 * layers * (link.latency_us or 0.0) * 1e-6
 
         def pair(m: ModelShape) -> float:
-            assert m.num_attention_heads
-            return 4 * m.num_layers * m.num_attention_heads * m.head_size / flops
+            return m.attention_flops_per_pair() / flops
 
         return cls(
             hardware=hw, model=model, draft_model=draft, tensor_parallel_size=tp,
@@ -403,12 +402,14 @@ class RooflinePhysics:
 def default_draft_shape(model: ModelShape) -> ModelShape:
     """An EAGLE/EAGLE3 head: one dense decoder layer of the target's width and attention
     layout, plus the LM head (vocab x hidden)."""
+    mla = {name: getattr(model, name) for name in
+           ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
     return ModelShape(
         num_layers=1, num_kv_heads=model.num_kv_heads, head_size=model.head_size,
         dtype_bytes=model.dtype_bytes, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         intermediate_size=model.intermediate_size or model.moe_intermediate_size,
-        vocab_size=model.vocab_size, tie_word_embeddings=model.tie_word_embeddings,
+        vocab_size=model.vocab_size, tie_word_embeddings=model.tie_word_embeddings, **mla,
     )
 
 
