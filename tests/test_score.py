@@ -250,6 +250,14 @@ def test_the_readme_journey_on_a_public_table(tmp_path):
                 f"{o['rel_error'] * 100:+.1f}% |")
         assert line in readme, line
     assert moved_data["notes"][0].startswith("the profile as changed by --set step_time.hardware=mi300x")
+    # A load the table lacks: 256 clients, the roofline profile given on the command line.
+    sim = run("simulate", PUBLIC / "predict.yaml", "--set", f"profile={roofline}", "--json")
+    assert sim.returncode == 0, sim.stderr
+    d = json.loads(sim.stdout)
+    line = (f"It predicts {d['throughput']['output_tokens_per_s']:,.0f} output tok/s, a mean TPOT of "
+            f"{d['tpot_s']['mean'] * 1e3:.1f} ms and a mean TTFT of {d['ttft_s']['mean']:.1f} s, with the\n"
+            f"KV pool {'full' if d['kv_cache_usage']['max'] >= 1.0 else 'not full'} and {d['preemptions']} preemptions")
+    assert line in readme, line
 
 
 def test_score_set_is_checked_as_a_profile_is(tmp_path):
