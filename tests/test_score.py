@@ -260,6 +260,16 @@ def test_the_readme_journey_on_a_public_table(tmp_path):
     assert line in readme, line
 
 
+def test_roofline_on_a_table_says_how(tmp_path):
+    """``--form roofline`` meets a table, with or without table options: one line saying the
+    way that works (--base with a roofline step_time, --form naming its free terms)."""
+    for extra in ((), ("--where", "GPU==h200")):
+        out = run("calibrate", PUBLIC / "online_results.csv", *extra, "--form", "roofline", "--hardware", "h200-sxm",
+                  "--model", "deepseek-r1", "--out", tmp_path / "x.yaml")
+        assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+        assert "a table is fitted in the roofline form through --base" in out.stderr, out.stderr
+
+
 def test_score_set_is_checked_as_a_profile_is(tmp_path):
     bad = run("score", PUBLIC / "start.yaml", PUBLIC / "online_results.csv", *PUBLIC_COLS, "--where", "GPU==h200",
               "--set", "engine.max_num_seqs=0")

@@ -24,6 +24,15 @@ from simcap.config.scenario import MAX_INT64, MAX_TOKENS
 MAX_BOOTSTRAP = 100_000  # resamples (each a refit)
 
 
+# How a benchmark table is fitted in the roofline form (said wherever --form roofline meets one).
+ROOFLINE_TABLES = (
+    "--form roofline fits step samples (an iteration log, CSV or JSON step rows), not benchmark results; "
+    "a table is fitted in the roofline form through --base: a profile or recipe whose step_time says "
+    "form: roofline (with hardware and model), and --form naming its free terms, e.g. "
+    "efficiency.weights,efficiency.experts,base"
+)
+
+
 def _whole(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
@@ -142,7 +151,7 @@ def calibrate(
         fit_metrics = check_fit_metrics(fit_metrics)
         recipe = dataclasses.replace(recipe, fit_metrics=list(fit_metrics))
     if form == "roofline":
-        _no_table_options(rows, table, fit_metrics, "--form roofline fits step samples")
+        _no_table_options(rows, table, fit_metrics, ROOFLINE_TABLES)
         return _calibrate_roofline(inputs, recipe, roofline or {}, host_overhead=host_overhead,
                                    workload=workload, num_speculative_tokens=num_speculative_tokens,
                                    bootstrap=bootstrap, level=level, warn_above=warn_above, noise=noise)
@@ -313,10 +322,7 @@ def _calibrate_roofline(inputs, recipe, opts, *, host_overhead, workload, num_sp
             raise CalibrationError(f"{path}: cannot read: No such file or directory")
         if selector is not None or not _is_step_input(path):
             raise CalibrationError(
-                f"{path}: --form roofline fits step samples (an iteration log, CSV or JSON step rows), "
-                "not benchmark results; a table is fitted in the roofline form through --base: a "
-                "profile or recipe whose step_time says form: roofline (with hardware and model), "
-                "and --form naming its free terms, e.g. efficiency.weights,efficiency.experts,base")
+                f"{path}: {ROOFLINE_TABLES}")
         samples.append(read_step_samples(path, num_speculative_tokens))
     records = opts.pop("records", None) or []
     context = None
