@@ -250,6 +250,21 @@ def test_the_readme_journey_on_a_public_table(tmp_path):
                 f"{o['rel_error'] * 100:+.1f}% |")
         assert line in readme, line
     assert moved_data["notes"][0].startswith("the profile as changed by --set step_time.hardware=mi300x")
+    # Datasheet plus one point: the MI300X's 4-client row refits the fixed cost alone.
+    transferred = tmp_path / "r1-mi300x.yaml"
+    mi300x = (*PUBLIC_COLS, "--where", "GPU==mi300x")
+    fit = run("calibrate", table, "--base", roofline, "--set", "step_time.hardware=mi300x", *mi300x,
+              "--where", "concurrency==4", "--fit-metrics", "tpot_mean", "--form", "base", "--out", transferred)
+    assert fit.returncode == 0, fit.stderr
+    assumptions = yaml.safe_load(transferred.read_text())["provenance"]["assumptions"]
+    assert any("changed by --set step_time.hardware=mi300x" in a for a in assumptions), assumptions
+    _, one_point = scored(transferred, *mi300x)
+    for c in (8, 16, 32, 64, 128):
+        t, o = one_point[(f"c={c}", "tpot_mean")], one_point[(f"c={c}", "output_throughput")]
+        line = (f"| {c} | {t['measured'] * 1e3:.1f} ms | {t['rel_error'] * 100:+.1f}% | {o['measured']:.0f} | "
+                f"{o['rel_error'] * 100:+.1f}% |")
+        assert line in readme, line
+    assert one_point[("c=4", "tpot_mean")]["fitted"]
     # A load the table lacks: 256 clients, the roofline profile given on the command line.
     sim = run("simulate", PUBLIC / "predict.yaml", "--set", f"profile={roofline}", "--json")
     assert sim.returncode == 0, sim.stderr
@@ -268,6 +283,19 @@ def test_roofline_on_a_table_says_how(tmp_path):
                   "--model", "deepseek-r1", "--out", tmp_path / "x.yaml")
         assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
         assert "a table is fitted in the roofline form through --base" in out.stderr, out.stderr
+
+
+def test_calibrate_set_needs_a_base_profile_or_scenario(tmp_path):
+    table = PUBLIC / "online_results.csv"
+    out = run("calibrate", table, *PUBLIC_COLS, "--set", "step_time.hardware=mi300x", "--out", tmp_path / "x.yaml")
+    assert out.returncode == 2 and out.stderr.startswith("error: --set: changes the --base profile or scenario; "
+                                                          "give --base"), out.stderr
+    recipe = ROOT / "calibration" / "recipes" / "a800-minimax-m3.yaml"
+    out = run("calibrate", table, "--base", recipe, "--set", "step_time.base=0.01", "--out", tmp_path / "x.yaml")
+    assert out.returncode == 2 and "--set: changes a --base profile or scenario, not a recipe" in out.stderr, out.stderr
+    out = run("calibrate", table, *PUBLIC_COLS, "--base", PUBLIC / "start.yaml", "--set", "engine.max_num_seqs=x",
+              "--out", tmp_path / "x.yaml")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "max_num_seqs" in out.stderr, out.stderr
 
 
 def test_score_set_is_checked_as_a_profile_is(tmp_path):

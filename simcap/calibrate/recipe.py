@@ -14,6 +14,7 @@ from simcap.calibrate.core import TERMS, CalibrationError
 from simcap.calibrate.readers import _read_text, split_input
 from simcap.config.profiles import load_profile
 from simcap.config.yaml_files import load_yaml
+from simcap.errors import ScenarioError
 
 
 @dataclass
@@ -78,7 +79,6 @@ def base_from_scenario(path: str | Path, data: dict) -> Recipe:
     step-time sections as written, over the profile it names (checked as a scenario first)."""
     from simcap.config.profiles import apply_profile
     from simcap.config.scenario import parse_scenario
-    from simcap.errors import ScenarioError
 
     path = Path(path)
     try:
@@ -112,13 +112,21 @@ def parse_fix(items: Sequence[str]) -> dict[str, float]:
 
 def recipe_for(
     inputs: Sequence[str], base: str | Path | None = None, *, name: str | None = None,
-    default_name: str = "profile",
+    default_name: str = "profile", overrides: Sequence[str] = (),
 ) -> tuple[Recipe, list[str]]:
     """The recipe of a ``simcap calibrate`` call and the measurement files left to read.
 
     One ``.yaml`` input is a recipe (its datasets are the data); ``base`` is a profile, a
     recipe or a scenario whose deployment and start values are used for the given files.
+    ``overrides``: ``dotted.key=value`` changes to a profile or scenario ``base`` (``--set``:
+    e.g. ``step_time.hardware=mi300x`` to refit part of a profile on other hardware), recorded
+    among the recipe's assumptions.
     """
+    from simcap.config.scenario import apply_overrides
+
+    overrides = list(overrides)
+    if overrides and base is None:
+        raise CalibrationError("--set: changes the --base profile or scenario; give --base")
     inputs = list(inputs)
     recipe = None
     if len(inputs) == 1 and split_input(inputs[0])[0].endswith((".yaml", ".yml")):
@@ -132,12 +140,21 @@ def recipe_for(
             raise CalibrationError(f"{base}: malformed YAML: {str(exc).splitlines()[0]}") from None
         is_recipe = isinstance(data, dict) and "datasets" in data
         if is_recipe:
+            if overrides:
+                raise CalibrationError("--set: changes a --base profile or scenario, not a recipe (edit the recipe)")
             recipe = Recipe.load(base)
         elif isinstance(data, dict) and "workload" in data:
-            recipe = base_from_scenario(base, data)
+            recipe = base_from_scenario(base, apply_overrides(data, overrides))
         else:
-            recipe = base_from_profile(base)
+            try:
+                profile, _ = load_profile(base, overrides)
+            except ScenarioError as exc:
+                raise CalibrationError(f"--base {base}: {exc}") from None
+            recipe = base_from_profile(base, profile)
         recipe.datasets = []
+        if overrides:
+            recipe.assumptions = [*recipe.assumptions,
+                                  f"--base {Path(base).name} changed by --set {', '.join(overrides)}"]
     recipe = recipe or Recipe(name=default_name)
     if name:
         recipe.name = name

@@ -410,6 +410,10 @@ def calibrate_cmd(
     base: Optional[Path] = typer.Option(
         None, "--base", help="Profile, recipe or scenario giving the deployment (engine, speculative) and start values."
     ),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Change the --base profile or scenario first: dotted.key=value (repeatable), e.g. "
+                            "step_time.hardware=mi300x to refit some terms of a profile on other hardware.",
+    ),
     name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: the base's, or --out's stem)."),
     form: Optional[str] = typer.Option(
         None, "--form",
@@ -479,7 +483,7 @@ def calibrate_cmd(
 
             check_figure_path(residual_plot, "--residual-plot")
         fixed = cal.parse_fix(fix or [])
-        recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem)
+        recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem, overrides=set_ or ())
         workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len))
                     if v is not None}
         family = cal.noise_family(noise)
