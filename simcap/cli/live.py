@@ -352,6 +352,13 @@ def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Option
                         calibrate_up_to=calibrate_up_to, api_key=api_key, prompt_period=prompt_period)
 
 
+# The roofline form's options, shared by live calibrate and live crossover.
+_ROOFLINE_MODEL_OPTION = typer.Option(
+    None, "--roofline-model", help="--form roofline: catalog model name or config.json of the served model."
+)
+_COMBINE_OPTION = typer.Option("sum", "--combine", help="--form roofline: sum or max of compute and memory.")
+
+
 def _roofline_form(form: str, hardware: Optional[str], model: Optional[str], combine: str,
                    routing_skew: str = "0", prior_sd: float = 1.0) -> Optional[dict]:
     """``--form``: None for linear, the roofline options for roofline; one-line errors."""
@@ -401,10 +408,8 @@ def calibrate_cmd(
         help="Step-time form fitted from the log: linear (two-stage fit) or roofline (efficiencies "
              "on --hardware and --roofline-model).",
     ),
-    roofline_model: Optional[str] = typer.Option(
-        None, "--roofline-model", help="--form roofline: catalog model name or config.json of the served model."
-    ),
-    combine: str = typer.Option("sum", "--combine", help="--form roofline: sum or max of compute and memory."),
+    roofline_model: Optional[str] = _ROOFLINE_MODEL_OPTION,
+    combine: str = _COMBINE_OPTION,
     routing_skew: str = typer.Option("0", "--routing-skew", help="--form roofline, MoE: skew in [0, 1) or 'fit'."),
     prior_sd: float = typer.Option(1.0, "--prior-sd", help="--form roofline: prior sd of each efficiency around 1."),
     seed: int = typer.Option(0, "--seed", help="Seed of the calibration prompts and the bootstrap."),
@@ -589,10 +594,8 @@ def crossover_cmd(
     hardware: Optional[str] = typer.Option(
         None, "--hardware", help="--form roofline: catalog hardware name (or a YAML file of one entry)."
     ),
-    roofline_model: Optional[str] = typer.Option(
-        None, "--roofline-model", help="--form roofline: catalog model name or config.json of the served model."
-    ),
-    combine: str = typer.Option("sum", "--combine", help="--form roofline: sum or max of compute and memory."),
+    roofline_model: Optional[str] = _ROOFLINE_MODEL_OPTION,
+    combine: str = _COMBINE_OPTION,
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
     request_timeout: float = typer.Option(600.0, "--request-timeout", help=_TIMEOUT_HELP),
