@@ -285,8 +285,9 @@ def results_markdown(res: dict[str, Any]) -> str:
     lines += [
         "",
         f"**Crossover** (ngram k=3, closed loops at {', '.join(str(c) for c in xo['settings']['concurrencies'])} "
-        f"clients, {len(xo['repeats'])} repeats on fresh servers; each repeat's profile calibrated on its "
-        "speculative server at the lowest concurrencies only):",
+        f"clients, {len(xo['repeats'])} repeats on fresh servers; in each repeat each arm's profile is "
+        "calibrated on its own server at the lowest concurrencies only; beside it, one profile (the "
+        "speculative server's) for both arms):",
         "",
         "| repeat | measured crossover | predicted crossover | both found / both none | prediction inside measured bracket |",
         "|---|---|---|---|---|",
@@ -302,14 +303,16 @@ def results_markdown(res: dict[str, Any]) -> str:
     mb = x["measured_bracket_over_repeats"]
     lines += ["", ("Measured bracket over repeats: " + _b(mb, 0) + " clients." if mb is not None else
                    "Measured bracket over repeats: none (not every repeat found a crossover in range)."), "",
-              "| clients | " + " | ".join(f"gain measured / predicted (repeat {r['repeat']})" for r in xo["repeats"])
+              "| clients | " + " | ".join(f"gain measured / predicted / one profile (repeat {r['repeat']})"
+                                         for r in xo["repeats"])
               + " | acceptance length (measured) |",
               "|---|" + "---|" * len(xo["repeats"]) + "---|"]
     for k, c in enumerate(xo["settings"]["concurrencies"]):
         cells = []
         for r in xo["repeats"]:
             g = r["points"][k]["throughput_gain_pct"]
-            cells.append(f"{_r(g['measured'], 1)}% / {_r(g['predicted'], 1)}%")
+            one = f" / {_r(g['one_profile'], 1)}%" if "one_profile" in g else ""
+            cells.append(f"{_r(g['measured'], 1)}% / {_r(g['predicted'], 1)}%{one}")
         acc = ", ".join(_r(r["acceptance_length"].get(str(c))) for r in xo["repeats"])
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {acc} |")
     lines.append("")
