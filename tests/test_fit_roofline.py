@@ -229,3 +229,14 @@ def test_cli_roofline_bad_names_are_one_line(tmp_path):
         lines = result.stderr.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1, result.stderr
         assert lines[0].startswith(f"error: roofline form: {field}"), lines[0]
+
+
+def test_an_efficiency_below_one_is_named_as_below_the_physical_floor():
+    """time = efficiency x the term's bytes or FLOPs at the datasheet's rate: below 1 the term
+    runs faster than the hardware allows, and the fit's notes say which terms do."""
+    from simcap.calibrate.fit_roofline import physics_floor_notes
+
+    assert physics_floor_notes({"efficiency.weights": 1.02, "efficiency.compute": 0.96, "base": 0.001}) == []
+    (note,) = physics_floor_notes({"efficiency.weights": 0.583, "efficiency.kv_read": 0.0, "efficiency.compute": 3.1})
+    assert note.startswith("below the physical floor (efficiency < 1: faster than the datasheet allows): "
+                           "efficiency.weights 0.583, efficiency.kv_read 0; ")

@@ -531,6 +531,9 @@ def fit_benchmarks_roofline(
     if unpinned:
         notes.append("not pinned by the data (held by the prior, or poorly identified): "
                      + ", ".join(unpinned))
+    from simcap.calibrate.fit_roofline import physics_floor_notes  # (scipy: a fit's, not start-up's)
+
+    notes += physics_floor_notes({t: coeffs[t] for t in form.free})
     rows = _residual_rows(points, obj.simulate(x_hat), metrics)
     quality = _quality(rows, warn_above, warnings)
     quality["rms_log_error"] = round(float(np.sqrt(np.mean(r_hat[:n] ** 2))), 4) if n else None

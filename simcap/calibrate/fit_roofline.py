@@ -312,6 +312,24 @@ def _fit_once(sys: _System, sigma_fixed: float | None = None) -> tuple[np.ndarra
     return c, w, float(sigma)
 
 
+def physics_floor_notes(fitted: dict[str, float]) -> list[str]:
+    """A note naming each fitted efficiency below 1: that term then runs faster than the
+    hardware's datasheet allows (time = efficiency x its bytes or FLOPs at the datasheet's
+    rate), so the datasheet figure is low for this machine, or the time the fit took off it
+    belongs to a term the form lacks. ``fitted``: the free ``efficiency.<term>`` values."""
+    below = {t: v for t, v in fitted.items() if t.startswith("efficiency.") and v < FLOOR}
+    if not below:
+        return []
+    return [
+        "below the physical floor (efficiency < 1: faster than the datasheet allows): "
+        + ", ".join(f"{t} {v:.3g}" for t, v in below.items())
+        + "; the datasheet figure is low for this machine, or the form lacks a term that takes this time"
+    ]
+
+
+FLOOR = 0.95  # below this a fitted efficiency is noted (a little under 1: fits carry noise)
+
+
 def fit_roofline_samples(
     samples: Sequence[StepSamples],
     hardware: Any,
@@ -459,6 +477,7 @@ def fit_roofline_samples(
     unpinned = [n for n, e in pinning.items() if e.get("pinned") is False]
     notes.append(f"pinned by the data (prior share < {PIN_THRESHOLD}): {', '.join(pinned) or 'none'}; "
                  f"held by the prior: {', '.join(unpinned) or 'none'}")
+    notes += physics_floor_notes({t: coeffs[t] for t in terms})
     fit = Fit(
         kind="step_samples",
         method=(f"roofline form ({combine}): "
