@@ -97,7 +97,7 @@ def linear_prediction(lc, scenario, loads, out: Path, requests_per_client: int) 
 
     from simcap.calibrate import Recipe, log_step_samples, profile_dict
     from simcap.live.calibration import fit_calibration_log
-    from simcap.live.crossover_arms import _predicted_scenario
+    from simcap.live.crossover_arms import _predicted_scenario, compare
     from simcap.live.recording import load_run
     from simcap.studies.crossover import find_crossover
 
@@ -117,19 +117,8 @@ def linear_prediction(lc, scenario, loads, out: Path, requests_per_client: int) 
     spec_sc, _ = _predicted_scenario(scenario, {"profile": str(paths["spec"])}, lowest, loads[0])
     base_sc, _ = _predicted_scenario(scenario, {"profile": str(paths["baseline"])}, None, loads[0])
     predicted = find_crossover(spec_sc, list(loads), requests_per_client=requests_per_client, baseline=base_sc)
-    points = []
-    for m, p in zip(lc.measured.points, predicted.points):
-        points.append({"concurrency": int(m.load),
-                       "throughput_gain_pct": {"measured": m.gain_pct["throughput"], "predicted": p.gain_pct["throughput"]},
-                       "spec_tokens_per_s": {"measured": m.spec.output_tokens_per_s,
-                                             "predicted": p.spec.output_tokens_per_s},
-                       "baseline_tokens_per_s": {"measured": m.baseline.output_tokens_per_s,
-                                                 "predicted": p.baseline.output_tokens_per_s},
-                       "spec_tpot_mean_s": {"measured": m.spec.tpot_mean_s, "predicted": p.spec.tpot_mean_s},
-                       "baseline_tpot_mean_s": {"measured": m.baseline.tpot_mean_s,
-                                                "predicted": p.baseline.tpot_mean_s}})
-    c = predicted.crossover
-    return {"points": points, "crossover": {k: c[k] for k in ("status", "value", "between")},
+    compared = compare(lc.measured, predicted)
+    return {"points": compared["points"], "crossover": compared["crossover"]["predicted"],
             "step_time": {arm: {k: v for k, v in yaml.safe_load(paths[arm].read_text())["step_time"].items()
                                 if k not in ("bootstrap", "noise", "ci")} for arm in paths}}
 

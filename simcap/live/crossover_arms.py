@@ -103,29 +103,7 @@ class LiveCrossover:
 
     def comparison(self) -> dict[str, Any]:
         """Per concurrency: the measured and predicted throughput gain; and both crossovers."""
-        rows = []
-        one = self.one_profile.points if self.one_profile is not None else [None] * len(self.measured.points)
-        for m, p, o in zip(self.measured.points, self.predicted.points, one):
-            gm, gp = m.gain_pct["throughput"], p.gain_pct["throughput"]
-            row = {
-                "concurrency": int(m.load),
-                "throughput_gain_pct": {"measured": gm, "predicted": gp},
-                "same_sign": None if gm is None or gp is None else (gm > 0) == (gp > 0),
-                "spec_tokens_per_s": {"measured": m.spec.output_tokens_per_s, "predicted": p.spec.output_tokens_per_s},
-                "baseline_tokens_per_s": {"measured": m.baseline.output_tokens_per_s,
-                                          "predicted": p.baseline.output_tokens_per_s},
-                "spec_tpot_mean_s": {"measured": m.spec.tpot_mean_s, "predicted": p.spec.tpot_mean_s},
-                "baseline_tpot_mean_s": {"measured": m.baseline.tpot_mean_s, "predicted": p.baseline.tpot_mean_s},
-            }
-            if o is not None:
-                row["throughput_gain_pct"]["one_profile"] = o.gain_pct["throughput"]
-            rows.append(row)
-        mc, pc = self.measured.crossover, self.predicted.crossover
-        crossover = {"measured": {k: mc[k] for k in ("status", "value", "between")},
-                     "predicted": {k: pc[k] for k in ("status", "value", "between")}}
-        if self.one_profile is not None:
-            crossover["one_profile"] = {k: self.one_profile.crossover[k] for k in ("status", "value", "between")}
-        return {"points": rows, "crossover": crossover}
+        return compare(self.measured, self.predicted, self.one_profile)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -139,6 +117,35 @@ class LiveCrossover:
             "notes": list(self.notes),
             "wall_s": round(self.wall_s, 1),
         }
+
+
+def compare(measured: CrossoverResult, predicted: CrossoverResult,
+            one_profile: CrossoverResult | None = None) -> dict[str, Any]:
+    """Per load point: the measured and predicted throughput gain (and ``one_profile``'s), each
+    arm's throughput and TPOT; and the crossovers."""
+    rows = []
+    one = one_profile.points if one_profile is not None else [None] * len(measured.points)
+    for m, p, o in zip(measured.points, predicted.points, one):
+        gm, gp = m.gain_pct["throughput"], p.gain_pct["throughput"]
+        row = {
+            "concurrency": int(m.load),
+            "throughput_gain_pct": {"measured": gm, "predicted": gp},
+            "same_sign": None if gm is None or gp is None else (gm > 0) == (gp > 0),
+            "spec_tokens_per_s": {"measured": m.spec.output_tokens_per_s, "predicted": p.spec.output_tokens_per_s},
+            "baseline_tokens_per_s": {"measured": m.baseline.output_tokens_per_s,
+                                      "predicted": p.baseline.output_tokens_per_s},
+            "spec_tpot_mean_s": {"measured": m.spec.tpot_mean_s, "predicted": p.spec.tpot_mean_s},
+            "baseline_tpot_mean_s": {"measured": m.baseline.tpot_mean_s, "predicted": p.baseline.tpot_mean_s},
+        }
+        if o is not None:
+            row["throughput_gain_pct"]["one_profile"] = o.gain_pct["throughput"]
+        rows.append(row)
+    keys = ("status", "value", "between")
+    crossover = {"measured": {k: measured.crossover[k] for k in keys},
+                 "predicted": {k: predicted.crossover[k] for k in keys}}
+    if one_profile is not None:
+        crossover["one_profile"] = {k: one_profile.crossover[k] for k in keys}
+    return {"points": rows, "crossover": crossover}
 
 
 def check_launch(config: ServerConfig, scenario: Scenario) -> None:
