@@ -44,8 +44,9 @@ V = D + BASE / B_STAR
 def synthetic(**changes) -> dict:
     data = {
         "name": "synthetic-crossover",
+        # (the closed forms below are the synchronous order's; async: its own test)
         "engine": dict(max_num_seqs=256, max_num_batched_tokens=8192, block_size=16,
-                       num_gpu_blocks=20000, max_model_len=1024),
+                       num_gpu_blocks=20000, max_model_len=1024, async_scheduling=False),
         "step_time": dict(base=BASE, per_prefill_token=0.0, per_decode_token=D, per_verify_token=V),
         "speculative": dict(method="eagle3", num_speculative_tokens=3,
                             acceptance_rates=[1.0, 1.0, 1.0]),
@@ -83,6 +84,28 @@ def test_crossover_matches_the_closed_form():
     # A tighter bracket around B* lands closer to it.
     fine = find_crossover(parse_scenario(synthetic()), [5, 7]).crossover
     assert fine["between"] == [5, 7] and abs(fine["value"] - B_STAR) < 0.1
+
+
+def test_async_scheduling_adds_one_wasted_verify_step_per_request_as_the_closed_form_says():
+    """Under async scheduling a request its drafts finished is still scheduled once more
+    (vLLM cannot know at that schedule that the drafts ended it): a decode with k placeholder
+    drafts, wasted. In lockstep the b clients' requests all finish in one step; the next
+    schedule runs their b wasted verifies before the clients' new requests arrive, costing
+    X = base + d b + 3 v b, in every cycle but the last. So the EAGLE3 arm takes
+    n (base + 32 X) + (n - 1) X for n = 8 requests per client; the baseline (no drafts, no
+    wasted step) is unchanged."""
+    loads = [1, 2, 4, 8]
+    result = find_crossover(parse_scenario(synthetic(engine={"async_scheduling": True})), loads)
+    sync = find_crossover(parse_scenario(synthetic()), loads)
+    n = REQUESTS_PER_CLIENT
+    for p, q in zip(result.points, sync.points):
+        b = p.load
+        x = BASE + D * b + 3 * V * b
+        base_cycle = BASE + 128 * (BASE + D * b)
+        spec_time = n * (BASE + 32 * x) + (n - 1) * x
+        assert p.gain_pct["throughput"] == pytest.approx(100 * (n * base_cycle / spec_time - 1), rel=1e-9)
+        assert p.baseline.output_tokens_per_s == pytest.approx(q.baseline.output_tokens_per_s, rel=1e-12)
+        assert p.gain_pct["throughput"] < q.gain_pct["throughput"]
 
 
 def test_a_baseline_arm_with_its_own_step_time_moves_the_crossover_as_the_closed_form_says():

@@ -98,7 +98,10 @@ def scenarios(draw, roofline=False, speculative=False):
             max_num_seqs=draw(st.integers(1, 16)),
             max_num_batched_tokens=draw(st.integers(4, 512)),
             enable_prefix_caching=draw(st.booleans()),
-            async_scheduling=draw(st.sampled_from([None, False, True])),
+            # (vLLM refuses async scheduling with ngram drafts)
+            async_scheduling=draw(st.sampled_from(
+                [None, False] if spec and spec["method"] == "ngram" else [None, False, True]
+            )),
         ),
         step_time=roofline_step_time(draw) if roofline else dict(
             base=0.004, per_prefill_token=1e-5, per_decode_token=draw(st.sampled_from([1e-4, 3e-3])),

@@ -54,7 +54,7 @@ def test_verify_spans_go_on_past_many_finishes_and_equal_the_reference_path(
     trace = many_finishes_trace()
     scenario = make_scenario(
         engine=dict(block_size=16, max_model_len=256, num_gpu_blocks=blocks, max_num_seqs=16,
-                    max_num_batched_tokens=512),
+                    max_num_batched_tokens=512, async_scheduling=False),  # (spans: sync order)
         step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
                        per_context_token=1e-7, draft_per_pass=5e-4),
         speculative=spec,
@@ -81,7 +81,7 @@ def test_verify_spans_replace_stretches_one_for_one_at_each_finish(spec, rate):
     """Each finish reported inside a span is a stretch the engine no longer runs: fewer
     calls, the same run as with spans off."""
     scenario = make_scenario(
-        engine=dict(max_num_seqs=32, num_gpu_blocks=4000),
+        engine=dict(max_num_seqs=32, num_gpu_blocks=4000, async_scheduling=False),  # (spans: sync order)
         step_time=dict(base=0.004, per_prefill_token=1e-5, per_decode_token=1e-4,
                        draft_per_pass=5e-4),
         speculative=spec,

@@ -81,7 +81,8 @@ class EngineConfig(_Model):
     # None: the modelled version's default (see VERSION_FEATURES).
     scheduler_reserve_full_isl: bool | None = None
     watermark: float = Field(0.0, ge=0.0, lt=1.0)
-    # None: on as vLLM >= 0.14 runs on GPUs. Set false for the CPU platform (always off there).
+    # None: vLLM's default (simcap.engine.scheduler.resolve_async_scheduling): on for GPUs
+    # from 0.14, but with ngram drafts. Set false for the CPU platform (always off there).
     async_scheduling: bool | None = None
 
     _kv_plan: KVPlan | None = PrivateAttr(None)
@@ -901,6 +902,16 @@ class Scenario(_Model):
         if self.deployment is None:  # a one-engine scenario dumps (and hashes) as before
             data.pop("deployment", None)
         return data
+
+    @model_validator(mode="after")
+    def _async_drafts(self) -> "Scenario":
+        spec = self.speculative
+        if self.engine.async_scheduling and spec is not None and spec.method == "ngram":
+            raise ValueError(
+                "engine.async_scheduling: vLLM refuses async scheduling with ngram drafts (its "
+                "proposer runs on the CPU between steps); allowed with ngram: false or unset"
+            )
+        return self
 
     @model_validator(mode="after")
     def _slo_keys(self) -> "Scenario":

@@ -47,4 +47,8 @@ cdef class Scheduler:
     @cython.locals(req=Request)
     cpdef apply_pending(self)
     @cython.locals(req=Request)
+    cpdef apply_tokens(self)
+    @cython.locals(req=Request)
+    cpdef hold_tokens(self, reqs, tokens, rejected=*)
+    @cython.locals(req=Request)
     cpdef _release(self, finished)

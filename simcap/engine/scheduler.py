@@ -36,7 +36,8 @@ step), as vLLM does. With drafts, vLLM cannot know at the next schedule that the
 finished a request (all might have been rejected): unless the bonus token alone ends it, it
 gets one more decode step with placeholder drafts, wasted; and that schedule's allocations
 still count the last step's rejected drafts (``Request.num_rejected_pending``). The simulator
-steps in the synchronous order (its fast paths run it) and prices async as timing.
+runs this order too (its fast paths stop at each finish and leave the step after it to
+:meth:`schedule`), and prices async timing in the step-time model.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class SchedulerSettings(Protocol):
 
     vllm_version: str
     scheduler_reserve_full_isl: bool | None
+    async_scheduling: bool | None
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
@@ -110,6 +112,20 @@ VERSION_FEATURES: dict[str, SchedulerFeatures] = {
     "0.26": SchedulerFeatures(True, True, False, True, False, True, True),
     "0.32": SchedulerFeatures(True, True, True, True, True, True, True),
 }
+
+
+def resolve_async_scheduling(engine: SchedulerSettings, speculative_method: str | None = None) -> bool:
+    """Whether the engine schedules asynchronously, as vLLM decides (``VllmConfig``, 0.32):
+    ``async_scheduling`` as given; unset, on where the release turns it on by default
+    (0.14+, :class:`SchedulerFeatures`) unless the drafts are ngram's, whose proposer runs on
+    the CPU between steps (vLLM turns async off for it and refuses it when asked). The CPU
+    platform always runs without it; its scenarios say ``async_scheduling: false``."""
+    given = engine.async_scheduling
+    if given is not None:
+        return given
+    if speculative_method == "ngram":
+        return False
+    return VERSION_FEATURES[engine.vllm_version].async_scheduling_default
 
 
 @dataclass(slots=True)
@@ -224,11 +240,14 @@ class Scheduler:
             self.apply_pending()
         return out
 
-    def schedule_decoders_and_admit(self, num_context_tokens: int) -> SchedulerOutput:
+    def schedule_decoders_and_admit(
+        self, num_context_tokens: int, decoders: list[Request] | None = None
+    ) -> SchedulerOutput:
         """:meth:`schedule` for a batch in which every running request decodes one token and
         the budget covers them all, with their allocations already made by the caller
-        (``num_context_tokens``: the sum of their computed tokens). Admits from WAITING."""
-        running = self.running
+        (``num_context_tokens``: the sum of their computed tokens). Admits from WAITING.
+        ``decoders``: the running requests but those the last step finished (async), if any."""
+        running = self.running if decoders is None else decoders
         n = len(running)
         out = SchedulerOutput(  # (positional, in field order: this runs at every admission)
             list(running), [1] * n, [0] * n, n, 0, 0, n, n, 0, num_context_tokens + n, 0, [], [], [],
@@ -530,12 +549,28 @@ class Scheduler:
         """Async scheduling: what applying the previous step's output does once the next step
         is scheduled: its sampled tokens become cacheable, and the requests it finished free
         their blocks (in the order they finished) and leave RUNNING."""
+        self.apply_tokens()
+        self._release(self.finished_pending)
+        self.finished_pending = []
+
+    def apply_tokens(self) -> None:
+        """Async scheduling: the previous step's sampled tokens (and rejected drafts) applied,
+        as :meth:`apply_pending` does. A fast path calls it when its first step has been
+        scheduled with them pending."""
         for req in self.unapplied:
             req.num_unapplied_tokens = 0
             req.num_rejected_pending = 0
         self.unapplied = []
-        self._release(self.finished_pending)
-        self.finished_pending = []
+
+    def hold_tokens(self, reqs: list[Request], tokens: list[int], rejected: list[int] | None = None) -> None:
+        """Async scheduling: the tokens ``reqs`` sampled in a fast path's last step (and the
+        drafts it rejected), pending until the next schedule, as :meth:`update_from_output`
+        leaves them."""
+        for i, req in enumerate(reqs):
+            req.num_unapplied_tokens = tokens[i]
+            if rejected is not None:
+                req.num_rejected_pending = rejected[i]
+        self.unapplied = list(reqs)
 
     def _release(self, finished: list[Request]) -> None:
         """Free finished requests' blocks, in order, and drop them from RUNNING."""

@@ -106,7 +106,9 @@ class SloStop:
         """True (and ``self.record`` set) when the run can stop at ``now``."""
         self.next_check = now + self.period
         scheduler = world.scheduler
-        pending = list(scheduler.waiting) + list(scheduler.running)
+        # (async scheduling: a request the last step finished is in the metrics, and RUNNING
+        # until the next schedule)
+        pending = list(scheduler.waiting) + [r for r in scheduler.running if not r.is_finished]
         if not pending and len(world.metrics) >= world.num_arrivals:
             return False  # every request is done: nothing left to skip
         arrival = np.fromiter((r.arrival_time for r in pending), float, len(pending))

@@ -33,10 +33,11 @@ from typing import NamedTuple
 import simpy
 from simpy.core import NORMAL
 
-from simcap.engine.request import Request
+from simcap.engine.request import Request, RequestStatus
 from simcap.engine.scheduler import SchedulerOutput
 
 MIN_STRETCH = 2  # a lone step goes through the reference path
+_FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 PRICE_STEPS = 32  # steps of a decode stretch priced before looking at the horizon
 _ZERO = array("d", [0.0])
 
@@ -53,17 +54,22 @@ class Admission(NamedTuple):
 
 
 def schedule_admission(world) -> Admission | None:
-    """The next step, when requests wait and every running request decodes: the
-    :class:`SchedulerOutput` that ``Scheduler.schedule`` gives, scheduled without walking the
-    decoders one by one, and what the stretch that runs it needs to know of them.
+    """The next step, when requests wait (or, under async scheduling, the last step finished
+    some) and every running request decodes: the :class:`SchedulerOutput` that
+    ``Scheduler.schedule`` gives, scheduled without walking the decoders one by one, and what
+    the stretch that runs it needs to know of them. (Async: the finished requests are not in
+    the batch, but hold their slots and blocks through the admission, then leave.)
 
     None (nothing changed) when the batch is not like that, or a decoder would need a block
     the pool does not have (a preemption: the reference path's business).
     """
     scheduler = world.scheduler
-    if world.proposer is not None or not scheduler.waiting:
+    finished = scheduler.finished_pending
+    if world.proposer is not None or not (scheduler.waiting or finished):
         return None
     running = scheduler.running
+    if finished:
+        running = [req for req in running if req.status != _FINISHED_LENGTH_CAPPED]
     if len(running) >= scheduler.max_num_batched_tokens:
         return None
     kv = scheduler.kv
@@ -97,7 +103,7 @@ def schedule_admission(world) -> Admission | None:
         return None
     for req in touched:  # in batch order, as the reference path's allocate_slots calls
         kv.allocate_slots(req, 1)
-    out = scheduler.schedule_decoders_and_admit(context)
+    out = scheduler.schedule_decoders_and_admit(context, running)
     return Admission(out, lefts, needs, context + len(lefts))
 
 
@@ -264,7 +270,8 @@ def advance_decode_stretch(
     blocks after the segment's allocations and before the next one's) and are reported
     (``world.finish``) at their finish, and the next segment runs the smaller batch. A span
     stops at a finish when a stop rule is due to be checked then (``world.stop``), so that
-    it sees the engine as stepping would.
+    it sees the engine as stepping would, and under async scheduling (the step after a
+    finish is the scheduler's: see :mod:`simcap.engine.scheduler`).
 
     ``admitted``: an already scheduled step (from :func:`schedule_admission`) to run as the
     stretch's first step, when after it every running request decodes and nothing waits;
@@ -280,7 +287,7 @@ def advance_decode_stretch(
     """
     scheduler = world.scheduler
     running: list[Request] = scheduler.running
-    if world.proposer is not None or scheduler.waiting or not running:
+    if world.proposer is not None or scheduler.waiting or not running or scheduler.finished_pending:
         return None
     num_reqs = len(running)
     if num_reqs > scheduler.max_num_batched_tokens:
@@ -325,6 +332,10 @@ def advance_decode_stretch(
     stop = world.stop
     steps = world.steps
     scale = kv.num_blocks - 1
+    # Async scheduling: the stretch ends at its first finish (the finished requests hold
+    # their slots and blocks through the next schedule, the scheduler's step), and the
+    # tokens of its last step stay pending, as the scheduler leaves them.
+    asynchronous = scheduler.async_scheduling
     free_queue = kv.free_queue
     t = now  # the segment's start
     done = 0  # steps of the span before the segment
@@ -431,7 +442,7 @@ def advance_decode_stretch(
                 kept_lefts.append(left - m)
                 kept_needs.append(j - m if j >= m else (j - m) % bs)
         scheduler.finish_requests(finishing)
-        if (not span or t >= horizon or len(finishing) == num_reqs
+        if (not span or asynchronous or t >= horizon or len(finishing) == num_reqs
                 or (stop is not None and t >= stop.next_check)):
             break  # the caller reports them: the engine's loop goes on from t
         world.finish(finishing, t)
@@ -446,11 +457,18 @@ def advance_decode_stretch(
     # The span ends: the tokens and token times of the requests still running.
     computed = done - 1 + ahead
     for req in running:
+        if asynchronous and req.status == _FINISHED_LENGTH_CAPPED:
+            continue  # (async: it holds its place in RUNNING until the next schedule)
         req.num_computed_tokens += computed
         req.num_output_tokens += done
         if req.first_token_ts is None:
             req.first_token_ts = first_token
         req.last_token_ts = t
+    if asynchronous:
+        # What the stretch's first step applied, and what its last step leaves pending
+        # (one token each, finished requests included) until the next schedule.
+        scheduler.apply_tokens()
+        scheduler.hold_tokens(running, [1] * len(running))
     return t, finishing
 
 

@@ -70,6 +70,9 @@ cdef class VerifyStretch:
     cdef public object prompt_ends
     cdef public object first
     cdef public object flushed
+    cdef public object asynchronous
+    cdef public object rejected
+    cdef public object unapplied
 
     # The stretch's steps call these on a typed stretch: C calls. Their integer counters
     # (requests, steps, indices, tokens, blocks: at most scenario.MAX_TOKENS or the pool's

@@ -135,15 +135,19 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
             return None
         if not out:
             prompt_ends.append(req)
+        # (async: the last step's rejected drafts still count as computed when allocating)
+        rejected = req.num_rejected_pending
         d = req.num_spec_tokens
-        if d > max_model_len - nt - 1:
-            d = max_model_len - nt - 1
+        if d > max_model_len - nt - 1 - rejected:
+            d = max_model_len - nt - 1 - rejected
+            if d < 0:
+                return None  # not scheduled at all this step: stepping's business
         n = 1 + d
         if 0 < threshold < n:
             return None
         total += n
         context += computed + n
-        need = computed + n + lookahead
+        need = computed + n + rejected + lookahead
         if need > max_model_len:
             need = max_model_len
         blocks = -(-need // bs) - len(held_map.get(req.request_id, ()))
@@ -156,6 +160,12 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
         kv.append_blocks(allocs)
     for req in prompt_ends:  # its prompt's last block, full: an admitted request may hit it
         kv.cache_blocks(req, req.num_prompt_tokens)
+    if scheduler.async_scheduling:
+        # Each allocation commits the full blocks of the tokens applied by then, which a
+        # release with tokens pending may not reach later: committed here, as allocate_slots
+        # does (synchronous, a release commits at least as far).
+        for req in running:
+            kv.cache_blocks(req, req.num_prompt_tokens + req.num_output_tokens - req.num_unapplied_tokens)
     for req, d in zip(running, ds):
         if d < req.num_spec_tokens:
             req.num_spec_tokens = d  # drafts past max_model_len are dropped
@@ -214,7 +224,7 @@ class VerifyStretch:
         "lookahead", "bs", "held", "limits", "free", "scale", "allocs", "model", "noise",
         "starts", "periods", "usages", "counts", "news_all", "t", "finished", "last_tokens",
         "bulk", "full", "ds", "verify", "context", "prefill", "out", "verify_out", "prompt_ends",
-        "first", "flushed",
+        "first", "flushed", "asynchronous", "rejected", "unapplied",
     )
 
     @classmethod
@@ -334,6 +344,18 @@ class VerifyStretch:
         self.verify_out = None
         self.out = self.first = first
         self.flushed = False  # a span's segment has been written (see go_on)
+        # Async scheduling: a step's allocations still count the drafts the step before
+        # rejected (each request's, below), so a plain step follows up to k tokens fewer;
+        # the stretch ends at its first finish (see flush).
+        asynchronous = self.asynchronous = scheduler.async_scheduling
+        self.rejected = [
+            req.num_rejected_pending if asynchronous and first is None else 0 for req in reqs
+        ]
+        # (async) the tokens the step before the stretch sampled, not yet applied when the
+        # stretch's first step allocates (None: the scheduler scheduled that step)
+        self.unapplied = [req.num_unapplied_tokens for req in reqs] if asynchronous and first is None else None
+        if asynchronous:
+            self.tail -= k
         if first is None:
             self.proposed = [req.num_spec_tokens for req in reqs]  # drafts, before any cap
         else:
@@ -349,6 +371,7 @@ class VerifyStretch:
         nts = self.nts
         proposed = self.proposed
         limits = self.limits
+        rejected = self.rejected
         num_reqs = self.num_reqs
         max_model_len = self.max_model_len
         ds = []
@@ -356,12 +379,15 @@ class VerifyStretch:
         verify = 0
         for b in range(num_reqs):
             nt = nts[b]
+            r = rejected[b]
             d = proposed[b]
-            if d > max_model_len - nt - 1:
-                d = max_model_len - nt - 1
+            if d > max_model_len - nt - 1 - r:
+                d = max_model_len - nt - 1 - r
+                if d < 0:
+                    return False  # not scheduled at all this step: stepping's business
             ds.append(d)
             verify += d
-            if nt + d > limits[b]:
+            if nt + d + r > limits[b]:
                 grow.append(b)
         threshold = self.threshold
         if num_reqs + verify > self.budget or (threshold and verify and max(ds) >= threshold):
@@ -374,7 +400,7 @@ class VerifyStretch:
             need_blocks = 0
             step_allocs = []
             for b in grow:
-                need = nts[b] + ds[b] + lookahead
+                need = nts[b] + ds[b] + rejected[b] + lookahead
                 if need > max_model_len:
                     need = max_model_len
                 blocks = -(-need // bs) - held[b]
@@ -385,7 +411,7 @@ class VerifyStretch:
                 return False  # stepping would preempt: the reference path's business
             self.free -= need_blocks
             for b in grow:
-                need = nts[b] + ds[b] + lookahead
+                need = nts[b] + ds[b] + rejected[b] + lookahead
                 if need > max_model_len:
                     need = max_model_len
                 blocks = -(-need // bs)
@@ -487,20 +513,33 @@ class VerifyStretch:
             if i < cap:
                 cap = i
         # Blocks for the steps that plain steps schedule (request b's step after step i
-        # needs its tokens + k + lookahead slots), in (step, batch) order.
+        # needs its tokens + k + lookahead slots), in (step, batch) order. Async: + the k -
+        # accepted drafts step i rejected, so tokens before step i + 2k + 1 (+ lookahead).
         plain = fin if fin < cap else cap
         limits = self.limits
         bs = self.bs
+        asynchronous = self.asynchronous
         events = []
         if plain:
             last = plain - 1
             for b in range(num_reqs):
                 row = b * m
-                top = cv[row + last]  # its tokens after the last plain step
-                h = limits[b] - nts[b] - k
                 i = 0
-                while h < top:  # the step after the first that takes it past h needs a block
-                    while cv[row + i] <= h:
+                if not asynchronous:
+                    top = cv[row + last]  # its tokens after the last plain step
+                    h = limits[b] - nts[b] - k
+                    while h < top:  # the step after the first that takes it past h needs a block
+                        while cv[row + i] <= h:
+                            i += 1
+                        events.append(i * num_reqs + b)
+                        h += bs
+                    continue
+                # (the step after step i needs a block per bs that its tokens before step i
+                # pass: 0 before step 0, then cv[row + i - 1])
+                top = cv[row + last - 1] if last else 0
+                h = limits[b] - nts[b] - 2 * k - 1
+                while h < top or h < 0:
+                    while i and cv[row + i - 1] <= h or not i and h >= 0:
                         i += 1
                     events.append(i * num_reqs + b)
                     h += bs
@@ -544,6 +583,8 @@ class VerifyStretch:
             del news[size:]
         count_accepted(self.accepted_hist, news)
         self.last_tokens = news[size - num_reqs : size]  # (before a finish cuts them)
+        if asynchronous:  # the drafts the last step rejected
+            self.rejected = [k + 1 - x for x in self.last_tokens]
         if ends and stop == fin:
             finished = self.finished
             before = fin - 1
@@ -572,7 +613,10 @@ class VerifyStretch:
                 row = b * m
                 nt = nts[b]
                 if scheduled:  # its blocks for the step after step `last` (its events)
-                    blocks = -(-(nt + cv[row + last] + k + lookahead) // bs)
+                    if asynchronous:
+                        blocks = -(-(nt + (cv[row + last - 1] if last else 0) + 2 * k + 1 + lookahead) // bs)
+                    else:
+                        blocks = -(-(nt + cv[row + last] + k + lookahead) // bs)
                     if blocks > held[b]:
                         held[b] = blocks
                         limits[b] = blocks * bs - lookahead
@@ -680,6 +724,7 @@ class VerifyStretch:
         max_model_len = self.max_model_len
         finished = self.finished
         news_all = self.news_all
+        rejected = self.rejected if self.asynchronous else None
         for b in range(num_reqs):
             d = ds[b]
             if d:
@@ -689,6 +734,8 @@ class VerifyStretch:
                 accepted_hist[a] += 1
             else:
                 a = 0
+            if rejected is not None:
+                rejected[b] = d - a
             new = a + 1
             last_tokens[b] = new
             o = outs[b] + new
@@ -716,7 +763,8 @@ class VerifyStretch:
         (nothing changed) otherwise: the stretch ends with this step."""
         finished = self.finished
         t = self.t
-        if not finished or t >= horizon or self.num_waiting or len(finished) == self.num_reqs:
+        if (not finished or t >= horizon or self.num_waiting or len(finished) == self.num_reqs
+                or self.asynchronous):
             return False
         world = self.world
         stop = world.stop
@@ -758,6 +806,11 @@ class VerifyStretch:
         world = self.world
         scheduler = world.scheduler
         reqs = self.reqs
+        num_reqs = self.num_reqs
+        news_all = self.news_all
+        last_news = news_all[-num_reqs:]  # each request's tokens in the last step
+        # (async) and in the step before it: not yet applied when the last step allocated
+        before_news = news_all[-2 * num_reqs : -num_reqs] if len(news_all) >= 2 * num_reqs else self.unapplied
         self.hand_out()
         if self.periods:
             starts = self.starts
@@ -772,22 +825,36 @@ class VerifyStretch:
             self.usages = []
             self.counts = []
             self.news_all = []
-        finished = self.finished
-        if not finished:
-            return []
-        outs = self.outs
-        last_tokens = self.last_tokens
         finishing = []
-        for b in sorted(finished):
-            req = reqs[b]
-            req.num_output_tokens = outs[b]
-            req.is_prefill_chunk = False
-            # The last step's accepted drafts: their blocks are cached at the next allocation.
-            req.num_accepted_uncommitted = last_tokens[b] - 1
-            req.num_computed_tokens = finished[b]
-            req.num_spec_tokens = 0
-            finishing.append(req)
-        scheduler.finish_requests(finishing)
+        finished = self.finished
+        if finished:
+            outs = self.outs
+            last_tokens = self.last_tokens
+            for b in sorted(finished):
+                req = reqs[b]
+                req.num_output_tokens = outs[b]
+                req.is_prefill_chunk = False
+                # The last step's accepted drafts: their blocks are cached at the next allocation.
+                req.num_accepted_uncommitted = last_tokens[b] - 1
+                req.num_computed_tokens = finished[b]
+                req.num_spec_tokens = 0
+                finishing.append(req)
+        if self.asynchronous:
+            # What the stretch's first step applied, and what its last step leaves pending
+            # until the next schedule: each request's tokens and rejected drafts (a stretch
+            # under async scheduling is flushed once, at its end; every request sampled).
+            scheduler.apply_tokens()
+            scheduler.hold_tokens(reqs, last_news, self.rejected)
+            if before_news is not None:
+                # The last step's allocation committed each request's full blocks of the
+                # tokens applied by then (allocate_slots), which a release with tokens
+                # pending may not reach later: committed here, as it did.
+                kv = scheduler.kv
+                nts = self.nts
+                for b in range(num_reqs):
+                    kv.cache_blocks(reqs[b], nts[b] - last_news[b] - before_news[b])
+        if finishing:
+            scheduler.finish_requests(finishing)
         return finishing
 
     def hand_out(self) -> None:

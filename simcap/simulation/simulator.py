@@ -31,7 +31,7 @@ from simcap._version import __version__
 from simcap.config.scenario import ClosedArrival, Scenario, check_limits
 from simcap.engine.noise import StepNoise
 from simcap.engine.request import Request
-from simcap.engine.scheduler import Scheduler
+from simcap.engine.scheduler import Scheduler, resolve_async_scheduling
 from simcap.engine.speculative import AcceptanceModel, Proposer, SpecDecodeCounters
 from simcap.engine.step_time import make_step_model
 from simcap.errors import ScenarioError, SimulationError
@@ -220,13 +220,12 @@ class EngineWorld:
         self.env = Clock() if fleet is None else fleet.env
         self.busy_until = -math.inf  # the end of the step (or stretch) in flight
         spec = scenario.speculative
+        async_scheduling = resolve_async_scheduling(scenario.engine, spec.method if spec else None)
         self.scheduler = Scheduler(
             scenario.engine, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            async_scheduling=async_scheduling,
         )
-        async_scheduling = scenario.engine.async_scheduling
-        if async_scheduling is None:
-            async_scheduling = self.scheduler.features.async_scheduling_default
         self.step_model = make_step_model(
             scenario.step_time, async_scheduling=async_scheduling,
             speculative_method=spec.method if spec else None,
@@ -584,8 +583,13 @@ class EngineWorld:
                 horizon = next_arrival
             else:  # a fleet's replica: the next arrival or scrape (open loop), or any event
                 horizon = env.peek() if fleet is None else fleet.horizon()
+            # (async) requests finished by the last step hold their slots and blocks through
+            # this schedule: the decode fast path schedules that step as an admission, the
+            # verify one leaves it (and its wasted drafts) to the scheduler.
+            pending = bool(scheduler.finished_pending)
+            unapplied = pending or bool(scheduler.unapplied)
             out = stretch = None
-            if fast:
+            if fast and not (pending and speculative):
                 if speculative:  # scheduled here, or by the scheduler, then run in bulk
                     out = schedule_verify_admission(self)
                     if out is None:
@@ -610,6 +614,11 @@ class EngineWorld:
             if out is None:
                 out = scheduler.schedule()
             if out.total_num_scheduled_tokens == 0 and not out.preempted_reqs:
+                if unapplied:
+                    # (async) nothing to run before the last step's output is applied (its
+                    # finished requests released, its rejected drafts no longer counted):
+                    # not a step, as vLLM's engine core runs none.
+                    continue
                 raise SimulationError(
                     f"engine stalled at t={now:.6f}s: {len(scheduler.waiting)} waiting, "
                     f"{len(scheduler.running)} running, nothing schedulable"
