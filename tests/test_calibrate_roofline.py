@@ -113,3 +113,32 @@ def test_roofline_recipe_through_the_cli(tmp_path):
     sc = parse_scenario({"profile": str(out), "workload": {"arrival": {"process": "closed",
                          "concurrency": 2}, "num_requests": 4, "input_len": 16, "output_len": 4}})
     assert sc.step_time.form == "roofline"
+
+
+def test_more_starts_keep_the_fit_of_least_cost(tmp_path):
+    """``starts``: the recipe's start, then draws around it; the fit of least cost is kept, so
+    it is never worse than the one start's, and the notes give every start's cost. Started far
+    off (base 10x, efficiencies at 1/5 and 5x), the data still decide."""
+    pts = points(tmp_path)
+    far = start(base=0.04, efficiency={"experts": 0.2, "compute": 5.0})
+    one = fit_benchmarks_roofline(pts, far, "base,experts,compute", prior={"sigma": 3.0},
+                                  bootstrap=2, iterations=0)
+    many = fit_benchmarks_roofline(pts, far, "base,experts,compute", prior={"sigma": 3.0},
+                                   bootstrap=2, iterations=0, starts=4)
+    note = next(n for n in many.notes if n.startswith("4 starts"))
+    costs = [float(c) for c in note.split("costs ")[1].split(";")[0].split(", ")]
+    kept = int(note.rsplit("kept start ", 1)[1])
+    assert len(costs) == 4 and costs[kept - 1] == min(costs)
+    assert not any(n.startswith("1 starts") for n in one.notes)
+    assert many.quality["rms_log_error"] <= one.quality["rms_log_error"] + 1e-9
+    assert many.coefficients["efficiency.experts"] == pytest.approx(TRUE["efficiency.experts"], rel=0.1)
+
+
+@pytest.mark.parametrize("value", [0, 65, 2.5, True, "many"])
+def test_a_recipe_refuses_starts_that_are_not_a_count(tmp_path, value):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"name": "r", "starts": value}))
+    from simcap.calibrate.recipe import Recipe
+
+    with pytest.raises(CalibrationError, match=r"starts: a whole number from 1 to 64"):
+        Recipe.load(path)

@@ -255,3 +255,70 @@ def test_async_scheduling_holds_a_finished_requests_slot_through_one_more_schedu
         sched.apply_pending()
     assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks == free_at_start
     assert a.is_finished and b.is_finished and sched.running == [] and sched.finished_pending == []
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_prefill_cadence_admits_a_prompt_only_at_multiples_of_the_interval(interval):
+    # A (1-token prompt: it decodes from step 1) runs from step 0; B arrives before step 1.
+    # Without a cadence B is admitted at step 1. With N, a step k (counted from the idle
+    # engine's first, 0) admits a prompt only when k % N == 0 while A decodes: B waits for
+    # step N, and A decodes at every step meanwhile.
+    from simcap.engine.scheduler import Scheduler
+    from tests.conftest import make_engine
+
+    sched = Scheduler(make_engine(prefill_schedule_interval=interval))
+    a, b = make_request(0, 1, 8), make_request(1, 4, 2)
+    sched.add_request(a)
+    steps = []
+    for k in range(6):
+        if k == 1:
+            sched.add_request(b)
+        out = sched.schedule()
+        steps.append([(r.request_id, n) for r, n in zip(out.reqs, out.num_scheduled_tokens)])
+        sched.update_from_output(out)
+    first_b = next(k for k, batch in enumerate(steps) if any(rid == 1 for rid, _ in batch))
+    assert first_b == (1 if interval == 1 else interval)
+    assert all(batch[0] == (0, 1) for batch in steps[1:])
+
+
+@pytest.mark.parametrize("capacity_bound_rule", [True, False])
+def test_prefill_cadence_stops_deferring_once_an_admitting_step_left_requests_waiting(capacity_bound_rule):
+    # max_num_seqs 2, N = 2: A decodes; B (one output) and C arrive before step 1. Step 1
+    # defers; step 2 admits B, and C still waits (no slot): capacity-bound. B finishes in
+    # step 2, so step 3 (odd) has a slot: it admits C, as vLLM does, instead of deferring it
+    # to step 4. (Without the rule, the plant below, C would wait for step 4.)
+    from simcap.engine.scheduler import Scheduler
+    from tests.conftest import make_engine
+
+    class WithoutTheRule(Scheduler):
+        def defers_prefills(self) -> bool:
+            self.prefill_capacity_bound = False
+            return super().defers_prefills()
+
+    cls = Scheduler if capacity_bound_rule else WithoutTheRule
+    sched = cls(make_engine(max_num_seqs=2, prefill_schedule_interval=2))
+    a, b, c = make_request(0, 1, 20), make_request(1, 4, 1), make_request(2, 4, 2)
+    sched.add_request(a)
+    admitted = {}
+    for k in range(6):
+        if k == 1:
+            sched.add_request(b)
+            sched.add_request(c)
+        out = sched.schedule()
+        for r in out.new_reqs:
+            admitted[r.request_id] = k
+        sched.update_from_output(out)
+    assert admitted[1] == 2
+    assert admitted[2] == (3 if capacity_bound_rule else 4)
+
+
+def test_vllm_decides_async_scheduling_as_vllm_does():
+    from simcap.engine.scheduler import resolve_async_scheduling
+    from tests.conftest import make_engine
+
+    assert resolve_async_scheduling(make_engine(vllm_version="0.11")) is False
+    assert resolve_async_scheduling(make_engine(vllm_version="0.32")) is True
+    assert resolve_async_scheduling(make_engine(vllm_version="0.32"), "eagle3") is True
+    assert resolve_async_scheduling(make_engine(vllm_version="0.32"), "ngram") is False
+    assert resolve_async_scheduling(make_engine(vllm_version="0.32", async_scheduling=False)) is False
+    assert resolve_async_scheduling(make_engine(vllm_version="0.11", async_scheduling=True)) is True

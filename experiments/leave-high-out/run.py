@@ -89,7 +89,7 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics) -
     if recipe.step_time.get("form") == "roofline":
         fit = fit_benchmarks_roofline(fit_pts, recipe.step_time, recipe.form, prior=recipe.prior,
                                       fit_metrics=recipe.fit_metrics, weights=recipe.weights,
-                                      bootstrap=0, seed=recipe.seed)
+                                      bootstrap=0, seed=recipe.seed, starts=recipe.starts)
     else:
         fixed = {k: v for k, v in recipe.step_time.items() if v is not None}
         fit = fit_benchmarks(fit_pts, Form.parse(recipe.form), fixed=fixed,

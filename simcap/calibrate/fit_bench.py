@@ -328,6 +328,21 @@ def apply_coefficients(step_time: dict[str, Any], coeffs: dict[str, float]) -> d
     return out
 
 
+def _starts(x0, obj, form, priors, starts, seed, lower, upper):
+    """The local fits' start points (variable units): ``x0``, then ``starts - 1`` draws
+    around it (see :func:`fit_benchmarks_roofline`)."""
+    yield x0
+    rng = np.random.default_rng([seed, 7])
+    for _ in range(starts - 1):
+        x = x0.copy()
+        for j, t in enumerate(form.free):
+            if obj.is_log[j]:
+                x[j] += (priors[t][1] if t in priors else 0.7) * rng.standard_normal()
+            else:
+                x[j] *= rng.uniform(0.5, 2.0)
+        yield np.clip(x, lower, np.where(np.isfinite(upper), upper, 1e9))
+
+
 class _RooflineObjective(_Objective):
     """Data residuals as :class:`_Objective`, then one prior row per free multiplier:
     ``(DATA_SIGMA / prior_sigma) x log(e / prior)``, and per seconds term with a prior
@@ -427,6 +442,7 @@ def fit_benchmarks_roofline(
     warn_above: float = 0.1,
     smooth: float = 0.03,
     max_nfev: int | None = None,
+    starts: int = 1,
 ) -> Fit:
     """Fit the roofline form's free multipliers and seconds terms by re-simulating every point.
 
@@ -437,6 +453,12 @@ def fit_benchmarks_roofline(
     data rows, with each prior's centre redrawn from the prior (so a term the data do not pin
     keeps an interval as wide as its prior). ``Fit.identification`` says per free term how
     much the data narrowed its prior (Laplace approximation at the fit) and whether it is pinned.
+
+    ``starts`` > 1: the local fit runs from the given start values and from ``starts - 1``
+    more, drawn (seeded) around them: a multiplier log-normally with its prior's sigma, a
+    seconds term uniformly between half and twice its start; the fit of least cost is kept
+    and the notes give every start's cost. (The objective re-simulates discrete steps, so a
+    local fit can stop in a poor minimum that another start avoids.)
     """
     from scipy.optimize import least_squares, lsq_linear  # slow to import: only where a fit runs
 
@@ -458,10 +480,15 @@ def fit_benchmarks_roofline(
     lower = np.where(obj.is_log, -8.0, 0.0)
     upper = np.where(obj.is_log, 8.0, np.inf)
     x0 = np.clip(obj.x0(), lower, np.where(np.isfinite(upper), upper, 1e9))
-    res = least_squares(obj.residuals, x0, bounds=(lower, upper), method="trf", diff_step=0.02,
-                        x_scale=1.0, xtol=1e-4, ftol=1e-5, max_nfev=max_nfev or 30 * p)
-    if res.status < 0 or not np.all(np.isfinite(res.x)):
-        raise CalibrationError(f"calibrate: the fit failed: {res.message}")
+    fits = []
+    for x_start in _starts(x0, obj, form, priors, starts, seed, lower, upper):
+        res = least_squares(obj.residuals, x_start, bounds=(lower, upper), method="trf", diff_step=0.02,
+                            x_scale=1.0, xtol=1e-4, ftol=1e-5, max_nfev=max_nfev or 30 * p)
+        fits.append(res)
+        if res.status < 0 or not np.all(np.isfinite(res.x)):
+            raise CalibrationError(f"calibrate: the fit failed: {res.message}")
+    best = min(range(len(fits)), key=lambda i: (fits[i].status == 0, fits[i].cost))
+    res = fits[best]
     if res.status == 0:
         files = ", ".join(sorted({pt.source["file"] for pt in points}))
         raise CalibrationError(
@@ -470,6 +497,9 @@ def fit_benchmarks_roofline(
     warnings: list[str] = []
     notes = [f"least_squares: {res.nfev} evaluations ({obj.evaluations} distinct), {res.message}",
              _rows_note(points)]
+    if len(fits) > 1:
+        notes.append(f"{len(fits)} starts (the recipe's, then {len(fits) - 1} drawn around it; seed {seed}): "
+                     f"costs {', '.join(f'{f.cost:.4g}' for f in fits)}; kept start {best + 1}")
     x_hat, J = res.x, res.jac
     coeffs = obj.coefficients(x_hat)
     # Identification (Laplace approximation): posterior covariance (J'J)^-1 in residual units,

@@ -206,7 +206,7 @@ def calibrate(
             bootstrap=(recipe.bootstrap or 40) if bootstrap is None else bootstrap,
             iterations=(recipe.bootstrap_iterations if recipe.bootstrap_iterations is not None
                         else 2) if iterations is None else iterations,
-            level=level, seed=recipe.seed, warn_above=warn)
+            level=level, seed=recipe.seed, warn_above=warn, starts=recipe.starts)
     else:
         fit = fit_benchmarks(points, form_obj, fixed=fixed, fit_metrics=recipe.fit_metrics,
                              weights=recipe.weights,

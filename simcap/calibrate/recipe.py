@@ -35,13 +35,16 @@ class Recipe:
     prior: dict[str, Any] | None = None  # roofline form: the pull toward the efficiencies' prior
     bootstrap: int | None = None
     bootstrap_iterations: int | None = None
+    # Roofline form: local fits from this many starts (the recipe's, then draws around its
+    # priors), the best kept: the simulation-based objective has local minima.
+    starts: int = 1
     seed: int = 0
     warn_above: float = 0.1
     assumptions: list[str] = field(default_factory=list)
     datasets: list[dict[str, Any]] = field(default_factory=list)
 
     KEYS = ("name", "hardware", "model", "description", "engine", "speculative", "step_time", "form",
-            "fit_metrics", "weights", "prior", "bootstrap", "bootstrap_iterations", "seed", "warn_above",
+            "fit_metrics", "weights", "prior", "bootstrap", "bootstrap_iterations", "starts", "seed", "warn_above",
             "assumptions", "datasets")
 
     @classmethod
@@ -60,6 +63,9 @@ class Recipe:
             )
         if isinstance(data.get("form"), list):
             data["form"] = ",".join(data["form"])
+        starts = data.get("starts", 1)
+        if isinstance(starts, bool) or not isinstance(starts, int) or not 1 <= starts <= 64:
+            raise CalibrationError(f"{path}: starts: a whole number from 1 to 64 (local fits, the best kept)")
         return cls(path=path, **data)
 
 

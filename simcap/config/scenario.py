@@ -84,6 +84,10 @@ class EngineConfig(_Model):
     # None: vLLM's default (simcap.engine.scheduler.resolve_async_scheduling): on for GPUs
     # from 0.14, but with ngram drafts. Set false for the CPU platform (always off there).
     async_scheduling: bool | None = None
+    prefill_schedule_interval: int = Field(
+        1, ge=1, le=MAX_NUM_SEQS,
+        description="Admit new prefills only every Nth engine step (vLLM 0.32, data parallelism).",
+    )
 
     _kv_plan: KVPlan | None = PrivateAttr(None)
 
@@ -123,6 +127,11 @@ class EngineConfig(_Model):
             raise ValueError(
                 f"engine.watermark: vLLM {self.vllm_version} has no admission watermark "
                 "(added in 0.24); allowed: 0"
+            )
+        if self.prefill_schedule_interval > 1 and self.vllm_version != "0.32":
+            raise ValueError(
+                f"engine.prefill_schedule_interval: vLLM {self.vllm_version} has no prefill "
+                "cadence (modelled from 0.32); allowed: 1"
             )
         return self
 

@@ -439,7 +439,9 @@ class KVCacheManager:
         if self.enable_caching:
             num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
             # (async: the blocks of tokens not yet applied are cached one step later, too)
-            computed = request.num_computed_tokens - request.num_accepted_uncommitted - request.num_unapplied_tokens
+            # (async: the step before's accepted drafts were cached when its output was applied)
+            unapplied = request.num_unapplied_tokens
+            computed = request.num_computed_tokens - (unapplied if unapplied else request.num_accepted_uncommitted)
             if computed > num_tokens:
                 computed = num_tokens
             if computed // self.block_size > self._num_committed.get(request.request_id, 0):
@@ -523,7 +525,9 @@ class KVCacheManager:
             # Commit what the fast path left to commit (commit_full_blocks).
             num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
             # (async: the blocks of tokens not yet applied are cached one step later, too)
-            computed = request.num_computed_tokens - request.num_accepted_uncommitted - request.num_unapplied_tokens
+            # (async: the step before's accepted drafts were cached when its output was applied)
+            unapplied = request.num_unapplied_tokens
+            computed = request.num_computed_tokens - (unapplied if unapplied else request.num_accepted_uncommitted)
             if computed > num_tokens:
                 computed = num_tokens
             num_cached = computed // bs

@@ -30,6 +30,10 @@ cdef class Scheduler:
     cdef public object _stats_at_lookup
     cdef public object _stats_at_admission
     cdef public object _may_pad
+    cdef public object prefill_schedule_interval
+    cdef public object step_counter
+    cdef public object prefill_capacity_bound
+    cdef public object _defer_prefills
     cdef dict __dict__
 
     @cython.locals(req=Request)

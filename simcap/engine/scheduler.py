@@ -58,6 +58,7 @@ class SchedulerSettings(Protocol):
     vllm_version: str
     scheduler_reserve_full_isl: bool | None
     async_scheduling: bool | None
+    prefill_schedule_interval: int
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
@@ -193,6 +194,13 @@ class Scheduler:
         self.finished_pending: list[Request] = []
         self.unapplied: list[Request] = []
         self.features = SchedulerFeatures.for_engine(engine)
+        # Prefill cadence (``prefill_schedule_interval``, vLLM 0.32's data-parallel engine
+        # core): the engine's steps since it was last idle, and whether the last step that
+        # could admit left requests waiting (then no step defers).
+        self.prefill_schedule_interval = engine.prefill_schedule_interval
+        self.step_counter = 0
+        self.prefill_capacity_bound = False
+        self._defer_prefills = False
         self.max_num_seqs = engine.max_num_seqs
         self.max_num_batched_tokens = engine.max_num_batched_tokens
         self.max_model_len = engine.max_model_len
@@ -221,6 +229,8 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
 
     def add_request(self, request: Request) -> None:
+        if not self.running and not self.waiting:
+            self.step_counter = 0  # (an idle engine starts a new wave: its cadence restarts)
         request.status = _WAITING
         self.waiting.append(request)
 
@@ -232,9 +242,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         threshold = self.prefill_threshold()
+        if self.prefill_schedule_interval > 1:
+            self._defer_prefills = self.defers_prefills()
+            self.step_counter += 1
         budget = self._schedule_running(out, self.max_num_batched_tokens, threshold)
         if not out.preempted_reqs:
             self._schedule_waiting(out, budget, threshold)
+            if self.prefill_schedule_interval > 1 and not self._defer_prefills:
+                self.prefill_capacity_bound = bool(self.waiting)
         self._advance(out)
         if self.unapplied or self.finished_pending:
             self.apply_pending()
@@ -270,6 +285,20 @@ class Scheduler:
             self.apply_pending()
         return out
 
+    def defers_prefills(self) -> bool:
+        """vLLM 0.32's prefill cadence (``prefill_schedule_interval`` N > 1, the data-parallel
+        engine core's ``_should_throttle_prefills`` and the scheduler's ``defer_prefills``):
+        a step whose count since the engine was last idle is not a multiple of N computes no
+        prefill (running prompt chunks wait, no waiting request is admitted that has a prompt
+        to compute) while some running request decodes, unless the last step that admitted
+        left requests waiting (capacity-bound: then every step admits)."""
+        if self.step_counter % self.prefill_schedule_interval == 0 or self.prefill_capacity_bound:
+            return False
+        for req in self.running:
+            if not req.is_prefill_chunk:
+                return True
+        return False
+
     def prefill_threshold(self) -> int:
         """``long_prefill_token_threshold`` as it applies to this step (0: no cap)."""
         threshold = self.long_prefill_token_threshold
@@ -282,7 +311,7 @@ class Scheduler:
         # num_computed_tokens advances as soon as the step is scheduled (vLLM does the same).
         for req, n in zip(out.reqs, out.num_scheduled_tokens):
             req.num_computed_tokens += n
-        if self.num_spec_tokens:
+        if self.num_spec_tokens or self.prefill_schedule_interval > 1:
             for req in out.reqs:
                 req.is_prefill_chunk = req.num_computed_tokens < req.num_prompt_tokens + req.num_output_tokens
 
@@ -293,7 +322,9 @@ class Scheduler:
         out.total_num_scheduled_tokens += n
         computed = req.num_computed_tokens
         out.num_context_tokens += computed + n
-        if n - num_spec == 1 and computed + 1 == req.num_prompt_tokens + req.num_output_tokens:
+        # (>=: async, a finished request's wasted step, whose last output was capped below
+        # its accepted drafts, is a decode too)
+        if n - num_spec == 1 and computed + 1 >= req.num_prompt_tokens + req.num_output_tokens:
             out.num_decode_reqs += 1
             out.num_decode_tokens += 1
             out.num_verify_tokens += num_spec
@@ -310,8 +341,12 @@ class Scheduler:
         max_len_minus_1 = self.max_model_len - 1
         i = 0
         k = self.num_spec_tokens
+        defer = self._defer_prefills
         while i < len(running) and budget > 0:
             req = running[i]
+            if defer and req.is_prefill_chunk:
+                i += 1  # (prefill cadence) its next chunk waits for a step that admits
+                continue
             computed = req.num_computed_tokens
             # (async, drafts: vLLM still counts the last step's rejected drafts as computed)
             rejected = req.num_rejected_pending
@@ -419,6 +454,8 @@ class Scheduler:
                 external = min(req.num_external_tokens, num_tokens - 1) - num_hit
                 if external < 0:
                     external = 0
+            if self._defer_prefills and num_hit + external < num_tokens - 1:
+                break  # (prefill cadence) its prompt waits for a step that admits
             n = num_tokens - num_hit - external
             padded = False
             if (pad and n == 1 and (num_running_scheduled or num_hit)
@@ -434,19 +471,23 @@ class Scheduler:
             if n <= 0:
                 break
             headroom = self.watermark_blocks if running else 0
+            # Blocks an admission takes (vLLM's get_num_blocks_to_allocate): those its tokens
+            # need past its hits, plus its hits on free cached blocks (taken off the queue).
+            held = 0
+            if hit_blocks:
+                ref_cnt = kv.ref_cnt
+                held = len(hit_blocks) - [ref_cnt[b] for b in hit_blocks].count(0)
             if reserve_full_isl:
                 # The whole prompt (+ outputs, if resumed) must fit, hits counted as held.
                 full = num_tokens if num_tokens < max_model_len else max_model_len
-                need = -(-full // bs)
-                if hit_blocks:
-                    ref_cnt = kv.ref_cnt
-                    need -= len(hit_blocks)
-                    need += [ref_cnt[b] for b in hit_blocks].count(0)
-                if need + headroom > kv.free_queue.num_free:
+                if -(-full // bs) - held + headroom > kv.free_queue.num_free:
                     break
-            elif headroom:
-                need = -(-(num_hit + external + n + lookahead) // bs) - len(hit_blocks)
-                if need + headroom > kv.free_queue.num_free:
+            if headroom:
+                # And this step's slots (lookahead included), with the watermark's headroom.
+                slots = num_hit + external + n + lookahead
+                if slots > max_model_len:
+                    slots = max_model_len
+                if -(-slots // bs) - held + headroom > kv.free_queue.num_free:
                     break
             if not kv.allocate_slots(req, external + n, num_hit, hit_blocks, lookahead):
                 break

@@ -210,7 +210,9 @@ class EngineWorld:
         stop: SloStop | None = None, *, fleet: Any = None, index: int = 0,
     ) -> None:
         self.scenario = scenario
-        self.fast = fast
+        # (a prefill cadence, engine.prefill_schedule_interval > 1, runs one step at a time:
+        # the fast paths schedule admissions without it)
+        self.fast = fast and scenario.engine.prefill_schedule_interval == 1
         self.stop = stop  # checked between steps: ends the run when it returns True
         self.num_arrivals = 0  # open loop and replay: every request the run will have
         # A replica of a fleet (simcap.fleet.replicas) shares the fleet's clock and records, and is
@@ -641,8 +643,11 @@ class EngineWorld:
                     yield env.timeout_at(now)
             accepted = None
             if out.num_verify_tokens:
-                accepted = out.reject_padding(self.acceptance.sample(out.num_scheduled_spec_tokens))
-                self.spec_counters.record(out.num_scheduled_spec_tokens, accepted)
+                drafts = out.num_scheduled_spec_tokens
+                accepted = out.reject_padding(self.acceptance.sample(drafts))
+                if pending:  # (async) a finished request's wasted drafts: vLLM counts none
+                    drafts = [0 if r.is_finished else d for r, d in zip(out.reqs, drafts)]
+                self.spec_counters.record(drafts, accepted)
             result = scheduler.update_from_output(out, accepted)
             if self.proposer is not None:
                 self.proposer.propose(result.reqs)

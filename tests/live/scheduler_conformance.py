@@ -35,7 +35,8 @@ def simcap_log(sc: dict, vllm_version: str = "0.32") -> dict:
     ``async_scheduling`` gets simcap's async scheduler: each step's output is applied as soon
     as it is scheduled (placeholders make the tokens the synchronous ones); a finished request
     holds its slot and blocks through the next schedule; a schedule with nothing to run is no
-    step (the driver logs none either) but the step counter, which times arrivals, moves on;
+    step (the driver logs none either) and, while a step is in flight, takes no time (the
+    step counter, which times arrivals, stays);
     every decoding request drafts k placeholder tokens each step."""
     asynchronous = bool(sc.get("async_scheduling"))
     engine = EngineConfig(vllm_version=vllm_version, async_scheduling=asynchronous, **sc["engine"])
@@ -65,9 +66,11 @@ def simcap_log(sc: dict, vllm_version: str = "0.32") -> dict:
         # The outputs vLLM has applied when it schedules (async: not the last step's): the
         # driver draws each step's acceptance from that count.
         visible = {r.request_id: r.num_output_tokens - r.num_unapplied_tokens for r in sched.running}
+        in_flight = bool(sched.unapplied or sched.finished_pending)  # (the driver's queue)
         out = sched.schedule()
         if asynchronous and not out.total_num_scheduled_tokens:
-            step += 1
+            if not in_flight:
+                step += 1
             continue
         batch, hits = [], {}
         for req, n, d in zip(out.reqs, out.num_scheduled_tokens, out.num_scheduled_spec_tokens):

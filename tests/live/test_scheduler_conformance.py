@@ -41,6 +41,8 @@ NUM_SPEC = 80  # with drafts (ngram or EAGLE3): seeded proposals and acceptance 
 NUM_SIM = 32  # simulator replays, each fast path on and off (seeds 20000.., every 4th with drafts)
 NUM_ASYNC = 200  # async scheduling without drafts
 NUM_ASYNC_EAGLE = 40  # and with EAGLE3 drafts (the CPU build refuses ngram drafts with it)
+NUM_ASYNC_SIM = 24  # simulator replays under async scheduling (every 4th with EAGLE3 drafts)
+NUM_CADENCE = 60  # prefill_schedule_interval 2-4 (every 4th with drafts)
 # What an async step is compared on: the batch, what it preempted and admitted with which hit.
 ASYNC_FIELDS = ("batch", "preempted", "hits")
 
@@ -70,11 +72,36 @@ def async_scenarios() -> list[dict]:
     return [dict(sc, async_scheduling=True) for sc in scenarios]
 
 
+def async_simulator_scenarios() -> list[dict]:
+    """Simulator replays under async scheduling: every draft accepted (the simulator's
+    acceptance is its own draw), EAGLE3 (the CPU build refuses ngram with async)."""
+    scenarios = []
+    for s in range(NUM_ASYNC_SIM):
+        sc = driver.random_scenario(50_000 + s, spec=s % 4 == 3)
+        if sc["speculative"]:
+            sc["speculative"].update(method="eagle3", proposal_rate=1.0, accept="all")
+        scenarios.append(dict(sc, async_scheduling=True))
+    return scenarios
+
+
+def cadence_scenarios() -> list[dict]:
+    """A prefill cadence (``prefill_schedule_interval`` 2, 3 or 4), synchronous."""
+    scenarios = []
+    for s in range(NUM_CADENCE):
+        sc = driver.random_scenario(60_000 + s, spec=s % 4 == 3)
+        sc["engine"]["prefill_schedule_interval"] = 2 + s % 3
+        if sc["speculative"]:  # (replayed by the simulator too: its acceptance is its own draw)
+            sc["speculative"].update(proposal_rate=1.0, accept="all")
+        scenarios.append(sc)
+    return scenarios
+
+
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
     """One driver run over every scenario set (vLLM's import is most of a short run)."""
     _ensure_installed()
-    sets = {"scheduler": scheduler_scenarios(), "simulator": simulator_scenarios(), "async": async_scenarios()}
+    sets = {"scheduler": scheduler_scenarios(), "simulator": simulator_scenarios(), "async": async_scenarios(),
+            "async_simulator": async_simulator_scenarios(), "cadence": cadence_scenarios()}
     everything = [sc for scenarios in sets.values() for sc in scenarios]
     t0 = time.perf_counter()
     data = run_driver(vllm_python(), tiny_model_dir(), everything, tmp_path_factory.mktemp("conformance"))
@@ -115,7 +142,7 @@ def simulate_replay(sc: dict, fast: bool) -> list[dict]:
     spec = sc.get("speculative")
     data = dict(
         name=sc["name"], seed=sc["seed"],
-        engine=dict(sc["engine"], vllm_version="0.32", async_scheduling=False),
+        engine=dict(sc["engine"], vllm_version="0.32", async_scheduling=bool(sc.get("async_scheduling"))),
         step_time=dict(base=1.0, per_prefill_token=0.0, per_decode_token=0.0, host_overhead=0.0),
         workload=dict(arrival={"process": "poisson", "rate": 1.0}, num_requests=len(sc["requests"]),
                       input_len=1, output_len=1),
@@ -142,13 +169,18 @@ def vllm_step_rows(sc: dict, log: dict) -> list[dict]:
             for r in log["steps"]]
 
 
-def test_simulator_replays_vllm_batches(vllm_runs):
+def replay_divergences(pairs, keys: tuple[str, ...] | None = None) -> tuple[list[str], int]:
+    """Each scenario's simulator replay (fast path on and off) against vLLM's steps, on every
+    step-log column (or ``keys``): the first step that differs, per scenario and path."""
     failures, num_steps = [], 0
-    for sc, theirs in vllm_runs["simulator"]:
+    for sc, theirs in pairs:
         want = vllm_step_rows(sc, theirs)
         num_steps += len(want)
         for fast in (False, True):
             got = simulate_replay(sc, fast)
+            if keys is not None:
+                got = [{k: g[k] for k in keys} for g in got]
+                want = [{k: w[k] for k in keys} for w in want]
             for i, (g, w) in enumerate(zip(got, want)):
                 if g != w:
                     failures.append(f"{sc['name']} (fast={fast}): step {i}\n  simulate: {g}\n  vLLM:     {w}")
@@ -156,8 +188,46 @@ def test_simulator_replays_vllm_batches(vllm_runs):
             else:
                 if len(got) != len(want):
                     failures.append(f"{sc['name']} (fast={fast}): {len(got)} steps, vLLM {len(want)}")
+    return failures, num_steps
+
+
+def test_simulator_replays_vllm_batches(vllm_runs):
+    failures, num_steps = replay_divergences(vllm_runs["simulator"])
     print(f"\nsimulator replay vs vLLM: {NUM_SIM} scenarios x fast path on/off, {num_steps} steps each way")
     assert not failures, f"{len(failures)} replays diverge; first:\n" + "\n".join(failures[:3])
+
+
+# What an async replay is compared on: the batches and when they ran. (vLLM's running and
+# waiting counts and free blocks at a schedule still include the requests the step before
+# finished; the simulator's step log counts after their release.)
+ASYNC_REPLAY_KEYS = ("start", "num_prefill_tokens", "num_decode_tokens", "num_reqs", "num_preempted")
+
+
+def test_simulator_replays_vllm_async_batches(vllm_runs):
+    """The simulator under async scheduling (reference path and fast paths) runs vLLM's
+    AsyncScheduler's batches, EAGLE3 drafts included."""
+    pairs = vllm_runs["async_simulator"]
+    failures, num_steps = replay_divergences(pairs, ASYNC_REPLAY_KEYS)
+    print(f"\nasync simulator replay vs vLLM: {len(pairs)} scenarios x fast path on/off, {num_steps} steps each way")
+    assert not failures, f"{len(failures)} replays diverge; first:\n" + "\n".join(failures[:3])
+
+
+def test_prefill_cadence_matches_vllm(vllm_runs):
+    """``prefill_schedule_interval`` N in 2-4: vLLM's scheduler with ``throttle_prefills`` as
+    its data-parallel engine core sets it (a schedule not at a multiple of N since the engine
+    was idle), against simcap's scheduler step for step and the simulator's replay."""
+    pairs = vllm_runs["cadence"]
+    failures = [d for sc, theirs in pairs if (d := first_divergence(sc, simcap_log(sc), theirs))]
+    replays, num_steps = replay_divergences(pairs)
+    # The cadence acts: without it, simcap's scheduler departs from vLLM's cadenced steps.
+    acts = sum(1 for sc, theirs in pairs if first_divergence(
+        sc, simcap_log(dict(sc, engine=dict(sc["engine"], prefill_schedule_interval=1))), theirs))
+    print(f"\nprefill cadence vs vLLM: {len(pairs)} scenarios, {num_steps} steps; "
+          f"{len(failures)} diverge in the scheduler, {len(replays)} replays diverge; "
+          f"{acts} would diverge without the cadence")
+    assert not failures, f"{len(failures)} of {len(pairs)} scenarios diverge; first:\n" + "\n".join(failures[:2])
+    assert not replays, f"{len(replays)} replays diverge; first:\n" + "\n".join(replays[:2])
+    assert acts >= len(pairs) // 2
 
 
 def _async_divergences(pairs) -> tuple[list[str], dict]:

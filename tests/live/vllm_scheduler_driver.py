@@ -30,6 +30,11 @@ the running and waiting counts after scheduling.
 A scenario with ``"async_scheduling": true`` gets vLLM's ``AsyncScheduler``, driven as the engine
 core's batch queue drives it (two batches in flight: step ``n + 1`` is scheduled before
 step ``n``'s output is applied); drafts are placeholders the scheduler sets itself.
+
+An engine with ``"prefill_schedule_interval": N > 1`` is scheduled as vLLM's data-parallel
+engine core schedules one rank (``DPEngineCoreProc._should_throttle_prefills``): a schedule
+whose count since the engine was last idle is not a multiple of N passes
+``throttle_prefills=True``.
 """
 
 from __future__ import annotations
@@ -241,6 +246,10 @@ def run_scenario(sc: dict, model_dir: str) -> dict:
     log: list[dict] = []
     queue: list[tuple] = []  # batches in flight (async): (step row, output, sampled ids)
     step = 0
+    # Prefill cadence: the data-parallel engine core's step counter (schedules since the
+    # engine was last idle) and its _should_throttle_prefills rule.
+    interval = e.get("prefill_schedule_interval", 1)
+    counter = 0
 
     def add_arrivals():
         while pending and pending[0]["arrival_step"] <= step:
@@ -263,8 +272,9 @@ def run_scenario(sc: dict, model_dir: str) -> dict:
             drafts = out.scheduled_spec_decode_tokens.get(rid, [])
             n_out = samplers[rid]
             # Synchronous: -1 drafts are the scheduler's padding. Async: every draft is a -1
-            # placeholder the worker fills, so all are real.
-            padded = not async_scheduling and PAD in drafts
+            # placeholder the worker fills from its last draft for the request, so all are real
+            # but those of the step that admits it (it has no draft yet: padding).
+            padded = rid in row["hits"] if async_scheduling else PAD in drafts
             a = 0 if (not drafts or padded) else accepted_for(sc, int(rid), n_out, len(drafts))
             sampled.append([token_id(output_key(int(rid)), n_out + j) for j in range(a + 1)])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -291,10 +301,14 @@ def run_scenario(sc: dict, model_dir: str) -> dict:
         add_arrivals()
         if not sched.has_unfinished_requests() and not queue:
             step = pending[0]["arrival_step"]
+            counter = 0  # (a new wave)
             continue
         if len(log) >= MAX_STEPS:
             return dict(name=sc["name"], steps=log, stalled=True)
-        out = sched.schedule() if sched.has_unfinished_requests() else None
+        out = None
+        if sched.has_unfinished_requests():
+            out = sched.schedule(throttle_prefills=interval > 1 and counter % interval != 0)
+            counter += 1
         if out is not None and (out.total_num_scheduled_tokens or not async_scheduling):
             admitted = {q.req_id for q in out.scheduled_new_reqs} | out.scheduled_cached_reqs.resumed_req_ids
             batch, hits, samplers = [], {}, {}
@@ -308,7 +322,10 @@ def run_scenario(sc: dict, model_dir: str) -> dict:
                 if not req.is_prefill_chunk:
                     samplers[rid] = len(req.output_token_ids)
                 # simcap's step-log classes: a decode computes its last token (+ drafts).
-                if n - d == 1 and req.num_computed_tokens - d == req.num_tokens:
+                # (Async: num_tokens lacks the placeholders of outputs not yet applied; the
+                # step reaches the request's end when it is no prefill chunk.)
+                if n - d == 1 and (not req.is_prefill_chunk if async_scheduling
+                                   else req.num_computed_tokens - d == req.num_tokens):
                     num_decode += 1
                 else:
                     num_prefill += n
@@ -321,6 +338,11 @@ def run_scenario(sc: dict, model_dir: str) -> dict:
             if async_scheduling and len(queue) < 2:
                 step += 1
                 continue
+        elif out is not None and queue:
+            # (async) nothing to run until the step in flight is applied: no step, the clock
+            # stays (the engine core's next schedule comes as that step ends)
+            apply(*queue.pop(0))
+            continue
         if queue:
             apply(*queue.pop(0))
         step += 1
