@@ -591,6 +591,12 @@ class Scheduler:
         is scheduled: its sampled tokens become cacheable, and the requests it finished free
         their blocks (in the order they finished) and leave RUNNING."""
         self.apply_tokens()
+        # vLLM caches a finishing request's blocks as it applies that output: every token but
+        # the last, whose KV was never computed (accepted drafts included; a wasted step after
+        # it adds nothing). Its computed count says so when its blocks are freed.
+        for req in self.finished_pending:
+            req.num_computed_tokens = req.num_prompt_tokens + req.num_output_tokens - 1
+            req.num_accepted_uncommitted = 0
         self._release(self.finished_pending)
         self.finished_pending = []
 

@@ -40,7 +40,7 @@ NUM_PLAIN = 160  # random scenarios without speculation (seeds 0..)
 NUM_SPEC = 80  # with drafts (ngram or EAGLE3): seeded proposals and acceptance (seeds 10000..)
 NUM_SIM = 32  # simulator replays, each fast path on and off (seeds 20000.., every 4th with drafts)
 NUM_ASYNC = 200  # async scheduling without drafts
-NUM_ASYNC_EAGLE = 40  # and with EAGLE3 drafts (the CPU build refuses ngram drafts with it)
+NUM_ASYNC_EAGLE = 120  # and with EAGLE3 drafts (the CPU build refuses ngram drafts with it)
 NUM_ASYNC_SIM = 24  # simulator replays under async scheduling (every 4th with EAGLE3 drafts)
 NUM_CADENCE = 60  # prefill_schedule_interval 2-4 (every 4th with drafts)
 # What an async step is compared on: the batch, what it preempted and admitted with which hit.
@@ -68,6 +68,8 @@ def async_scenarios() -> list[dict]:
     for s in range(NUM_ASYNC_EAGLE):
         sc = driver.random_scenario(30_000 + s, spec=True)
         sc["speculative"].update(method="eagle3", proposal_rate=1.0)
+        if s >= 40 and s % 2:  # every draft accepted: requests that end on their drafts
+            sc["speculative"].update(accept="all")
         scenarios.append(sc)
     return [dict(sc, async_scheduling=True) for sc in scenarios]
 
