@@ -36,8 +36,13 @@ step), as vLLM does. With drafts, vLLM cannot know at the next schedule that the
 finished a request (all might have been rejected): unless the bonus token alone ends it, it
 gets one more decode step with placeholder drafts, wasted; and that schedule's allocations
 still count the last step's rejected drafts (``Request.num_rejected_pending``). The simulator
-runs this order too (its fast paths stop at each finish and leave the step after it to
-:meth:`schedule`), and prices async timing in the step-time model.
+runs this order too (its fast paths stop at each finish; the step after it is the
+scheduler's: :meth:`schedule`, or for decoders :meth:`schedule_decoders_and_admit`), and
+prices async timing in the step-time model. Whether an engine runs async is vLLM's choice
+(:func:`resolve_async_scheduling`).
+
+**Prefill cadence** (``prefill_schedule_interval`` N > 1, vLLM 0.32 with data parallelism):
+see :meth:`Scheduler.defers_prefills`.
 """
 
 from __future__ import annotations
