@@ -73,6 +73,7 @@ cdef class VerifyStretch:
     cdef public object asynchronous
     cdef public object rejected
     cdef public object unapplied
+    cdef public object positions
 
     # The stretch's steps call these on a typed stretch: C calls. Their integer counters
     # (requests, steps, indices, tokens, blocks: at most scenario.MAX_TOKENS or the pool's

@@ -87,7 +87,8 @@ def advance_verify_stretch(
         if not pending and not stretch.schedule():
             break  # the next step does not fit as a verify step: stepping's business
         pending = False
-        if stretch.bulk and stretch.verify == stretch.full and not stretch.prefill:
+        if (stretch.bulk and stretch.verify == stretch.full and not stretch.prefill
+                and stretch.positions is None):
             if stretch.run_bulk(horizon):
                 if span and stretch.go_on(horizon):
                     continue
@@ -224,7 +225,7 @@ class VerifyStretch:
         "lookahead", "bs", "held", "limits", "free", "scale", "allocs", "model", "noise",
         "starts", "periods", "usages", "counts", "news_all", "t", "finished", "last_tokens",
         "bulk", "full", "ds", "verify", "context", "prefill", "out", "verify_out", "prompt_ends",
-        "first", "flushed", "asynchronous", "rejected", "unapplied",
+        "first", "flushed", "asynchronous", "rejected", "unapplied", "positions",
     )
 
     @classmethod
@@ -251,15 +252,30 @@ class VerifyStretch:
                 nts.append(nt)
         else:
             reqs = first.reqs
-            if first.preempted_reqs or first.spec_padded_reqs or len(reqs) != num_reqs:
+            specs = first.num_scheduled_spec_tokens
+            if first.preempted_reqs or first.spec_padded_reqs:
                 return None  # (padded drafts are never accepted: stepping's business)
-            for req, spec in zip(reqs, first.num_scheduled_spec_tokens):
+            positions = None
+            if len(reqs) != num_reqs:
+                # (async) the step after a finish: the requests it finished have a wasted
+                # verify in it and have left RUNNING since; the others must be all of it.
+                if not scheduler.async_scheduling:
+                    return None
+                positions = [i for i, req in enumerate(reqs) if not req.is_finished]
+                if len(positions) != num_reqs:
+                    return None
+                reqs = [reqs[i] for i in positions]
+                specs = [specs[i] for i in positions]
+            for req, spec in zip(reqs, specs):
                 nt = req.num_prompt_tokens + req.num_output_tokens
                 if req.num_computed_tokens - spec != nt:
                     return None  # a prompt chunk that does not complete: no token this step
                 nts.append(nt)
         self = cls()
         self._start(world, now, first, reqs, nts, num_waiting)
+        if first is not None and positions is not None:
+            self.positions = positions
+            self.ds = specs
         return self
 
     def _start(self, world, now: float, first: SchedulerOutput | None, reqs: list[Request],
@@ -344,6 +360,9 @@ class VerifyStretch:
         self.verify_out = None
         self.out = self.first = first
         self.flushed = False  # a span's segment has been written (see go_on)
+        # (async) the first step's batch position of each request when that step also holds
+        # wasted verifies (see begin): they draw acceptance, nothing else
+        self.positions = None
         # Async scheduling: a step's allocations still count the drafts the step before
         # rejected (each request's, below), so a plain step follows up to k tokens fewer;
         # the stretch ends at its first finish (see flush).
@@ -687,17 +706,21 @@ class VerifyStretch:
         verifying = out.num_verify_tokens
         tb = self.tb
         base = 0
+        positions = self.positions
         if verifying:
+            # One uniform per request of the batch (the wasted verifies of a step after a
+            # finish too: positions), in batch order, as stepping draws them.
+            drawn = num_reqs if positions is None else len(out.reqs)
             ui = self.ui
-            if ui + num_reqs > len(tb):
+            if ui + drawn > len(tb):
                 self.accept_stream.advance(ui - self.u0)
-                tb, ui = self.acceptance.reserve_tokens(num_reqs)
+                tb, ui = self.acceptance.reserve_tokens(drawn)
                 self.tb = tb
                 self.u0 = ui
             base = ui
-            self.ui = ui + num_reqs
+            self.ui = ui + drawn
             self.num_drafts += num_reqs - ds.count(0)
-            self.num_draft_tokens += verifying
+            self.num_draft_tokens += verifying if positions is None else sum(ds)
         k = self.k
         if self.drafts_all:
             proposed = [k] * num_reqs
@@ -728,7 +751,7 @@ class VerifyStretch:
         for b in range(num_reqs):
             d = ds[b]
             if d:
-                a = tb[base + b] - 1
+                a = tb[base + (b if positions is None else positions[b])] - 1
                 if a > d:
                     a = d
                 accepted_hist[a] += 1
@@ -752,6 +775,7 @@ class VerifyStretch:
         if onset:
             proposed = [d if o >= onset else 0 for d, o in zip(proposed, outs)]
         self.proposed = proposed
+        self.positions = None
         return bool(finished) or t >= horizon
 
     def go_on(self, horizon: float) -> bool:

@@ -586,16 +586,17 @@ class EngineWorld:
             else:  # a fleet's replica: the next arrival or scrape (open loop), or any event
                 horizon = env.peek() if fleet is None else fleet.horizon()
             # (async) requests finished by the last step hold their slots and blocks through
-            # this schedule: the decode fast path schedules that step as an admission, the
-            # verify one leaves it (and its wasted drafts) to the scheduler.
+            # this schedule: the decode fast path schedules that step as an admission; on the
+            # verify path the scheduler does (their wasted verifies), and a stretch runs it.
             pending = bool(scheduler.finished_pending)
             unapplied = pending or bool(scheduler.unapplied)
             out = stretch = None
-            if fast and not (pending and speculative):
+            if fast:
                 if speculative:  # scheduled here, or by the scheduler, then run in bulk
-                    out = schedule_verify_admission(self)
+                    out = None if pending else schedule_verify_admission(self)
                     if out is None:
-                        stretch = advance_verify_stretch(self, now, horizon, None, not clients)
+                        if not pending:
+                            stretch = advance_verify_stretch(self, now, horizon, None, not clients)
                         if stretch is None:
                             out = scheduler.schedule()
                     if stretch is None:
