@@ -35,11 +35,12 @@ from array import array
 from bisect import bisect_left
 from itertools import accumulate
 
-from simcap.engine.request import Request
+from simcap.engine.request import Request, RequestStatus
 from simcap.engine.scheduler import SchedulerOutput
 from simcap.simulation.fast_forward import decode_starts, log_stretch, usage_runs_by_step
 
 _NO_COUNTS = array("q", [0])
+_FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 def advance_verify_stretch(
@@ -113,11 +114,17 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
     their content being the requests' own output. The exception, a prompt's last block that
     this step fills (its chunk stopped one token short), is committed here, before admission,
     as ``allocate_slots`` would: an admitted request sharing the prompt hits it.
+
+    Async scheduling: also the step after a finish, when nothing waits. A request the last
+    step finished is skipped when its bonus token alone ended it, and otherwise scheduled for
+    one more, wasted, verify of k placeholder drafts (the scheduler's rule); its slot and
+    blocks go once the step is scheduled (``apply_pending``).
     """
     scheduler = world.scheduler
-    if not scheduler.waiting:
+    if not (scheduler.waiting or scheduler.finished_pending):
         return None
     running = scheduler.running
+    k = scheduler.num_spec_tokens
     kv = scheduler.kv
     bs = kv.block_size
     held_map = kv.req_to_blocks
@@ -128,21 +135,29 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
     allocs: list[Request] = []  # new blocks, by holder, in batch order
     prompt_ends = []  # requests that compute their prompt's last token in this step
     total = context = 0
+    batch = []  # the running requests scheduled (async: all but those sure to have ended)
     for req in running:
         computed = req.num_computed_tokens
         out = req.num_output_tokens
         nt = req.num_prompt_tokens + out
-        if computed != nt - 1:
-            return None
-        if not out:
-            prompt_ends.append(req)
         # (async: the last step's rejected drafts still count as computed when allocating)
         rejected = req.num_rejected_pending
-        d = req.num_spec_tokens
-        if d > max_model_len - nt - 1 - rejected:
-            d = max_model_len - nt - 1 - rejected
-            if d < 0:
-                return None  # not scheduled at all this step: stepping's business
+        if req.status == _FINISHED_LENGTH_CAPPED:  # (async) finished by the last step
+            if out - req.num_unapplied_tokens + 1 >= req.max_tokens:
+                continue  # sure to have ended: not scheduled
+            d = k  # a wasted verify of placeholder drafts
+            if 1 + d > max_model_len - 1 - computed - rejected:
+                return None  # cut: stepping's business
+        else:
+            if computed != nt - 1:
+                return None
+            if not out:
+                prompt_ends.append(req)
+            d = req.num_spec_tokens
+            if d > max_model_len - nt - 1 - rejected:
+                d = max_model_len - nt - 1 - rejected
+                if d < 0:
+                    return None  # not scheduled at all this step: stepping's business
         n = 1 + d
         if 0 < threshold < n:
             return None
@@ -155,6 +170,7 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
         if blocks > 0:
             allocs += [req] * blocks
         ds.append(d)
+        batch.append(req)
     if total > scheduler.max_num_batched_tokens or len(allocs) > kv.num_free_blocks:
         return None
     if allocs:
@@ -165,14 +181,14 @@ def schedule_verify_admission(world) -> SchedulerOutput | None:
         # Each allocation commits the full blocks of the tokens applied by then, which a
         # release with tokens pending may not reach later: committed here, as allocate_slots
         # does (synchronous, a release commits at least as far).
-        for req in running:
+        for req in batch:
             kv.cache_blocks(req, req.num_prompt_tokens + req.num_output_tokens - req.num_unapplied_tokens)
-    for req, d in zip(running, ds):
+    for req, d in zip(batch, ds):
         if d < req.num_spec_tokens:
             req.num_spec_tokens = d  # drafts past max_model_len are dropped
-    n = len(running)
+    n = len(batch)
     return scheduler.admit_after_running(SchedulerOutput(
-        reqs=list(running), num_scheduled_tokens=[1 + d for d in ds], num_scheduled_spec_tokens=ds,
+        reqs=batch, num_scheduled_tokens=[1 + d for d in ds], num_scheduled_spec_tokens=ds,
         total_num_scheduled_tokens=total, num_decode_reqs=n, num_decode_tokens=n,
         num_verify_tokens=total - n, num_context_tokens=context,
     ))

@@ -586,14 +586,14 @@ class EngineWorld:
             else:  # a fleet's replica: the next arrival or scrape (open loop), or any event
                 horizon = env.peek() if fleet is None else fleet.horizon()
             # (async) requests finished by the last step hold their slots and blocks through
-            # this schedule: the decode fast path schedules that step as an admission; on the
-            # verify path the scheduler does (their wasted verifies), and a stretch runs it.
+            # this schedule: the fast paths schedule that step as an admission (on the verify
+            # path with their wasted verifies), and a stretch runs it.
             pending = bool(scheduler.finished_pending)
             unapplied = pending or bool(scheduler.unapplied)
             out = stretch = None
             if fast:
                 if speculative:  # scheduled here, or by the scheduler, then run in bulk
-                    out = None if pending else schedule_verify_admission(self)
+                    out = schedule_verify_admission(self)
                     if out is None:
                         if not pending:
                             stretch = advance_verify_stretch(self, now, horizon, None, not clients)
