@@ -1,5 +1,6 @@
 """The calibration vocabulary: the step-time terms, :class:`Form` (which terms a fit may move),
-:class:`CalibrationError`, and the rounding used for coefficients written out."""
+:class:`CalibrationError`, the check of a count a user gave, and the rounding used for
+coefficients written out."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ TYPICAL = {
 
 class CalibrationError(SimcapError):
     """Measurements that cannot be read or fitted; the message names the file and the problem."""
+
+
+def is_whole(value: object, low: int, high: int) -> bool:
+    """Whether ``value`` is an int (not a bool) in ``[low, high]``: a count a user gave."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _fmt(x: float) -> float:

@@ -337,7 +337,7 @@ def _starts(x0, obj, form, priors, starts, seed, lower, upper):
         x = x0.copy()
         for j, t in enumerate(form.free):
             if obj.is_log[j]:
-                x[j] += (priors[t][1] if t in priors else 0.7) * rng.standard_normal()
+                x[j] += (priors[t][1] if t in priors else PRIOR_SIGMA) * rng.standard_normal()
             else:
                 x[j] *= rng.uniform(0.5, 2.0)
         yield np.clip(x, lower, np.where(np.isfinite(upper), upper, 1e9))

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Collection, Sequence
 
-from simcap.calibrate.core import CalibrationError, Form
+from simcap.calibrate.core import CalibrationError, Form, is_whole
 from simcap.calibrate.fit_bench import fit_benchmarks, fit_benchmarks_roofline
 from simcap.calibrate.fit_steps import fit_step_samples
 from simcap.calibrate.metric_keys import metric_of_key
@@ -33,10 +33,6 @@ ROOFLINE_TABLES = (
 )
 
 
-def _whole(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
 def _finite(value: Any, *, positive: bool) -> bool:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return ok and (value > 0 if positive else value >= 0)
@@ -53,7 +49,7 @@ def check_options(
     def name(key: str) -> str:
         return f"{recipe.path or recipe.name}: {key}" if recipe else f"--{key.replace('_', '-')}"
 
-    if bootstrap is not None and not _whole(bootstrap, 0, MAX_BOOTSTRAP):
+    if bootstrap is not None and not is_whole(bootstrap, 0, MAX_BOOTSTRAP):
         raise CalibrationError(f"{name('bootstrap')}: resamples, a whole number in "
                                f"[0, {MAX_BOOTSTRAP:,}] (got {bootstrap!r})")
     if host_overhead is not None and not _finite(host_overhead, positive=False):
@@ -64,14 +60,14 @@ def check_options(
         raise CalibrationError(
             f"{name('warn_above')}: a relative error, finite and > 0 (got {warn_above!r})"
         )
-    if not _whole(num_speculative_tokens, 0, 16):  # as SpeculativeConfig allows
+    if not is_whole(num_speculative_tokens, 0, 16):  # as SpeculativeConfig allows
         raise CalibrationError(
             f"{name('num_speculative_tokens')}: must be in [0, 16] (got {num_speculative_tokens!r})"
         )
-    if not _whole(seed, 0, MAX_INT64):
+    if not is_whole(seed, 0, MAX_INT64):
         raise CalibrationError(f"{name('seed')}: a whole number in [0, 2^63) (got {seed!r})")
     for key, value in (workload or {}).items():
-        if not _whole(value, 1, MAX_TOKENS):
+        if not is_whole(value, 1, MAX_TOKENS):
             raise CalibrationError(
                 f"{name(key)}: tokens, a whole number in [1, {MAX_TOKENS:,}] (got {value!r})"
             )
@@ -144,7 +140,7 @@ def calibrate(
     check_options(bootstrap=recipe.bootstrap, warn_above=recipe.warn_above, seed=recipe.seed,
                   recipe=recipe)
     recipe_iterations = recipe.bootstrap_iterations
-    if recipe_iterations is not None and not _whole(recipe_iterations, 0, MAX_BOOTSTRAP):
+    if recipe_iterations is not None and not is_whole(recipe_iterations, 0, MAX_BOOTSTRAP):
         raise CalibrationError(f"{recipe.path or recipe.name}: bootstrap_iterations: a whole number "
                                f"in [0, {MAX_BOOTSTRAP:,}] (got {recipe_iterations!r})")
     if fit_metrics is not None:

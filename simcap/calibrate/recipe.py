@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from simcap.calibrate.core import TERMS, CalibrationError
+from simcap.calibrate.core import TERMS, CalibrationError, is_whole
 from simcap.calibrate.readers import _read_text, split_input
 from simcap.config.profiles import load_profile
 from simcap.config.yaml_files import load_yaml
@@ -64,7 +64,7 @@ class Recipe:
         if isinstance(data.get("form"), list):
             data["form"] = ",".join(data["form"])
         starts = data.get("starts", 1)
-        if isinstance(starts, bool) or not isinstance(starts, int) or not 1 <= starts <= 64:
+        if not is_whole(starts, 1, 64):
             raise CalibrationError(f"{path}: starts: a whole number from 1 to 64 (local fits, the best kept)")
         return cls(path=path, **data)
 

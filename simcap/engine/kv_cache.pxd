@@ -68,4 +68,6 @@ cdef class KVCacheManager:
     @cython.locals(request=Request)
     cpdef _register(self, request, start, stop, blocks=*)
     @cython.locals(request=Request)
+    cpdef _committable(self, request)
+    @cython.locals(request=Request)
     cpdef free(self, request)

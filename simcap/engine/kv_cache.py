@@ -437,15 +437,20 @@ class KVCacheManager:
         """Commit every full block of the request's computed tokens to the prefix cache
         (those of drafts accepted in its last step wait for its next allocation)."""
         if self.enable_caching:
-            num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
-            # (async: the blocks of tokens not yet applied are cached one step later, too)
-            # (async: the step before's accepted drafts were cached when its output was applied)
-            unapplied = request.num_unapplied_tokens
-            computed = request.num_computed_tokens - (unapplied if unapplied else request.num_accepted_uncommitted)
-            if computed > num_tokens:
-                computed = num_tokens
+            computed = self._committable(request)
             if computed // self.block_size > self._num_committed.get(request.request_id, 0):
                 self._cache_full_blocks(request, computed)
+
+    def _committable(self, request: Request) -> int:
+        """How many of the request's leading tokens have their KV committed once it next
+        allocates or is released: its computed tokens but the drafts accepted in its last
+        step (cached at its next allocation), and under async scheduling but the tokens not
+        yet applied (cached a step later; the step before's accepted drafts were cached when
+        its output was applied); at most its applied tokens."""
+        num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
+        unapplied = request.num_unapplied_tokens
+        computed = request.num_computed_tokens - (unapplied if unapplied else request.num_accepted_uncommitted)
+        return computed if computed < num_tokens else num_tokens
 
     def _num_registrable(self, request: Request) -> int:
         """How many of the request's leading blocks go into the prefix cache when they fill.
@@ -523,14 +528,7 @@ class KVCacheManager:
         if self.enable_caching:
             bs = self.block_size
             # Commit what the fast path left to commit (commit_full_blocks).
-            num_tokens = request.num_prompt_tokens + request.num_output_tokens - request.num_unapplied_tokens
-            # (async: the blocks of tokens not yet applied are cached one step later, too)
-            # (async: the step before's accepted drafts were cached when its output was applied)
-            unapplied = request.num_unapplied_tokens
-            computed = request.num_computed_tokens - (unapplied if unapplied else request.num_accepted_uncommitted)
-            if computed > num_tokens:
-                computed = num_tokens
-            num_cached = computed // bs
+            num_cached = self._committable(request) // bs
             if num_cached < num_committed:
                 num_cached = num_committed
             # In the prefix cache: the committed blocks as far as _num_registrable goes (all of

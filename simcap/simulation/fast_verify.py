@@ -847,10 +847,13 @@ class VerifyStretch:
         scheduler = world.scheduler
         reqs = self.reqs
         num_reqs = self.num_reqs
-        news_all = self.news_all
-        last_news = news_all[-num_reqs:]  # each request's tokens in the last step
-        # (async) and in the step before it: not yet applied when the last step allocated
-        before_news = news_all[-2 * num_reqs : -num_reqs] if len(news_all) >= 2 * num_reqs else self.unapplied
+        asynchronous = self.asynchronous
+        if asynchronous:
+            news_all = self.news_all
+            last_news = news_all[-num_reqs:]  # each request's tokens in the last step
+            # and in the step before it: not yet applied when the last step allocated
+            before_news = (news_all[-2 * num_reqs : -num_reqs] if len(news_all) >= 2 * num_reqs
+                           else self.unapplied)
         self.hand_out()
         if self.periods:
             starts = self.starts
@@ -879,7 +882,7 @@ class VerifyStretch:
                 req.num_computed_tokens = finished[b]
                 req.num_spec_tokens = 0
                 finishing.append(req)
-        if self.asynchronous:
+        if asynchronous:
             # What the stretch's first step applied, and what its last step leaves pending
             # until the next schedule: each request's tokens and rejected drafts (a stretch
             # under async scheduling is flushed once, at its end; every request sampled).
