@@ -291,7 +291,7 @@ def test_speculative_null_removes_the_profiles_drafts(tmp_path, how):
 def test_a_required_section_cannot_be_nulled_over_a_profile(tmp_path, section):
     line = simulate_error_line(_a800_closed(tmp_path), [f"{section}=null"])
     assert line == (f"error: {section}: null: a scenario cannot remove the profile's {section} section "
-                    "(leave the key out to take it, or give one); only speculative: null removes a section")
+                    "(leave the key out to take it, or give one); only speculative: null and frontend: null remove a section")
 
 
 def test_provenance_follows_a_hardware_override_and_names_what_it_inherits(tmp_path):

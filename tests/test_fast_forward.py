@@ -63,8 +63,15 @@ def speculative_configs(draw) -> dict:
     return spec
 
 
+FRONTENDS = st.sampled_from([
+    None, None,
+    {"arrival_s": 0.003, "output_s": 0.002, "per_chunk_s": 5e-4},
+    {"output_s": 0.001, "per_chunk_s": 0.02},  # a step's chunks later than its next step's end
+])
+
+
 @st.composite
-def scenarios(draw, roofline=False, speculative=False):
+def scenarios(draw, roofline=False, speculative=False, frontend=True):
     block_size = draw(st.sampled_from([4, 16, 32]))
     max_in = draw(st.integers(1, 400))
     max_out = draw(st.integers(1, 300))
@@ -111,6 +118,7 @@ def scenarios(draw, roofline=False, speculative=False):
             draft_per_request=draw(st.sampled_from([0.0, 1e-5])),
         ),
         speculative=spec,
+        frontend=draw(FRONTENDS) if frontend else None,  # (the API server and client)
         workload=workload,
         seed=draw(st.integers(0, 2**16)),
     )
@@ -127,10 +135,10 @@ NOISES = st.sampled_from([
 
 
 @st.composite
-def noisy_scenarios(draw, speculative=False):
+def noisy_scenarios(draw, speculative=False, frontend=True):
     """Scenarios with step-time noise (either form): periods that shrink and grow along a
     stretch."""
-    scenario = draw(scenarios(roofline=draw(st.booleans()), speculative=speculative))
+    scenario = draw(scenarios(roofline=draw(st.booleans()), speculative=speculative, frontend=frontend))
     noise = draw(NOISES)
     if speculative and draw(st.booleans()):
         noise = {**noise, "spec": {"kind": "lognormal", "sigma": 0.3}}

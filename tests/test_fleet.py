@@ -46,7 +46,7 @@ def single(result) -> str:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(speculative=True), st.sampled_from(ROUTERS), st.sampled_from([0.05, 1.0]))
+@given(scenarios(speculative=True, frontend=False), st.sampled_from(ROUTERS), st.sampled_from([0.05, 1.0]))
 def test_fleet_of_one_is_the_single_engine_byte_for_byte(scenario, router, interval):
     alone = simulate(scenario, records=True)
     fleet = simulate(
@@ -80,7 +80,8 @@ def check_fleet_fast_equals_reference(scenario):
 
 @st.composite
 def fleet_scenarios(draw, noisy=False):
-    base = draw(noisy_scenarios() if noisy else scenarios(speculative=True))
+    # (a fleet's router stands in front of its replicas: no front end)
+    base = draw(noisy_scenarios(frontend=False) if noisy else scenarios(speculative=True, frontend=False))
     return with_deployment(
         base, replicas=draw(st.integers(2, 4)), router=draw(st.sampled_from(ROUTERS)),
         scrape_interval_s=draw(st.sampled_from([0.01, 0.1, 1.0])),
@@ -498,7 +499,7 @@ def test_disaggregated_ttft_is_prefill_plus_transfer_plus_first_decode_step(fast
 
 @st.composite
 def pd_scenarios(draw):
-    base = draw(scenarios(speculative=True))
+    base = draw(scenarios(speculative=True, frontend=False))
     return with_deployment(base, **pd_deployment(
         prefill=draw(st.integers(1, 3)), decode=draw(st.integers(1, 3)),
         router=draw(st.sampled_from(ROUTERS)),

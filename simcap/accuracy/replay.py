@@ -6,11 +6,13 @@ its held-out part, and give every prediction's error beside the measurement's ow
   ``simcap live calibrate --log`` runs on a live server: host overhead from the records, then
   the linear or the roofline form, no bootstrap), the speculative section through
   :func:`~simcap.live.calibration.speculative_section` from the fit runs' ``/metrics``, and
-  the profile through :func:`simcap.calibrate.profile_dict`. Each held-out run is then
+  the profile through :func:`simcap.calibrate.profile_dict`, and the front end through
+  :func:`simcap.live.frontend_fit.fit_frontend` (none when the fit runs lack the server's
+  request histograms or a run with one request in flight). Each held-out run is then
   simulated on exactly its own trace (:func:`simcap.live.validate.replay_run`: as a closed
   loop, at its send times or as its sessions) with the point's scenario, the fitted engine,
-  step time and speculative settings: the acceptance is the one measured while calibrating,
-  never the held-out run's own.
+  step time, speculative settings and front end (a fleet's replicas without one): the
+  acceptance is the one measured while calibrating, never the held-out run's own.
 - A **table** case is fitted by :func:`simcap.calibrate.pipeline.calibrate` on its fit rows
   (no bootstrap) and each held-out row simulated as the recipe reads it.
 
@@ -41,7 +43,7 @@ class CaseReplay:
     case: str
     form: str
     figures: list[Figure]
-    fitted: dict[str, Any]  # the fitted step_time (and speculative) sections
+    fitted: dict[str, Any]  # the fitted step_time (speculative, frontend) sections
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -68,6 +70,7 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
     ``load``: reads a run file of the case by its relative name (default: from disk)."""
     from simcap.calibrate import Recipe, log_step_samples, profile_dict
     from simcap.live.calibration import fit_calibration_log, speculative_section
+    from simcap.live.frontend_fit import fit_frontend
     from simcap.live.prom import metrics_delta
 
     notes = notes if notes is not None else []
@@ -87,8 +90,10 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
                                           fitted, notes)
     profile = profile_dict(fitted.fit, Recipe(name=case.name, engine=dict(case.fit.engine),
                                               speculative=speculative))
+    frontend = fit_frontend([(r.run, r.iteration_lines) for r in runs])
+    notes += frontend.notes
     return {"engine": profile["engine"], "step_time": profile["step_time"],
-            "speculative": profile.get("speculative")}
+            "speculative": profile.get("speculative"), "frontend": frontend.config}
 
 
 def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseReplay:
@@ -103,6 +108,8 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
         data["engine"] = {**(data.get("engine") or {}), **profile["engine"]}
         data["step_time"] = profile["step_time"]
         data["speculative"] = profile["speculative"] if data.get("speculative") else None
+        if not data.get("deployment"):  # (a fleet's router stands in front of its replicas)
+            data["frontend"] = profile["frontend"]
         data.pop("profile", None)
         scenario = parse_scenario(data)
         live, pred, instance = [], [], []

@@ -427,6 +427,7 @@ def calibrate_cmd(
     """Drive a calibration workload against a live server and fit a profile from it."""
     from simcap.calibrate import noise_family, render_fit
     from simcap.live.calibration import calibrate_live
+    from simcap.simulation.frontend import describe_line
 
     key = _api_key(api_key, api_key_env)
     command = _command_line(ctx, "simcap live calibrate", secret=frozenset({"api_key"}))
@@ -460,6 +461,7 @@ def calibrate_cmd(
                 f"{host['step_period_s'] * 1e3:.2f} ms (mean ITL {host['client_mean_itl_s'] * 1e3:.2f} ms) "
                 f"- logged forward {host['logged_elapsed_s'] * 1e3:.2f} ms"
             )
+        console.print(describe_line(result.profile.get("frontend")))
         eng = result.engine
         console.print("engine: " + ", ".join(f"{k}={v}" for k, v in eng.items()))
         if result.speculative:

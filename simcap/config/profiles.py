@@ -31,6 +31,7 @@ class Profile(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)
     step_time: dict[str, Any] = Field(default_factory=dict)
     speculative: dict[str, Any] | None = None
+    frontend: dict[str, Any] | None = None
     # Per step-time coefficient: [low, high] of its confidence interval.
     step_time_ci: dict[str, tuple[float, float]] | None = None
     # Coefficient sets resampled by the fit (bootstrap), for propagating uncertainty.
@@ -38,7 +39,7 @@ class Profile(BaseModel):
     provenance: dict[str, Any] = Field(default_factory=dict)
 
 
-SECTIONS = ("engine", "step_time", "speculative")
+SECTIONS = ("engine", "step_time", "speculative", "frontend")
 
 
 def load_profile(path: str | Path, overrides: list[str] | None = None) -> tuple[Profile, str]:
@@ -73,7 +74,8 @@ def apply_profile(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
 
     Returns the merged scenario data with ``profile`` replaced by a provenance record
     (``{path, name, sha256, ...}``) that results carry. ``speculative: null`` in the scenario
-    (or ``--set speculative=null``) removes the profile's speculative section; a null
+    (or ``--set speculative=null``) removes the profile's speculative section, ``frontend:
+    null`` its front end; a null
     ``engine`` or ``step_time`` is refused in one line.
     """
     ref = data.get("profile")
@@ -89,10 +91,10 @@ def apply_profile(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
         if section in data and data[section] is None:
             # An explicit null removes the profile's section (speculative: null, or
             # --set speculative=null: the same deployment without drafts).
-            if section != "speculative":
+            if section not in ("speculative", "frontend"):
                 raise ScenarioError(f"{section}: null: a scenario cannot remove the profile's {section} "
                                     f"section (leave the key out to take it, or give one); only "
-                                    "speculative: null removes a section")
+                                    "speculative: null and frontend: null remove a section")
             continue
         mine = data.get(section)
         if mine is None:

@@ -416,6 +416,32 @@ class SpeculativeConfig(_Model):
         return self.num_speculative_tokens if self.method != "ngram" else 0
 
 
+# --------------------------------------------------------------------------- front end
+
+
+class FrontendConfig(_Model):
+    """What the serving front end adds between the client and the engine: vLLM's API server
+    (HTTP, request processing, the round trip to the engine core, output processing,
+    streaming) and the client's own loop (:mod:`simcap.simulation.frontend`).
+
+    A request reaches the engine's waiting queue ``arrival_s`` after it was sent; a step that
+    emits ``n`` chunks delivers them ``output_s + n * per_chunk_s`` after it ends. Fitted by
+    ``simcap live calibrate`` from the server's request histograms, its step log and the
+    client's records.
+    """
+
+    arrival_s: float = Field(0.0, ge=0.0, le=60.0, description="send -> the engine's waiting queue, s")
+    output_s: float = Field(0.0, ge=0.0, le=60.0, description="step end -> its chunks at the clients, s")
+    per_chunk_s: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="s more per chunk the step emits (its outputs are processed before any is streamed)",
+    )
+
+    @property
+    def active(self) -> bool:
+        return bool(self.arrival_s or self.output_s or self.per_chunk_s)
+
+
 # --------------------------------------------------------------------------- workload
 
 
@@ -896,6 +922,9 @@ class Scenario(_Model):
     engine: EngineConfig
     step_time: StepTimeConfig = StepTimeConfig()
     speculative: SpeculativeConfig | None = None
+    frontend: FrontendConfig | None = Field(
+        None, description="the API server and client between the engine and the user; None: none"
+    )
     workload: WorkloadConfig
     slo: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
         default_factory=dict, description="e.g. {ttft_p95: 2.0, tpot_p95: 0.05}, seconds"
@@ -910,6 +939,8 @@ class Scenario(_Model):
         data = handler(self)
         if self.deployment is None:  # a one-engine scenario dumps (and hashes) as before
             data.pop("deployment", None)
+        if self.frontend is None:  # so does one without a front end
+            data.pop("frontend", None)
         return data
 
     @model_validator(mode="after")
@@ -919,6 +950,15 @@ class Scenario(_Model):
             raise ValueError(
                 "engine.async_scheduling: vLLM refuses async scheduling with ngram drafts (its "
                 "proposer runs on the CPU between steps); allowed with ngram: false or unset"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _frontend_alone(self) -> "Scenario":
+        if self.frontend is not None and self.frontend.active and self.deployment is not None:
+            raise ValueError(
+                "frontend: modelled for one engine; a deployment's router stands in front of its "
+                "replicas (allowed: frontend: null with a deployment)"
             )
         return self
 

@@ -70,6 +70,7 @@ from simcap.calibrate.ngram import (
 )
 from simcap.calibrate.pipeline import check_options
 from simcap.config.scenario import EngineConfig, SpeculativeConfig, parse_scenario
+from simcap.live.frontend_fit import FrontendFit, fit_frontend
 from simcap.live.client import (
     LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
 )
@@ -290,6 +291,7 @@ class LiveCalibration:
     server: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    frontend: dict[str, Any] | None = None  # the front end's fit (FrontendFit.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -300,6 +302,7 @@ class LiveCalibration:
             "speculative": self.speculative,
             "step_time": self.profile["step_time"],
             "host_overhead": self.host_overhead,
+            "frontend": self.frontend,
             "phases": self.phases,
             "server": self.server,
             "fit": self.fit.to_dict() | {"residuals": len(self.fit.residuals)},
@@ -448,6 +451,11 @@ def calibrate_live(
     recipe = Recipe(name=name or _default_name(out), hardware=hardware, model=model, description=description,
                     engine=engine, speculative=speculative, assumptions=assumptions, seed=seed)
     profile = profile_dict(fitted.fit, recipe, command=command)
+    if fitted.frontend is not None and fitted.frontend.config is not None:
+        # (after the engine's sections, before the fit's uncertainty and provenance)
+        tail = {k: profile.pop(k) for k in ("step_time_ci", "bootstrap", "provenance") if k in profile}
+        profile["frontend"] = dict(fitted.frontend.config)
+        profile.update(tail)
     profile["provenance"]["live"] = {
         "fitted_from": source,
         "base_url": base_url,
@@ -456,6 +464,7 @@ def calibrate_live(
         "data_file": fitted.data_path.name,
         "workload": fitted.phases,
         "host_overhead_estimate": host,
+        **({"frontend": fitted.frontend.to_dict()} if fitted.frontend is not None else {}),
         "server_counters": {key: v for key, v in delta.items() if key != "cache_config"},
         "cache_config_info": dict(metrics.cache_config),
         "cpu": cpu,
@@ -464,7 +473,8 @@ def calibrate_live(
     write_profile(profile, out)
     return LiveCalibration(out, profile, fitted.fit, source, fitted.data_path, engine, speculative, host,
                            fitted.phases, {"version": facts.version, "model": model, "base_url": base_url}, notes,
-                           time.monotonic() - t_start)
+                           time.monotonic() - t_start,
+                           fitted.frontend.to_dict() if fitted.frontend is not None else None)
 
 
 def _engine_of_server(base_url: str, facts: Any, max_num_seqs: int, max_num_batched_tokens: int,
@@ -542,6 +552,7 @@ class _Fitted:
     rows: list[dict[str, float]] = field(default_factory=list)  # the log's iteration rows
     records: list[RequestRecord] = field(default_factory=list)  # the workload's requests
     after: ServerMetrics | None = None  # /metrics right after the workload (None: unreadable)
+    frontend: FrontendFit | None = None  # the front end the log source's phases show
 
 
 def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[str, Any], k: int,
@@ -557,6 +568,7 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
     phases_out: list[dict[str, Any]] = []
     records: list[RequestRecord] = []
     lines: list[str] = []
+    runs: list[tuple[LiveRun, list[str]]] = []
     for i, phase in enumerate(phases):
         say(f"phase {i + 1}: {phase.name}, {phase.num_requests} requests")
         offset = log_size(log)
@@ -567,6 +579,7 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
         phases_out.append(_phase_summary(phase, run))
         records += run.records
         lines += mine
+        runs.append((run, mine))
     after = _scrape(base_url, live_kw["api_key"])
     if not parse_iteration_log(lines, k):
         raise LiveError(
@@ -579,7 +592,9 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
     data_path.write_text("\n".join(lines) + "\n")
     fitted = fit_calibration_log(read_step_samples(data_path, k), lines, records, k, roofline=roofline,
                                  bootstrap=bootstrap, seed=seed, noise=noise, notes=notes)
-    return replace(fitted, data_path=data_path, phases=phases_out, after=after)
+    frontend = fit_frontend(runs)
+    notes += frontend.notes
+    return replace(fitted, data_path=data_path, phases=phases_out, after=after, frontend=frontend)
 
 
 def fit_calibration_log(samples: StepSamples, lines: Sequence[str], records: Sequence[RequestRecord], k: int,

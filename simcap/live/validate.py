@@ -67,6 +67,8 @@ from simcap.live.recording import iteration_lines, log_size, read_log_window
 from simcap.live.routing import check_fleet_urls
 from simcap.metrics.records import RequestRecord
 from simcap.metrics.summary import Summary
+from simcap.simulation.frontend import describe as describe_frontend
+from simcap.simulation.frontend import describe_line
 from simcap.workloads.requests import ClosedLoopTrace, RequestSpec
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -315,6 +317,8 @@ class Validation:
             "scenario_name": self.scenario.name,
             "scenario_sha256": self.scenario.digest(),
             "simulated_engine": self.simulated_scenario.engine.model_dump(mode="json"),
+            # the front end the prediction added (None: none; frontend: null switches it off)
+            "frontend": describe_frontend(self.simulated_scenario.frontend),
             "replay": dict(self.replay),
             "spread": dict(self.spread),
             "repeats": [r.to_dict() for r in self.repeats],
@@ -842,8 +846,8 @@ def sessions_table(data: dict[str, Any]) -> Table | None:
 
 
 def replay_line(data: dict[str, Any]) -> str:
-    """How the live runs were simulated, from ``to_dict()``."""
-    return f"replay: {data['replay']['text']}"
+    """How the live runs were simulated, and with which front end, from ``to_dict()``."""
+    return f"replay: {data['replay']['text']}\n{describe_line(data.get('frontend'))}"
 
 
 def fleet_table(data: dict[str, Any]) -> Table | None:

@@ -40,6 +40,8 @@ from simcap.metrics.summary import MetricsAccumulator, Summary
 from simcap.simulation.early_stop import SloStop, StopRecord
 from simcap.simulation.fast_forward import LATE, Clock, advance_decode_stretch, schedule_admission
 from simcap.simulation.fast_verify import advance_verify_stretch, first_chunks, schedule_verify_admission
+from simcap.simulation.frontend import FrontEnd
+from simcap.simulation.frontend import describe as describe_frontend
 from simcap.simulation.steplog import StepLog
 from simcap.workloads.requests import ClosedLoopTrace, RequestSpec, Workload
 from simcap.workloads.sessions import Conversation, SessionWorkload
@@ -100,6 +102,7 @@ def provenance(scenario: Scenario) -> dict[str, Any]:
             else f"engine.memory ({scenario.engine.kv_plan.source})"
         ),
         **({"trace": scenario.workload.trace.requests.summary} if scenario.workload.trace else {}),
+        **({"frontend": describe_frontend(scenario.frontend)} if scenario.frontend is not None else {}),
     }
 
 
@@ -260,6 +263,9 @@ class EngineWorld:
             (fleet.records if fleet is not None else {}) if records else None
         )
         self.steps = StepLog(keep=steps)
+        # The front end (API server, client loop) between the engine and its clients: None
+        # when the scenario has none, and then every time is the engine's.
+        self.frontend = FrontEnd.from_config(scenario.frontend)
         # ITL samples not yet in the metrics: single gaps (with the tokens of the later
         # chunk; one token, in _single_gaps), stretch gaps that every request of a decode
         # stretch saw (with that count), and the gaps of verify stretches (every request sees
@@ -306,9 +312,17 @@ class EngineWorld:
             self._wakeup = None
 
     def send(self, spec: RequestSpec, now: float, client_id: int | None, done: Callable[[int], object]) -> None:
-        """A client's request: submitted now, ``done`` called with its output tokens when it ends."""
+        """A client's request: submitted now (with a front end, it reaches the engine its
+        ``arrival_s`` later), ``done`` called with its output tokens when its last chunk
+        reaches the client."""
         self._on_finish[spec.request_id] = done
-        self.submit(spec, now, client_id)
+        fe = self.frontend
+        if fe is None or not fe.arrival_s:
+            self.submit(spec, now, client_id)
+            return
+        self.env.timeout(fe.arrival_s).callbacks.append(
+            lambda _event: self.submit(spec, self.env.now, client_id, sent=now)
+        )
 
     def abort(self, request_id: int) -> None:
         """``request_id``'s client went away: the request leaves the engine before the next
@@ -413,22 +427,33 @@ class EngineWorld:
     # ------------------------------------------------------------------ client view
 
     def emit(self, req: Request, now: float, num_tokens: int) -> None:
-        """One stream chunk of ``num_tokens`` tokens reaches ``req``'s client at ``now``."""
+        """The step ending at ``now`` gives ``req`` a stream chunk of ``num_tokens`` tokens: it
+        reaches the client then (with a front end, the step's offset later)."""
+        fe = self.frontend
+        off = 0.0
+        if fe is not None:
+            off, prev = fe.chunk(req.request_id)
         if req.first_token_ts is None:
             req.first_token_ts = now
         else:
-            self._gaps.append(now - req.last_token_ts)
+            self._gaps.append(now - req.last_token_ts if fe is None else now + off - (req.last_token_ts + prev))
             self._gap_tokens.append(num_tokens)
             if len(self._gaps) >= self._gap_buffer:
                 self._flush_gaps()
         req.last_token_ts = now
         if self.records is not None:
-            self.records[req.request_id].add_chunk(now, num_tokens)
+            self.records[req.request_id].add_chunk(now + off, num_tokens)
 
     def emit_stretch(self, reqs: list[Request], times: array, gaps: list[float]) -> None:
         """One token per request at each of ``times[1:]`` (a float array: a stretch of decode
         steps; ``times[0]`` is its start); ``gaps``: from the previous token to the first
         here, for each request that had one (the caller has set the requests' token times)."""
+        fe = self.frontend
+        off = None
+        if fe is not None:  # each request's first gap here, from its previous chunk as seen
+            off, prevs = fe.batch([req.request_id for req in reqs])
+            it = iter(gaps)
+            gaps = [next(it) + off - prev for prev in prevs if prev is not None]
         single = self._single_gaps
         single += gaps
         m = len(times) - 1
@@ -441,6 +466,8 @@ class EngineWorld:
         if self.records is not None:
             ends = times[1:]
             ones = [1] * m
+            if off is not None:
+                ends = [t + off for t in ends]
             for req in reqs:
                 rec = self.records[req.request_id]
                 rec.chunk_times.extend(ends)
@@ -452,7 +479,17 @@ class EngineWorld:
         b]`` tokens reach ``reqs[b]``."""
         num_reqs = len(reqs)
         gaps = self._gaps
+        fe = self.frontend
+        off = None
+        if fe is not None:
+            off, prevs = fe.batch([req.request_id for req in reqs])
+            g = len(gaps)
         first_chunks(reqs, news, times[1], times[-1], gaps, self._gap_tokens)
+        if off is not None:  # each request's first gap here, from its previous chunk as seen
+            for prev in prevs:
+                if prev is not None:
+                    gaps[g] += off - prev
+                    g += 1
         if len(times) > 2:  # every request's gap at each later step
             self._verify_stretches.add(times, num_reqs)
             self._verify_tokens += news[num_reqs:]
@@ -461,7 +498,7 @@ class EngineWorld:
         if len(gaps) >= self._gap_buffer:
             self._flush_gaps()
         if self.records is not None:
-            ends = times[1:]
+            ends = times[1:] if off is None else [t + off for t in times[1:]]
             for b, req in enumerate(reqs):
                 rec = self.records[req.request_id]
                 rec.chunk_times.extend(ends)
@@ -491,21 +528,29 @@ class EngineWorld:
         add_request = self.metrics.add_request
         sessions = self._session_of
         waiters = self._on_finish
+        fe = self.frontend
+        end = now
+        first = None
         for req in reqs:
             cached = req.num_cached_tokens
             if cached < 0:
                 cached = 0
             where = sessions.pop(req.request_id, None) if sessions else None
+            first = req.first_token_ts
+            if fe is not None:  # as its client saw them
+                first_off, last_off = fe.done(req.request_id)
+                first += first_off
+                end = now + last_off
             add_request(
-                req.request_id, req.arrival_time, first_token_time=req.first_token_ts,
-                finish_time=now, scheduled_time=req.scheduled_ts,
+                req.request_id, req.arrival_time, first_token_time=first,
+                finish_time=end, scheduled_time=req.scheduled_ts,
                 num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                 num_preemptions=req.num_preemptions, num_cached_tokens=cached,
                 session_id=None if where is None else where[0], turn=None if where is None else where[1],
             )
             if self.records is not None:
                 rec = self.records[req.request_id]
-                rec.finish_time = now
+                rec.finish_time = end
                 rec.finish_reason = "length"
                 rec.scheduled_time = req.scheduled_ts
                 rec.num_preemptions = req.num_preemptions
@@ -513,7 +558,12 @@ class EngineWorld:
             if waiters:
                 notify = waiters.pop(req.request_id, None)
                 if notify is not None:
-                    notify(req.num_output_tokens)
+                    if end > now:  # its last chunk reaches the client later
+                        self.env.timeout_at(end).callbacks.append(
+                            lambda _event, notify=notify, n=req.num_output_tokens: notify(n)
+                        )
+                    else:
+                        notify(req.num_output_tokens)
         if self.fleet is not None:
             self.fleet.responses_ended(self.index, reqs, now)
 
@@ -553,14 +603,16 @@ class EngineWorld:
         clients = times is None  # closed loop: other SimPy processes share the clock
         fleet = self.fleet  # a fleet's router sends this replica its requests
         num_arrivals = len(times) if times is not None else 0
+        # With a front end a request reaches the engine its arrival_s after it was sent.
+        delay = self.frontend.arrival_s if self.frontend is not None else 0.0
         k = 0  # the next arrival
-        next_arrival = times[0] if num_arrivals else math.inf
+        next_arrival = times[0] + delay if num_arrivals else math.inf
         now = env.now
         while True:
             while next_arrival <= now:
-                self.submit(specs(k), next_arrival)
+                self.submit(specs(k), next_arrival, sent=times[k])
                 k += 1
-                next_arrival = times[k] if k < num_arrivals else math.inf
+                next_arrival = times[k] + delay if k < num_arrivals else math.inf
             if fleet is not None and fleet.next_arrival <= now:
                 # A request arrives as this step would start: the router sends it first.
                 yield env.timeout_at(now, LATE)
@@ -652,6 +704,8 @@ class EngineWorld:
             result = scheduler.update_from_output(out, accepted)
             if self.proposer is not None:
                 self.proposer.propose(result.reqs)
+            if self.frontend is not None:
+                self.frontend.new_step(len(result.reqs))
             for req, n in zip(result.reqs, result.num_new_tokens):
                 self.emit(req, now, n)
             if result.finished:

@@ -81,8 +81,18 @@ def test_calibrate_from_the_server_log(log_profile, vllm_server):
     assert {p["concurrency"] for p in live["workload"]} >= {1, 2, 4}
     assert live["server_counters"]["request_success"] == 32
     assert prov["fit_quality"]["r2"] > 0.8
+    # The front end: fitted from the phases' request histograms and client records. A real
+    # server always takes some time between the client and its engine, and the phase with one
+    # client (no step in flight at an arrival) sets arrival_s.
+    fe = profile["frontend"]
+    assert fe == data["frontend"]["fitted"] and set(fe) == {"arrival_s", "output_s", "per_chunk_s"}
+    assert 0 < fe["arrival_s"] + fe["output_s"] < 0.05 and fe["per_chunk_s"] >= 0
+    runs = live["frontend"]["runs"]
+    assert len(runs) == len(live["workload"]) and runs[0]["max_in_flight"] == 1
+    assert fe["arrival_s"] == pytest.approx(max(runs[0]["server_minus_engine_s"], 0.0), abs=1e-6)
+    assert max(r["max_in_flight"] for r in runs) > 2  # phases beyond two clients: a slope to fit
     print(f"\nlive calibrate (log): step_time {st}; fit {prov['fit_quality']}; "
-          f"host {host}; cpu disturbed {live['cpu'].get('disturbed')}")
+          f"host {host}; frontend {fe} ({live['frontend']['notes']}); cpu disturbed {live['cpu'].get('disturbed')}")
 
 
 def test_validate_the_profile_on_a_workload_it_never_saw(log_profile, vllm_server, tmp_path, live_cli,
@@ -105,6 +115,7 @@ def test_validate_the_profile_on_a_workload_it_never_saw(log_profile, vllm_serve
     errors = show_validation("validate (log profile, unseen open-loop workload)", data)
     assert data["plot"] == str(fig) and fig.read_bytes()[:4] == b"\x89PNG" and fig.stat().st_size > 20_000
     assert data["simulated_engine"]["async_scheduling"] is False
+    assert data["frontend"] == yaml.safe_load(profile.read_text())["frontend"]  # the prediction used it
     for rep in data["repeats"]:
         assert rep["completed"] == 16 and rep["failed"] == 0
     # The prediction is of the right size; how close it is (noisy, shared 2-core machine) is
