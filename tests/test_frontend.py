@@ -157,3 +157,11 @@ def test_a_run_off_the_line_leaves_no_slope():
     fit = fit_frontend(runs)
     assert fit.config == pytest.approx({"arrival_s": 0.003, "output_s": 0.00705, "per_chunk_s": 0.0})
     assert "do not line up" in fit.notes[0] and "output_s is the runs' median" in fit.notes[0]
+
+
+def test_simcap_serve_drops_the_modelled_front_end():
+    """A served engine is behind a real front end: its records carry the engine's times."""
+    from simcap.serve.engine import ServedEngine
+
+    served = ServedEngine(make_scenario(step_time=FLAT, frontend=FE))
+    assert served.scenario.frontend is None and served.replicas[0].frontend is None

@@ -121,6 +121,9 @@ class ServedEngine:
     ) -> None:
         if not speed > 0 or math.isinf(speed):
             raise ScenarioError(f"--speed: a positive number (simulated seconds per wall second), got {speed}")
+        if scenario.frontend is not None:
+            # This server is a real front end: its clients pay its own delays, not a model's.
+            scenario = scenario.model_copy(update={"frontend": None})
         self.scenario = scenario
         self.speed = speed
         # Told of each chunk handed on (engine index, record, chunk index) and each finished
