@@ -82,6 +82,7 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
     samples = log_step_samples(lines, k, where=f"{case.name}: fit runs")
     roofline = dict(case.fit.roofline or {}) if form == "roofline" else None
     fitted = fit_calibration_log(samples, lines, records, k, roofline=roofline, bootstrap=0, seed=0,
+                                 runs=[(r.run, r.iteration_lines) for r in runs],
                                  noise="empirical", notes=notes)
     speculative = None
     if k:

@@ -6,7 +6,10 @@
   ``--enable-logging-iteration-details``): a mix under load is sent -- several phases of
   closed-loop clients (1, 2, a few, ``max_num_seqs``), prompts of several lengths up to past
   the token budget (chunked prefill), outputs of several lengths so requests finish at
-  different times and new prefills land in decode steps (mixed steps). The ``Iteration(i)``
+  different times and new prefills land in decode steps (mixed steps), and last one client
+  whose prompts open with the same half budget of tokens (prefills on a cached context, as a
+  session's later turns run; the roofline form reads their attention pairs exactly, prefix-cache
+  hit included, from the phases that had one request in flight). The ``Iteration(i)``
   lines the server wrote during the workload (read from the log file, from its size before
   the workload on) are saved next to the profile (``<out>.iterations.log``) and fitted with
   :func:`simcap.calibrate.fit_step_samples` (non-negative least squares, pairs bootstrap).
@@ -65,12 +68,13 @@ from simcap.calibrate import (
     read_step_samples,
     write_profile,
 )
+from simcap.calibrate.fit_roofline import decode_context_of_records
 from simcap.calibrate.ngram import (
     MIN_ONSET_REQUESTS, fit_proposal_concentration, fit_proposal_onset, onset_from_records, rows_after_onset,
 )
 from simcap.calibrate.pipeline import check_options
 from simcap.config.scenario import EngineConfig, SpeculativeConfig, parse_scenario
-from simcap.live.frontend_fit import FrontendFit, fit_frontend
+from simcap.live.frontend_fit import FrontendFit, fit_frontend, max_in_flight
 from simcap.live.client import (
     LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
 )
@@ -101,10 +105,12 @@ class Phase:
     num_requests: int
     input_lens: tuple[int, ...]
     output_lens: tuple[int, ...]
+    shared_prefix: int = 0  # tokens every prompt opens with (cached after the first request)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "concurrency": self.concurrency, "num_requests": self.num_requests,
-                "input_lens": list(self.input_lens), "output_lens": list(self.output_lens)}
+                "input_lens": list(self.input_lens), "output_lens": list(self.output_lens),
+                **({"shared_prefix": self.shared_prefix} if self.shared_prefix else {})}
 
 
 def prompt_lengths(max_num_batched_tokens: int, longest: int) -> tuple[int, ...]:
@@ -118,12 +124,16 @@ def default_phases(
     max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_requests: int = 40,
     max_concurrency: int | None = None,
 ) -> list[Phase]:
-    """The calibration mix: 1 client, 2, a few, then ``max_num_seqs`` (capped by the requests).
+    """The calibration mix: 1 client, 2, a few, then ``max_num_seqs`` (capped by the requests),
+    then 1 client whose prompts open with the same prefix, and 1 client with long contexts.
 
     Prompts of every length of :func:`prompt_lengths` (the longest, past the budget, only from
     the third phase on), outputs of 4-48 tokens so clients desynchronise and prefills land in
-    decode steps. ``max_concurrency``: no phase has more clients (a profile calibrated at low
-    load only, to predict higher loads).
+    decode steps. The last phase's prompts share half the budget (its first request computes
+    it, the others hit it in the prefix cache), so its prefills run on a cached context, as a
+    session's later turns do; the long-context phase's decode steps attend half the model length
+    (:func:`with_step_contexts` knows each one's context). ``max_concurrency``: no phase has more clients (a profile
+    calibrated at low load only, to predict higher loads).
     """
     if num_requests < 8:
         raise LiveError(f"calibration requests: need at least 8 (got {num_requests})")
@@ -141,26 +151,51 @@ def default_phases(
     n4 = max(4, num_requests - n1 - n2 - n3)
     few = max(1, min(4, max_num_seqs))
     full = max(1, min(max_num_seqs, max(few + 1, n4 // 2)))
+    n5 = max(3, num_requests // 10)
+    n6 = max(2, num_requests // 20)
+    n4 = max(4, n4 - n5 - n6)  # (the last phases' requests come out of this one)
     return [
         Phase("one client (isolated prefills, decode at batch 1)", 1, n1, short, (4,)),
         Phase("two clients", min(2, max_num_seqs), n2, short[: max(1, len(short) - 1)], outs[:2] + outs[-1:]),
         Phase(f"{few} clients (mixed steps, chunked prefill)", few, n3, lens, outs),
         Phase(f"{full} clients (large decode batches)", full, n4, short, outs),
+        *_cached_context_phase(n5, max_num_batched_tokens, max_model_len),
+        *_long_context_phase(n6, max_model_len, out_max),
     ]
+
+
+def _long_context_phase(num_requests: int, max_model_len: int, out: int) -> list[Phase]:
+    """One client, prompts of half the model length and long outputs: decode steps that attend
+    long contexts, each one's context known exactly (one request in flight). None when the
+    model is too short for it to differ from the other phases."""
+    prompt = min(max_model_len // 2, max_model_len - out - 1)
+    if prompt < 64:
+        return []
+    return [Phase("one client, long contexts", 1, num_requests, (prompt,), (out,))]
+
+
+def _cached_context_phase(num_requests: int, budget: int, max_model_len: int) -> list[Phase]:
+    """One client; every prompt opens with the same half budget of tokens and adds 1/8 to 1/2
+    of the budget more: prefills on a cached context. None when the model is too short."""
+    shared = budget // 2
+    new = tuple(n for n in {max(8, budget // 8), max(8, budget // 4), max(8, budget // 2)}
+                if shared + n <= max_model_len - 5)
+    if shared < 16 or not new:
+        return []
+    return [Phase("one client, prefills on a cached context", 1, num_requests,
+                  tuple(sorted(shared + n for n in new)), (4,), shared)]
 
 
 def _phase_scenario(phase: Phase, engine: dict[str, Any], seed: int):
     def dist(values: Sequence[int]) -> dict[str, Any]:
         return {"dist": "empirical", "values": list(values)} if len(set(values)) > 1 else {"dist": "fixed", "value": values[0]}
 
-    return parse_scenario({
-        "name": "live-calibration",
-        "engine": engine,
-        "workload": {"arrival": {"process": "closed", "concurrency": phase.concurrency},
-                     "num_requests": phase.num_requests,
-                     "input_len": dist(phase.input_lens), "output_len": dist(phase.output_lens)},
-        "seed": seed,
-    })
+    workload: dict[str, Any] = {"arrival": {"process": "closed", "concurrency": phase.concurrency},
+                                "num_requests": phase.num_requests,
+                                "input_len": dist(phase.input_lens), "output_len": dist(phase.output_lens)}
+    if phase.shared_prefix:
+        workload["prefix"] = {"shared_tokens": phase.shared_prefix, "num_prefixes": 1}
+    return parse_scenario({"name": "live-calibration", "engine": engine, "workload": workload, "seed": seed})
 
 
 # --------------------------------------------------------------------------- server facts
@@ -270,6 +305,70 @@ def host_overhead_from_itl(records: Sequence[RequestRecord], rows: Sequence[dict
     if period < logged:
         out["note"] = "the client saw shorter periods than the log's elapsed times: host_overhead 0"
     return out
+
+
+# --------------------------------------------------------------------------- step contexts
+
+
+def one_at_a_time_steps(rows: Sequence[dict[str, float]], records: Sequence[RequestRecord]
+                        ) -> list[tuple[float, float]] | None:
+    """Each step's prefill (query, key) pairs and attended context, exactly, for a run that had
+    one request in flight at a time: its steps are each request's prefill chunks, then one step
+    per further chunk of its stream, request after request. A chunk of ``m`` prompt tokens after
+    ``s`` already in the KV cache (the prompt's prefix-cache hit, the prompt less what its chunks
+    computed, and the chunks before) attends ``m s + m (m + 1) / 2`` pairs and ``s + m`` tokens;
+    a decode step, the prompt and the tokens generated so far (plus its verified drafts), as the
+    engine counts ``num_context_tokens``. None when the steps do not line up with the requests."""
+    out: list[tuple[float, float]] = []
+    i = 0
+    for rec in sorted((r for r in records if r.succeeded), key=lambda r: r.arrival_time):
+        chunks = []
+        while i < len(rows) and rows[i]["num_prefill_reqs"] == 1 and rows[i]["num_decode_reqs"] == 0:
+            chunks.append(rows[i]["num_prefill_tokens"])
+            i += 1
+        seen = rec.num_prompt_tokens - sum(chunks)  # its prefix-cache hit
+        if not chunks or seen < 0:
+            return None
+        for m in chunks:
+            out.append((m * seen + m * (m + 1) / 2.0, float(seen + m)))
+            seen += m
+        generated = rec.chunk_tokens[0]
+        for tokens in rec.chunk_tokens[1:]:
+            if i >= len(rows) or rows[i]["num_prefill_reqs"] or rows[i]["num_decode_reqs"] != 1:
+                return None
+            out.append((0.0, float(rec.num_prompt_tokens + generated + rows[i]["num_verify_tokens"])))
+            generated += tokens
+            i += 1
+    return out if i == len(rows) else None
+
+
+def step_contexts(runs: Sequence[tuple[LiveRun, Sequence[str]]], k: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prefill pairs and attended context of every logged step of ``runs`` (their log lines
+    in order), and which steps were exact (a boolean array). Exact in the runs with one request in flight at a
+    time (:func:`one_at_a_time_steps`); elsewhere each step's prefill tokens are split evenly over
+    its prefill requests, each chunk a whole prompt from position 0 (``a m (m + 1) / 2`` pairs),
+    and each decoding request attends the run's mean decode context (over its requests' decode
+    steps: prompt + tokens so far), as the roofline fit reads a log without them."""
+    pairs: list[float] = []
+    context: list[float] = []
+    exact: list[bool] = []
+    for run, lines in runs:
+        rows = parse_iteration_log(lines, k)
+        walked = one_at_a_time_steps(rows, run.records) if max_in_flight(run) == 1 else None
+        exact += [walked is not None] * len(rows)
+        if walked is not None:
+            pairs += [p for p, _ in walked]
+            context += [c for _, c in walked]
+            continue
+        ok = [r for r in run.records if r.succeeded]
+        per_decode = decode_context_of_records(ok) if ok else 0.0
+        for row in rows:
+            a, b = row["num_prefill_reqs"], row["num_prefill_tokens"]
+            m = b / a if a else 0.0
+            pairs.append(a * m * (m + 1) / 2.0)
+            context.append(row["num_decode_reqs"] * per_decode + b + row["num_verify_tokens"])
+    return np.array(pairs, dtype=float), np.array(context, dtype=float), np.array(exact, dtype=bool)
 
 
 # --------------------------------------------------------------------------- result
@@ -591,7 +690,7 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
     data_path.parent.mkdir(parents=True, exist_ok=True)
     data_path.write_text("\n".join(lines) + "\n")
     fitted = fit_calibration_log(read_step_samples(data_path, k), lines, records, k, roofline=roofline,
-                                 bootstrap=bootstrap, seed=seed, noise=noise, notes=notes)
+                                 bootstrap=bootstrap, seed=seed, noise=noise, notes=notes, runs=runs)
     frontend = fit_frontend(runs)
     notes += frontend.notes
     return replace(fitted, data_path=data_path, phases=phases_out, after=after, frontend=frontend)
@@ -599,13 +698,19 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
 
 def fit_calibration_log(samples: StepSamples, lines: Sequence[str], records: Sequence[RequestRecord], k: int,
                         *, roofline: dict[str, Any] | None = None, bootstrap: int = 200, seed: int = 0,
-                        noise: str | None = "empirical", notes: list[str] | None = None) -> _Fitted:
+                        noise: str | None = "empirical", notes: list[str] | None = None,
+                        runs: Sequence[tuple[LiveRun, Sequence[str]]] | None = None) -> _Fitted:
     """The fit of a calibration workload from what it left behind: the server's per-step log
     lines (``samples`` are those lines as step samples) and the client's records of the same
     requests. The host overhead per step comes from both (:func:`host_overhead_from_itl`); then
     the linear form (:func:`fit_log_samples`) or, with ``roofline`` (``hardware``, ``model``,
     ...), the roofline form (:func:`fit_log_roofline`). ``live calibrate`` fits what it just ran
-    with it, and a replay of a recorded calibration fits the recorded lines and records with it."""
+    with it, and a replay of a recorded calibration fits the recorded lines and records with it.
+    ``runs``: the workload's runs, each with its own log lines (``lines`` in order): each step's
+    attended context and prefill pairs are then read from them (:func:`step_contexts`: exact
+    where one request was in flight at a time, prefix-cache hits included), so both forms can
+    price the context (the linear form's ``per_context_token``, the roofline's KV reads and
+    prefill attention)."""
     notes = notes if notes is not None else []
     rows = [r for r in parse_iteration_log(lines, k) if r["num_prefill_tokens"] + r["num_decode_tokens"] > 0]
     if not rows:
@@ -617,6 +722,8 @@ def fit_calibration_log(samples: StepSamples, lines: Sequence[str], records: Seq
             f"client counted {host['client_decode_request_steps']}: other clients may have used "
             "the server during the calibration"
         )
+    if runs is not None:
+        samples = with_step_contexts(samples, runs, k, notes)
     if roofline is not None:
         fit = fit_log_roofline(samples, records, host["host_overhead_s"], roofline,
                                bootstrap=bootstrap, seed=seed, noise=noise)
@@ -710,6 +817,23 @@ def _spread(samples: StepSamples, term: str) -> bool:
     return bool(len(samples) and np.ptp(samples.X[:, TERMS.index(term)]) > 0)
 
 
+MIN_EXACT_CONTEXT_STEPS = 50
+
+
+def _contexts_vary(samples: StepSamples, rows: np.ndarray) -> bool:
+    """Whether the decode steps ``rows`` include at least 50 whose attended context is known
+    exactly (:func:`with_step_contexts`: steps of a run with one request in flight, such as the
+    calibration's long-context phase) and those attend contexts that differ by half or more, so
+    a cost per context token can be told from the cost per request. (Contexts taken at a run's
+    mean vary with the batch alone: a fit on them trades the one cost for the other.)"""
+    exact = (samples.counts or {}).get("context_exact")
+    if "per_context_token" not in samples.available or exact is None:
+        return False
+    rows = rows & exact
+    ctx = samples.X[rows, TERMS.index("per_context_token")]
+    return int(rows.sum()) >= MIN_EXACT_CONTEXT_STEPS and ctx.max() > 1.5 * ctx.min()
+
+
 def _proportional(samples: StepSamples, a: str, b: str) -> bool:
     """Whether column ``b`` is a fixed multiple of column ``a`` in every step (EAGLE: k verified
     drafts per decode request), so a fit cannot tell their coefficients apart."""
@@ -718,6 +842,24 @@ def _proportional(samples: StepSamples, a: str, b: str) -> bool:
         return False
     ratio = y[x > 0] / x[x > 0]
     return bool(np.all(y[x == 0] == 0) and np.ptp(ratio) < 1e-9)
+
+
+def with_step_contexts(samples: StepSamples, runs: Sequence[tuple[LiveRun, Sequence[str]]], k: int,
+                       notes: list[str]) -> StepSamples:
+    """``samples`` with the attended context and prefill pairs of :func:`step_contexts` as
+    columns (the same samples when the runs' log lines are not exactly their rows)."""
+    pairs, context, exact = step_contexts(runs, k)
+    if len(pairs) != len(samples) or samples.counts is None:
+        return samples
+    X = samples.X.copy()
+    X[:, TERMS.index("per_context_token")] = context
+    counts = {**samples.counts, "num_prefill_pairs": pairs, "num_context_tokens": context,
+              "context_exact": exact}
+    notes.append(f"attended context and prefill pairs: {int(exact.sum())} of {len(samples)} steps exact (the runs "
+                 "with one request in flight, prefix-cache hits included); the others each decoding "
+                 "request at its run's mean decode context, each prefill chunk a whole prompt from 0")
+    return StepSamples(X, samples.y, samples.available | {"per_context_token"}, samples.source,
+                       samples.start_s, counts)
 
 
 def fit_log_samples(
@@ -729,8 +871,10 @@ def fit_log_samples(
     Prefill steps are long and noisy (on a shared CPU their time moves by +-10 %, i.e. by more
     than a whole decode step), so one least-squares fit over all steps lets them set the base
     cost and leaves the decode terms -- which decide ITL -- to chance. So: (1) the decode-only
-    steps (many, short, precise) fit ``base``, ``per_decode_token`` and, with drafts,
-    ``per_verify_token``; (2) all steps, those fixed, fit ``per_prefill_token`` and, when the log
+    steps (many, short, precise) fit ``base``, ``per_decode_token``, with drafts
+    ``per_verify_token``, and ``per_context_token`` when the samples say each step's attended
+    context (:func:`with_step_contexts`) and it varies per decoding request by half or more;
+    (2) all steps, those fixed, fit ``per_prefill_token`` and, when the log
     has mixed steps, ``mixed_step``. Intervals: each stage's pairs bootstrap (stage 2 resamples
     with stage 1's point estimates). Fit quality and residuals: all steps, final coefficients.
     With fewer than 10 decode-only or 3 prefill steps, one fit of all terms over all steps.
@@ -742,6 +886,8 @@ def fit_log_samples(
     folded = k and _spread(samples, "per_verify_token") and _proportional(samples, "per_decode_token", "per_verify_token")
     if k and _spread(samples, "per_verify_token") and not folded:
         stage1_terms.append("per_verify_token")
+    if _contexts_vary(samples, decode_only):
+        stage1_terms.append("per_context_token")
     stage2_terms = ["per_prefill_token"]
     mixed = samples.X[:, TERMS.index("mixed_step")]
     if 0 < mixed.sum() < len(samples) - 1:
@@ -798,7 +944,7 @@ def fit_log_roofline(
     step derived from the client's records of the same workload (mean over decode request-steps
     of prompt + tokens generated so far). ``roofline``: ``hardware``, ``model`` and optionally
     ``combine``, ``routing_skew``, ``prior_sd``."""
-    from simcap.calibrate.fit_roofline import ContextSource, decode_context_of_records, fit_roofline_samples
+    from simcap.calibrate.fit_roofline import ContextSource, fit_roofline_samples
 
     opts = dict(roofline)
     opts.pop("records", None)

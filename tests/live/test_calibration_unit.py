@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from simcap.calibrate import read_step_samples
+from simcap.calibrate import parse_iteration_log
 from simcap.live.calibration import (
     default_phases,
     fit_log_samples,
     host_overhead_from_itl,
+    one_at_a_time_steps,
     prompt_lengths,
 )
 from simcap.live.recording import read_log_window
@@ -73,6 +75,39 @@ def test_two_stage_fit_recovers_the_step_time_of_a_log(tmp_path):
     assert len(fit.bootstrap) == 20 and fit.quality["n"] == 80
 
 
+def test_the_linear_fit_prices_context_only_where_steps_say_it_exactly():
+    """Decode steps cost base + per request + per context token. With 60 steps of one request
+    whose contexts (200 to 1,200 tokens) are known exactly, the two-stage fit finds the cost
+    per context token; with the same contexts taken at a run's mean (not exact) it leaves the
+    term out (a fit on them would trade the one cost for the other)."""
+    from simcap.calibrate.readers import _rows_to_samples
+
+    rng = np.random.default_rng(1)
+    base, dec, ctx, pre = 0.004, 0.0005, 2e-6, 0.0002
+    rows = []
+    for j in range(60):
+        n, c = 1, 200 + 1000 * j / 59
+        rows.append({"num_prefill_tokens": 0, "num_prefill_reqs": 0, "num_decode_tokens": n, "num_decode_reqs": n,
+                     "num_context_tokens": c, "step_time_s": (base + dec * n + ctx * c) * rng.normal(1, 0.005)})
+    for j in range(30):  # several requests, each at the run's mean context
+        n = int(rng.integers(2, 9))
+        c = n * 300.0
+        rows.append({"num_prefill_tokens": 0, "num_prefill_reqs": 0, "num_decode_tokens": n, "num_decode_reqs": n,
+                     "num_context_tokens": c, "step_time_s": (base + dec * n + ctx * c) * rng.normal(1, 0.005)})
+    for j in range(10):
+        b = int(rng.integers(32, 512))
+        rows.append({"num_prefill_tokens": b, "num_prefill_reqs": 1, "num_decode_tokens": 0, "num_decode_reqs": 0,
+                     "num_context_tokens": b, "step_time_s": (base + pre * b + ctx * b) * rng.normal(1, 0.01)})
+    samples = _rows_to_samples(rows, "synthetic", {"file": "synthetic"})
+    exact = np.array([True] * 60 + [False] * 40)
+    samples.counts["context_exact"] = exact
+    fit = fit_log_samples(samples, 0, 0.0, bootstrap=0)
+    assert fit.coefficients["per_context_token"] == pytest.approx(ctx, rel=0.1)
+    assert fit.coefficients["per_decode_token"] == pytest.approx(dec, rel=0.15)
+    samples.counts["context_exact"] = np.zeros(100, dtype=bool)
+    assert fit_log_samples(samples, 0, 0.0, bootstrap=0).coefficients["per_context_token"] == 0.0
+
+
 def test_eagle_log_ties_verify_to_decode_where_every_request_drafts(tmp_path):
     """EAGLE drafts k = 3 tokens for every decode request in every step, so the log's
     generation tokens are always 4 per request: decode and verify columns are proportional and
@@ -116,6 +151,31 @@ def test_calibration_mix_spans_lengths_batches_and_chunked_prefill():
     assert any(max(p.input_lens) > 512 for p in phases)  # chunked prefill
     assert len({n for p in phases for n in p.output_lens}) >= 3  # clients desynchronise
     assert max(p.concurrency for p in default_phases(2, 512, 2048, 16)) == 2
+    # The last phases: one client whose prompts open with the same 256 tokens (cached after its
+    # first request), 1/8 to 1/2 of the budget more; one client with half-length prompts and
+    # long outputs (decode steps over long contexts).
+    cached, long = phases[-2:]
+    assert (cached.concurrency, cached.shared_prefix, cached.input_lens) == (1, 256, (320, 384, 512))
+    assert (long.concurrency, long.input_lens, long.output_lens) == (1, (1024,), (48,))
+    assert max(p.concurrency for p in phases) == 8  # (their requests come out of the largest phase's)
+
+
+def test_steps_of_one_request_at_a_time_give_exact_pairs_and_contexts():
+    """A: a 600-token prompt in chunks of 512 and 88, three chunks out. B: a 300-token prompt
+    of which the log computed 44 (a 256-token cache hit), two chunks out. A chunk of m after s
+    tokens: m s + m (m + 1) / 2 pairs (512 x 513 / 2 = 131,328; 88 x 512 + 88 x 89 / 2 =
+    48,972; 44 x 256 + 44 x 45 / 2 = 12,254) and s + m of context; a decode step no pairs and
+    the prompt plus the tokens out so far (601, 602; 301)."""
+    steps = [(1, 512, 0), (1, 88, 0), (0, 0, 1), (0, 0, 1), (1, 44, 0), (0, 0, 1)]
+    rows = parse_iteration_log(LINE.format(i=i, a=a, b=b, c=c, d=c, ms=5.0) for i, (a, b, c) in enumerate(steps))
+    a = _record(0, 0.1, [0.01, 0.01])
+    a.num_prompt_tokens = 600
+    b = _record(1, 0.5, [0.01])
+    b.arrival_time, b.num_prompt_tokens = 0.4, 300
+    assert one_at_a_time_steps(rows, [a, b]) == [
+        (131328.0, 512.0), (48972.0, 600.0), (0.0, 601.0), (0.0, 602.0), (12254.0, 300.0), (0.0, 301.0)]
+    assert one_at_a_time_steps(rows[:-1], [a, b]) is None  # B's decode step is missing
+    assert one_at_a_time_steps(rows + rows[-1:], [a, b]) is None  # a step no request took
 
 
 def test_validate_plot_writes_ecdf_overlay(tmp_path):
