@@ -165,3 +165,21 @@ def test_simcap_serve_drops_the_modelled_front_end():
 
     served = ServedEngine(make_scenario(step_time=FLAT, frontend=FE))
     assert served.scenario.frontend is None and served.replicas[0].frontend is None
+
+
+def test_a_fleet_leaves_out_its_profiles_front_end(tmp_path):
+    """A live-calibrated profile carries a front end; a scenario with a deployment built on it
+    runs its replicas without one (its router stands in front of them)."""
+    from simcap.config.scenario import load_scenario
+
+    profile = tmp_path / "p.yaml"
+    profile.write_text("name: p\nengine: {max_num_seqs: 4, max_num_batched_tokens: 256, block_size: 16, "
+                       "num_gpu_blocks: 500, max_model_len: 2048}\nstep_time: {base: 0.01}\n"
+                       "frontend: {arrival_s: 0.003, output_s: 0.002, per_chunk_s: 0.001}\n")
+    body = ("profile: p.yaml\nworkload: {arrival: {process: poisson, rate: 5}, num_requests: 20, "
+            "input_len: 50, output_len: 10}\n")
+    (tmp_path / "one.yaml").write_text(body)
+    (tmp_path / "fleet.yaml").write_text(body + "deployment: {replicas: 2, router: roundrobin}\n")
+    assert load_scenario(tmp_path / "one.yaml").frontend.per_chunk_s == 0.001
+    fleet = load_scenario(tmp_path / "fleet.yaml")
+    assert fleet.frontend is None and simulate(fleet).summary.completed == 20

@@ -88,6 +88,8 @@ def apply_profile(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
         from_profile = getattr(profile, section)
         if from_profile is None:
             continue
+        if section == "frontend" and data.get("deployment"):
+            continue  # (a fleet runs without one: its router stands in front of its replicas)
         if section in data and data[section] is None:
             # An explicit null removes the profile's section (speculative: null, or
             # --set speculative=null: the same deployment without drafts).
