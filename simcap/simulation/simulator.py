@@ -530,7 +530,6 @@ class EngineWorld:
         waiters = self._on_finish
         fe = self.frontend
         end = now
-        first = None
         for req in reqs:
             cached = req.num_cached_tokens
             if cached < 0:
