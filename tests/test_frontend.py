@@ -183,3 +183,20 @@ def test_a_fleet_leaves_out_its_profiles_front_end(tmp_path):
     assert load_scenario(tmp_path / "one.yaml").frontend.per_chunk_s == 0.001
     fleet = load_scenario(tmp_path / "fleet.yaml")
     assert fleet.frontend is None and simulate(fleet).summary.completed == 20
+
+
+def test_simulate_prints_the_front_end_it_used(tmp_path):
+    """The provenance line names the front end (or none), as the JSON's provenance does."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "s.yaml"
+    path.write_text("engine: {max_num_seqs: 4, max_num_batched_tokens: 256, block_size: 16, num_gpu_blocks: 500, "
+                    "max_model_len: 2048}\nstep_time: {base: 0.01}\nfrontend: {arrival_s: 0.002, output_s: 0.001, "
+                    "per_chunk_s: 0.0005}\nworkload: {arrival: {process: poisson, rate: 5}, num_requests: 20, "
+                    "input_len: 50, output_len: 10}\n")
+    out = subprocess.run([sys.executable, "-m", "simcap", "simulate", str(path)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "300"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "front end: arrival 2.00 ms, output 1.00 ms + 0.500 ms per chunk of the step" in out.stdout

@@ -151,11 +151,14 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
             line += f"; skipped {', '.join(skipped)}"
         console.print(line)
     if prov:
+        from simcap.simulation.frontend import describe_line
+
         console.print(
             f"simcap {prov.get('simcap_version')} modelling vLLM {prov.get('vllm_version_modelled')}"
             f" V1; scenario {prov.get('scenario_name') or '(unnamed)'} "
             f"sha256 {str(prov.get('scenario_sha256'))[:12]}, seed {prov.get('seed')}, "
-            f"step time from {prov.get('step_time_source')}",
+            f"step time from {prov.get('step_time_source')}"
+            + (f"; {describe_line(prov['frontend'])}" if prov.get("frontend") else ""),
             style="dim",
         )
 
