@@ -427,7 +427,7 @@ def calibrate_cmd(
     """Drive a calibration workload against a live server and fit a profile from it."""
     from simcap.calibrate import noise_family, render_fit
     from simcap.live.calibration import calibrate_live
-    from simcap.simulation.frontend import describe_line
+    from simcap.metrics.report import describe_line
 
     key = _api_key(api_key, api_key_env)
     command = _command_line(ctx, "simcap live calibrate", secret=frozenset({"api_key"}))

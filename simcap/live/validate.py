@@ -66,9 +66,9 @@ from simcap.live.prom import ServerMetrics
 from simcap.live.recording import iteration_lines, log_size, read_log_window
 from simcap.live.routing import check_fleet_urls
 from simcap.metrics.records import RequestRecord
+from simcap.metrics.report import describe_line
 from simcap.metrics.summary import Summary
 from simcap.simulation.frontend import describe as describe_frontend
-from simcap.simulation.frontend import describe_line
 from simcap.workloads.requests import ClosedLoopTrace, RequestSpec
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")

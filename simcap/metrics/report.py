@@ -151,8 +151,6 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
             line += f"; skipped {', '.join(skipped)}"
         console.print(line)
     if prov:
-        from simcap.simulation.frontend import describe_line
-
         console.print(
             f"simcap {prov.get('simcap_version')} modelling vLLM {prov.get('vllm_version_modelled')}"
             f" V1; scenario {prov.get('scenario_name') or '(unnamed)'} "
@@ -161,6 +159,15 @@ def render_summary(result: dict[str, Any], console: Console) -> None:
             + (f"; {describe_line(prov['frontend'])}" if prov.get("frontend") else ""),
             style="dim",
         )
+
+
+def describe_line(terms: dict[str, float] | None) -> str:
+    """``front end: arrival 1.90 ms, output 5.24 ms + 0.120 ms per chunk of the step``, from the
+    terms a result's provenance (or a profile's ``frontend``) holds; or that there is none."""
+    if not terms:
+        return "front end: none (times are the engine's)"
+    return (f"front end: arrival {terms['arrival_s'] * 1e3:.2f} ms, output {terms['output_s'] * 1e3:.2f} ms "
+            f"+ {terms['per_chunk_s'] * 1e3:.3f} ms per chunk of the step")
 
 
 def _share(value: float | None) -> str:

@@ -82,11 +82,3 @@ def describe(config: FrontendConfig | None) -> dict[str, Any] | None:
     if config is None or not config.active:
         return None
     return {"arrival_s": config.arrival_s, "output_s": config.output_s, "per_chunk_s": config.per_chunk_s}
-
-
-def describe_line(terms: dict[str, float] | None) -> str:
-    """``front end: arrival 1.90 ms, output 5.24 ms + 0.120 ms per chunk of the step`` (or off)."""
-    if not terms:
-        return "front end: none (times are the engine's)"
-    return (f"front end: arrival {terms['arrival_s'] * 1e3:.2f} ms, output {terms['output_s'] * 1e3:.2f} ms "
-            f"+ {terms['per_chunk_s'] * 1e3:.3f} ms per chunk of the step")
