@@ -423,6 +423,11 @@ def calibrate_cmd(
         help="Log source: fit step_time.noise from the logged steps' residual ratios (empirical "
              "quantiles, or lognormal), or none (not written).",
     ),
+    record: Optional[Path] = typer.Option(
+        None, "--record", metavar="DIR",
+        help="Log source: keep each phase's run with its log lines in DIR (phase<i>.run.json.gz), so "
+             "the fit can be replayed (simcap.live.recording.load_run).",
+    ),
 ) -> None:
     """Drive a calibration workload against a live server and fit a profile from it."""
     from simcap.calibrate import noise_family, render_fit
@@ -440,7 +445,7 @@ def calibrate_cmd(
             max_model_len=max_model_len, log_path=log, num_requests=requests,
             speculative_method=speculative_method, api_key=key, request_timeout_s=request_timeout,
             name=name, hardware=hardware, seed=seed, bootstrap=bootstrap, command=command, progress=say,
-            noise=noise_family(noise), roofline=roofline,
+            noise=noise_family(noise), roofline=roofline, record=record,
         )  # fmt: skip
     except SimcapError as exc:
         fail(str(exc))

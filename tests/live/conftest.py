@@ -312,7 +312,24 @@ def wait_idle(base_url: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"server still busy after {timeout:g} s")
 
 
-def assert_decode_fit_matches_the_log(st: dict, ci: dict, log: Path, k: int = 0) -> None:
+def recorded_decode_contexts(folder: Path, k: int = 0) -> np.ndarray:
+    """Each decode-only step's attended context in a calibration recorded with ``--record
+    folder`` (its phases in order, :func:`simcap.live.calibration.step_contexts`), as
+    :func:`assert_decode_fit_matches_the_log` reads the steps; at least 50 of them exact (the
+    long-context phase runs one request at a time)."""
+    from simcap.live.calibration import step_contexts
+    from simcap.live.recording import load_run
+
+    runs = [load_run(p) for p in sorted(folder.glob("phase*.run.json.gz"), key=lambda p: int(p.name[5:].split(".")[0]))]
+    _, context, exact = step_contexts([(r.run, r.iteration_lines) for r in runs], k)
+    rows = parse_iteration_log([line for r in runs for line in r.iteration_lines], k)
+    decode_only = np.array([r["num_prefill_tokens"] == 0 for r in rows])
+    assert exact[decode_only].sum() >= 50
+    return context[decode_only]
+
+
+def assert_decode_fit_matches_the_log(st: dict, ci: dict, log: Path, k: int = 0,
+                                      context: np.ndarray | None = None) -> None:
     """A fitted profile's decode terms are consistent with the logged decode-only steps.
 
     What one more decoding request (or verified draft) costs the tiny model depends on the CPU:
@@ -327,6 +344,10 @@ def assert_decode_fit_matches_the_log(st: dict, ci: dict, log: Path, k: int = 0)
       base, unit or row selection fails this;
     - without drafts: the fitted slope is the data's own least-squares slope on the batch size,
       or 0 where that slope is negative (within 3 of its standard errors), however small.
+    ``context``: each decode-only step's attended context, in the log's order (the calibration's
+    recorded runs, :func:`simcap.live.calibration.step_contexts`), for a profile that prices it
+    (``per_context_token`` > 0): the mean then counts that term, and the slopes are the data's own
+    least-squares ones on the batch size and the context (each within 3 standard errors, or 0).
     """
     rows = [r for r in parse_iteration_log(log.read_text().splitlines(), k) if r["num_prefill_tokens"] == 0]
     terms = ["per_decode_token"] + (["per_verify_token"] if k else [])
@@ -337,6 +358,10 @@ def assert_decode_fit_matches_the_log(st: dict, ci: dict, log: Path, k: int = 0)
     logged = np.array([r["step_time_s"] for r in rows])
     batch = np.array([r["num_decode_reqs"] for r in rows], dtype=float)
     fitted = st["base"] + st["per_decode_token"] * batch + verify * np.array([r["num_verify_tokens"] for r in rows])
+    per_context = st.get("per_context_token") or 0.0
+    if per_context:
+        assert context is not None and len(context) == len(rows), "a profile pricing context needs the contexts"
+        fitted = fitted + per_context * context
     sem = logged.std(ddof=1) / math.sqrt(len(logged))
     groups = {b: logged[batch == b] for b in sorted(set(batch))}
     table = "; ".join(f"b={int(b)}: {t.mean() * 1e3:.2f} ms ({len(t)})" for b, t in groups.items())
@@ -346,9 +371,13 @@ def assert_decode_fit_matches_the_log(st: dict, ci: dict, log: Path, k: int = 0)
     assert len(groups) >= 2 and len(rows) >= 30  # batch 1 and larger batches, enough steps
     assert abs(fitted.mean() - logged.mean()) <= 3 * sem + 0.05 * logged.mean()
     if not k:
-        X = np.column_stack([np.ones_like(batch), batch])
+        cols = [np.ones_like(batch), batch] + ([context] if per_context else [])
+        X = np.column_stack(cols)
         coef, *_ = np.linalg.lstsq(X, logged, rcond=None)
         resid = logged - X @ coef
-        cov = np.linalg.inv(X.T @ X) * (resid @ resid) / (len(rows) - 2)
-        slope, se = coef[1], math.sqrt(cov[1, 1])
-        assert abs(st["per_decode_token"] - max(0.0, slope)) <= 3 * se, (st["per_decode_token"], slope, se)
+        cov = np.linalg.inv(X.T @ X) * (resid @ resid) / (len(rows) - len(cols))
+        for j, term in enumerate(["per_decode_token", "per_context_token"][: len(cols) - 1], start=1):
+            slope, se = coef[j], math.sqrt(cov[j, j])
+            if per_context and min(coef[1:]) < 0:
+                break  # (the non-negative fit then moves the other term too)
+            assert abs(st[term] - max(0.0, slope)) <= 3 * se, (term, st[term], slope, se)

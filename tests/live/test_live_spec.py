@@ -16,7 +16,7 @@ import math
 import pytest
 import yaml
 
-from tests.live.conftest import assert_decode_fit_matches_the_log
+from tests.live.conftest import assert_decode_fit_matches_the_log, recorded_decode_contexts
 
 pytestmark = pytest.mark.live
 
@@ -84,7 +84,7 @@ def test_ngram_calibrate_then_validate_an_unseen_workload(spec_server, tmp_path,
     code, stdout, err = live_cli("calibrate", "--base-url", spec_server.base_url, "--model", "tiny",
                                  "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--out", out,
                                  "--log", spec_server.log_path, "--requests", "24", "--bootstrap", "30",
-                                 "--json", env=env)
+                                 "--json", "--record", tmp_path / "runs", env=env)
     assert code == 0, err
     cal = json.loads(stdout)
     profile = yaml.safe_load(out.read_text())
@@ -98,7 +98,8 @@ def test_ngram_calibrate_then_validate_an_unseen_workload(spec_server, tmp_path,
     # small a draft's cost is on this CPU.
     assert "per_verify_token" in profile["step_time_ci"]
     assert_decode_fit_matches_the_log(profile["step_time"], profile["step_time_ci"],
-                                      out.with_name("cpu-tiny-ngram.iterations.log"), k=3)
+                                      out.with_name("cpu-tiny-ngram.iterations.log"), k=3,
+                                      context=recorded_decode_contexts(tmp_path / "runs", 3))
     assert cal["host_overhead"]["log_decode_request_steps"] > 50
     print(f"\nlive calibrate (ngram log): step_time {profile['step_time']}; speculative {spec}")
 
