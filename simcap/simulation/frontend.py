@@ -11,11 +11,11 @@ outputs); the client's own loop then reads them. None of that is in the engine's
   takes it then; its record keeps the send time);
 - a step that emits ``n`` chunks delivers them ``output_s + n * per_chunk_s`` after it ends.
 
-Not modelled: a queue that carries the front end's work from one step to the next (no run
-measured so far drove the front end where a queue and a delay differ: see
+Not modelled: a queue that carries the front end's work from one step to the next (at 64
+streams and 1,650 chunks/s the CPU server's clients still saw the engine's own step period,
+where a queue serving the measured 0.9 ms per chunk would have fallen behind: see
 :mod:`simcap.live.frontend_fit`, which fits the terms for ``simcap live calibrate``), and the
-spread of one step's chunks in batch order (about 0.1 ms per chunk on the CPU servers measured,
-against about 0.9 ms of delay per chunk).
+spread of one step's chunks in batch order (0.06-0.15 ms per chunk there).
 
 A request's offset (its delay past the engine's own time) changes from one step to the next
 only when the number of chunks does, so the gaps between the chunks of a stretch of identical
