@@ -6,10 +6,11 @@
   ``--enable-logging-iteration-details``): a mix under load is sent -- several phases of
   closed-loop clients (1, 2, a few, ``max_num_seqs``), prompts of several lengths up to past
   the token budget (chunked prefill), outputs of several lengths so requests finish at
-  different times and new prefills land in decode steps (mixed steps), and last one client
-  whose prompts open with the same half budget of tokens (prefills on a cached context, as a
-  session's later turns run; the roofline form reads their attention pairs exactly, prefix-cache
-  hit included, from the phases that had one request in flight). The ``Iteration(i)``
+  different times and new prefills land in decode steps (mixed steps); last, one client whose
+  prompts open with the same half budget of tokens (prefills on a cached context, as a
+  session's later turns run) and one client with half-length prompts and long outputs (decode
+  over long contexts). In the phases with one request in flight each step's attended context
+  and prefill pairs are known exactly (:func:`with_step_contexts`). The ``Iteration(i)``
   lines the server wrote during the workload (read from the log file, from its size before
   the workload on) are saved next to the profile (``<out>.iterations.log``) and fitted with
   :func:`simcap.calibrate.fit_step_samples` (non-negative least squares, pairs bootstrap).
@@ -129,11 +130,11 @@ def default_phases(
 
     Prompts of every length of :func:`prompt_lengths` (the longest, past the budget, only from
     the third phase on), outputs of 4-48 tokens so clients desynchronise and prefills land in
-    decode steps. The last phase's prompts share half the budget (its first request computes
-    it, the others hit it in the prefix cache), so its prefills run on a cached context, as a
-    session's later turns do; the long-context phase's decode steps attend half the model length
-    (:func:`with_step_contexts` knows each one's context). ``max_concurrency``: no phase has more clients (a profile
-    calibrated at low load only, to predict higher loads).
+    decode steps. The cached-context phase's prompts share half the budget (its first request
+    computes it, the others hit it in the prefix cache), so its prefills run on a cached
+    context, as a session's later turns do; the long-context phase's decode steps attend half
+    the model length (:func:`with_step_contexts` knows each one's context). ``max_concurrency``:
+    no phase has more clients (a profile calibrated at low load only, to predict higher loads).
     """
     if num_requests < 8:
         raise LiveError(f"calibration requests: need at least 8 (got {num_requests})")
@@ -345,8 +346,8 @@ def one_at_a_time_steps(rows: Sequence[dict[str, float]], records: Sequence[Requ
 def step_contexts(runs: Sequence[tuple[LiveRun, Sequence[str]]], k: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The prefill pairs and attended context of every logged step of ``runs`` (their log lines
-    in order), and which steps were exact (a boolean array). Exact in the runs with one request in flight at a
-    time (:func:`one_at_a_time_steps`); elsewhere each step's prefill tokens are split evenly over
+    in order), and which steps were exact (a boolean array). Exact in the runs with one request
+    in flight at a time (:func:`one_at_a_time_steps`); elsewhere each step's prefill tokens are split evenly over
     its prefill requests, each chunk a whole prompt from position 0 (``a m (m + 1) / 2`` pairs),
     and each decoding request attends the run's mean decode context (over its requests' decode
     steps: prompt + tokens so far), as the roofline fit reads a log without them."""
