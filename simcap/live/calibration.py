@@ -362,8 +362,8 @@ def step_contexts(runs: Sequence[tuple[LiveRun, Sequence[str]]], k: int
             pairs += [p for p, _ in walked]
             context += [c for _, c in walked]
             continue
-        ok = [r for r in run.records if r.succeeded]
-        per_decode = decode_context_of_records(ok) if ok else 0.0
+        decoded = [r for r in run.records if r.succeeded and r.num_output_tokens > 1]
+        per_decode = decode_context_of_records(decoded) if decoded else 0.0  # (else no decode step)
         for row in rows:
             a, b = row["num_prefill_reqs"], row["num_prefill_tokens"]
             m = b / a if a else 0.0
@@ -551,10 +551,11 @@ def calibrate_live(
     recipe = Recipe(name=name or _default_name(out), hardware=hardware, model=model, description=description,
                     engine=engine, speculative=speculative, assumptions=assumptions, seed=seed)
     profile = profile_dict(fitted.fit, recipe, command=command)
-    if fitted.frontend is not None and fitted.frontend.config is not None:
+    frontend = fitted.frontend.to_dict() if fitted.frontend is not None else None
+    if frontend is not None and frontend["fitted"] is not None:
         # (after the engine's sections, before the fit's uncertainty and provenance)
         tail = {k: profile.pop(k) for k in ("step_time_ci", "bootstrap", "provenance") if k in profile}
-        profile["frontend"] = dict(fitted.frontend.config)
+        profile["frontend"] = dict(frontend["fitted"])
         profile.update(tail)
     profile["provenance"]["live"] = {
         "fitted_from": source,
@@ -564,7 +565,7 @@ def calibrate_live(
         "data_file": fitted.data_path.name,
         "workload": fitted.phases,
         "host_overhead_estimate": host,
-        **({"frontend": fitted.frontend.to_dict()} if fitted.frontend is not None else {}),
+        **({"frontend": frontend} if frontend is not None else {}),
         "server_counters": {key: v for key, v in delta.items() if key != "cache_config"},
         "cache_config_info": dict(metrics.cache_config),
         "cpu": cpu,
@@ -574,7 +575,7 @@ def calibrate_live(
     return LiveCalibration(out, profile, fitted.fit, source, fitted.data_path, engine, speculative, host,
                            fitted.phases, {"version": facts.version, "model": model, "base_url": base_url}, notes,
                            time.monotonic() - t_start,
-                           fitted.frontend.to_dict() if fitted.frontend is not None else None)
+                           frontend)
 
 
 def _engine_of_server(base_url: str, facts: Any, max_num_seqs: int, max_num_batched_tokens: int,

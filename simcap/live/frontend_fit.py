@@ -110,11 +110,14 @@ class FrontendFit:
     runs: list[RunFigures]
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        util = [None if self.config is None else round(self.config["per_chunk_s"] * r.chunks_per_s, 3)
+    def queue_utilisation(self) -> list[float | None]:
+        """Per run: how busy a queue serving ``per_chunk_s`` per chunk would have been."""
+        return [None if self.config is None else round(self.config["per_chunk_s"] * r.chunks_per_s, 3)
                 for r in self.runs]
+
+    def to_dict(self) -> dict[str, Any]:
         return {"method": METHOD, "fitted": self.config, "runs": [r.to_dict() for r in self.runs],
-                "queue_utilisation": util, "notes": list(self.notes)}
+                "queue_utilisation": self.queue_utilisation(), "notes": list(self.notes)}
 
 
 def max_in_flight(run: LiveRun) -> int:
@@ -196,7 +199,7 @@ def fit_frontend(runs: Sequence[tuple[LiveRun, Sequence[str]]]) -> FrontendFit:
     config = {"arrival_s": round(arrival, 6), "output_s": round(float(output), 6),
               "per_chunk_s": round(float(per_chunk), 7)}
     fit = FrontendFit(config, figures, notes)
-    busiest = max(fit.to_dict()["queue_utilisation"])
+    busiest = max(fit.queue_utilisation())
     streamed = [f.stream_gap_s for f in figures if f.stream_gap_s is not None]
     if per_chunk and busiest is not None:
         fit.notes.append(

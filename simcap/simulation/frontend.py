@@ -79,6 +79,4 @@ class FrontEnd:
 
 def describe(config: FrontendConfig | None) -> dict[str, Any] | None:
     """The front end's terms as results and reports show them (None: none)."""
-    if config is None or not config.active:
-        return None
-    return {"arrival_s": config.arrival_s, "output_s": config.output_s, "per_chunk_s": config.per_chunk_s}
+    return config.model_dump() if config is not None and config.active else None
