@@ -487,6 +487,11 @@ def calibrate_live(
         raise LiveError("--form roofline: fits the server's iteration log; give --log")
     elif record is not None:
         raise LiveError("--record: keeps the server's iteration log with the runs; give --log")
+    if record is not None:
+        try:  # (fails before the workload runs, not after)
+            Path(record).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LiveError(f"--record {record}: cannot make the folder: {exc.strerror or exc}") from None
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise LiveError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
     check_request_timeout(request_timeout_s)

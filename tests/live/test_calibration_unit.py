@@ -265,3 +265,15 @@ def test_the_linear_fit_sees_each_batch_size_where_pooled_medians_read_flat():
     pooled = [np.median([r["step_time_s"] for r in rows
                          if r["num_prefill_tokens"] == 0 and r["num_decode_reqs"] <= c]) for c in (1, 2, 4)]
     assert (pooled[2] - pooled[0]) / 3 < slope / 2  # what the old printout read as the slope
+
+
+def test_record_folder_that_cannot_be_made_is_one_line_before_any_request(tmp_path):
+    from simcap.live.calibration import calibrate_live
+    from simcap.live.client import LiveError
+
+    log = tmp_path / "server.log"
+    log.write_text("")
+    with pytest.raises(LiveError, match=r"^--record .*: cannot make the folder: "):
+        # (no server at this address: the check comes first)
+        calibrate_live("http://127.0.0.1:9", "tiny", tmp_path / "p.yaml", max_num_seqs=8,
+                       max_num_batched_tokens=512, log_path=log, record=log / "runs")
