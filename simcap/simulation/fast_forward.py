@@ -408,15 +408,13 @@ def advance_decode_stretch(
                 # a request that arrives after it may hit it. (A scheduled first step made
                 # that call already.)
                 kv.cache_blocks(req, req.num_prompt_tokens)
-            # Chunks at starts[1:]; the gaps from each request's previous token to its first
-            # here. (The requests' token times are written when they finish or the span
-            # ends.)
+            # Chunks at starts[1:], after each request's previous token. (The requests' token
+            # times are written when they finish or the span ends.)
             world.emit_stretch(running, starts, [
-                first_token - req.last_token_ts for req in running
-                if req.first_token_ts is not None
+                req.last_token_ts for req in running if req.first_token_ts is not None
             ])
         else:  # every request's previous token came at the segment's start
-            world.emit_stretch(running, starts, [starts[1] - t] * num_reqs)
+            world.emit_stretch(running, starts, [t] * num_reqs)
         if noise is not None:
             noise.advance(len(periods))  # the draws of the steps that ran, and no more
         t = starts.pop()  # starts now holds the m steps' start times

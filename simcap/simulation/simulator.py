@@ -444,30 +444,37 @@ class EngineWorld:
         if self.records is not None:
             self.records[req.request_id].add_chunk(now + off, num_tokens)
 
-    def emit_stretch(self, reqs: list[Request], times: array, gaps: list[float]) -> None:
+    def emit_stretch(self, reqs: list[Request], times: array, lasts: list[float]) -> None:
         """One token per request at each of ``times[1:]`` (a float array: a stretch of decode
-        steps; ``times[0]`` is its start); ``gaps``: from the previous token to the first
-        here, for each request that had one (the caller has set the requests' token times)."""
+        steps; ``times[0]`` is its start); ``lasts``: the previous token's time of each
+        request that had one, in batch order.
+
+        With a front end every gap is taken between the times the client sees (each the
+        engine's time plus its offset), as a step at a time takes it and as the records hold
+        them: the summaries of both, and of the records, agree byte for byte."""
         fe = self.frontend
-        off = None
-        if fe is not None:  # each request's first gap here, from its previous chunk as seen
+        first = times[1]
+        if fe is None:
+            ends = times
+            gaps = [first - last for last in lasts]
+        else:
             off, prevs = fe.batch([req.request_id for req in reqs])
-            it = iter(gaps)
-            gaps = [next(it) + off - prev for prev in prevs if prev is not None]
+            ends = array("d", [t + off for t in times])
+            it = iter(lasts)
+            first += off
+            gaps = [first - (next(it) + prev) for prev in prevs if prev is not None]
         single = self._single_gaps
         single += gaps
         m = len(times) - 1
         if m > 1:
             # Every request in the stretch sees the same gaps between its chunks.
-            if self._decode_stretches.add(times, len(reqs)) >= self._gap_buffer:
+            if self._decode_stretches.add(ends, len(reqs)) >= self._gap_buffer:
                 self._flush_gaps()  # (empties ``single`` too)
         if len(single) >= self._gap_buffer:
             self._flush_gaps()
         if self.records is not None:
-            ends = times[1:]
+            ends = ends[1:]
             ones = [1] * m
-            if off is not None:
-                ends = [t + off for t in ends]
             for req in reqs:
                 rec = self.records[req.request_id]
                 rec.chunk_times.extend(ends)
@@ -480,25 +487,28 @@ class EngineWorld:
         num_reqs = len(reqs)
         gaps = self._gaps
         fe = self.frontend
-        off = None
+        ends = times
         if fe is not None:
             off, prevs = fe.batch([req.request_id for req in reqs])
+            lasts = [req.last_token_ts for req in reqs]
             g = len(gaps)
         first_chunks(reqs, news, times[1], times[-1], gaps, self._gap_tokens)
-        if off is not None:  # each request's first gap here, from its previous chunk as seen
-            for prev in prevs:
+        if fe is not None:  # the gaps between the times the client sees, as emit_stretch
+            ends = array("d", [t + off for t in times])
+            first = ends[1]
+            for prev, last in zip(prevs, lasts):
                 if prev is not None:
-                    gaps[g] += off - prev
+                    gaps[g] = first - (last + prev)
                     g += 1
         if len(times) > 2:  # every request's gap at each later step
-            self._verify_stretches.add(times, num_reqs)
+            self._verify_stretches.add(ends, num_reqs)
             self._verify_tokens += news[num_reqs:]
             if len(self._verify_tokens) >= self._gap_buffer:
                 self._flush_gaps()
         if len(gaps) >= self._gap_buffer:
             self._flush_gaps()
         if self.records is not None:
-            ends = times[1:] if off is None else [t + off for t in times[1:]]
+            ends = ends[1:]
             for b, req in enumerate(reqs):
                 rec = self.records[req.request_id]
                 rec.chunk_times.extend(ends)
