@@ -211,6 +211,7 @@ def main() -> None:
   memory_bandwidth_gbps: {best_bw['best']:.1f}
   peak_tflops: {{bf16: {bf16_val}, fp16: null, fp8: null, int8: null, fp32: {fp32['best'] / 1e3:.4f}}}
   interconnect: {{name: null, bandwidth_gbps: null, latency_us: null}}
+  rates: measured
   sources:
     memory_bandwidth_gbps: "measured by benchmarks/measure_cpu.py on {date}, STREAM-style copy/triad over {args.mib} MiB float64 arrays (STREAM byte counting: copy 16 B/element, triad 24 B/element; numpy triad counted at its real 5 passes), {how}, {versions}. {bw_txt}. Quoted: {best_bw['label']}. memory_gb: MemTotal from /proc/meminfo."
     peak_tflops: "measured by benchmarks/measure_cpu.py on {date}, dense square GEMM N={args.gemm} (2 N^3 FLOPs), {how}, {versions}. {gf_txt}. fp16/int8/fp8 not measured (null). Achieved GEMM throughput, not the ISA's theoretical peak."

@@ -22,9 +22,9 @@ TRUE = {"base": 0.004, "efficiency.weights": 1.0, "efficiency.experts": 1.8,
         "efficiency.compute": 2.5}
 
 
-def synthetic_table(path: Path, concurrencies=(1, 4, 16, 64)) -> Path:
+def synthetic_table(path: Path, concurrencies=(1, 4, 16, 64), truth=TRUE) -> Path:
     """A closed-loop table measured on simcap itself with the TRUE roofline coefficients."""
-    st = apply_coefficients(PHYSICS, TRUE)
+    st = apply_coefficients(PHYSICS, truth)
     rows = []
     for c in concurrencies:
         sc = parse_scenario({"engine": ENGINE, "step_time": st, "seed": 0,
@@ -63,6 +63,35 @@ def test_roofline_fit_recovers_known_efficiencies(tmp_path):
                                                        "efficiency.compute"}
 
 
+def test_an_efficiency_the_data_want_below_one_is_held_at_the_floor(tmp_path):
+    """Experts read at 0.6 of their datasheet time: held at 1 and named; floor 0 finds 0.6."""
+    truth = {**TRUE, "efficiency.experts": 0.6}
+    pts = read_benchmarks(synthetic_table(tmp_path / "t.json", truth=truth), "runs", engine=ENGINE,
+                          speculative=None, label="syn")
+    fit = fit_benchmarks_roofline(pts, start(), "base,experts,compute", prior={"sigma": 3.0},
+                                  bootstrap=4, iterations=0)
+    assert fit.coefficients["efficiency.experts"] == 1.0
+    assert fit.identification["efficiency.experts"]["held_at_floor"] is True
+    assert any(n.startswith("held at the physical floor (efficiency 1)") and "efficiency.experts" in n
+               for n in fit.notes)
+    assert "each at least 1" in fit.method
+    free = fit_benchmarks_roofline(pts, start(), "base,experts,compute",
+                                   prior={"sigma": 3.0, "efficiency_floor": 0.0}, bootstrap=4, iterations=0)
+    assert free.coefficients["efficiency.experts"] == pytest.approx(0.6, rel=0.05)
+
+
+@pytest.mark.parametrize("prior, message", [
+    ({"sigma": 0.7, "floor": 1}, "prior: unknown key 'floor'; allowed: sigma, data_sigma, terms, efficiency_floor"),
+    ({"efficiency_floor": 2}, "efficiency_floor: a number from 0 to 1"),
+    ({"efficiency_floor": "yes"}, "prior.efficiency_floor: a number from 0 to 1"),
+    ({"terms": {"experts": {"value": 0.5}}}, "prior.terms.efficiency.experts: value 0.5 is below efficiency_floor 1"),
+])
+def test_roofline_prior_section_is_checked(tmp_path, prior, message):
+    with pytest.raises(CalibrationError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        fit_benchmarks_roofline(points(tmp_path), start(), "base,experts,compute", prior=prior,
+                                bootstrap=0, iterations=0)
+
+
 def test_unpinned_efficiency_stays_at_its_prior(tmp_path):
     # weights is a constant per step, like base (free, no prior): the data pin only their sum,
     # so the multiplier stays at its prior 1 and is reported as not pinned; experts is pinned.
@@ -75,8 +104,15 @@ def test_unpinned_efficiency_stays_at_its_prior(tmp_path):
     assert ident["efficiency.weights"]["data_share_of_information"] < 0.25
     assert ident["efficiency.experts"]["pinned"]
     assert fit.coefficients["efficiency.experts"] == pytest.approx(1.8, rel=0.1)
-    # its bootstrap interval is about as wide as the prior's (0.32-3.2), not narrowed
+    # its bootstrap interval is about as wide as the prior's above the floor (1-3.2), not
+    # narrowed; unbounded (floor 0), as wide as the whole prior (0.32-3.2)
     lo, hi = fit.ci["efficiency.weights"]
+    assert lo == 1.0 and hi > 1.6
+    unbounded = fit_benchmarks_roofline(
+        points(tmp_path), start(base=0.002, efficiency={"weights": 1.0, "experts": 1.0}),
+        "base,weights,experts", prior={"sigma": 0.7, "efficiency_floor": 0}, bootstrap=10,
+        iterations=0)
+    lo, hi = unbounded.ci["efficiency.weights"]
     assert lo < 0.6 and hi > 1.6
 
 

@@ -143,6 +143,49 @@ def test_synthetic_efficiencies_are_recovered(tmp_path):
     assert dec["samples"] == 240 and dec["p50"] == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.parametrize("combine", ["sum", "max"])
+def test_an_efficiency_the_data_want_below_one_is_held_at_the_floor_and_named(tmp_path, combine):
+    """Data whose experts run at 0.6 of their hardware figures' time: a fit bounded at 1 (the
+    default on datasheet hardware) holds the term there and names it (the data want it faster
+    than the hardware allows), pinned terms beside it still recovered; unbounded (the default
+    on HW, whose rates were measured) the same data give 0.6 back, named as below the floor."""
+    true = {"experts": 0.6, "compute": 3.0}
+    s = _samples(tmp_path, _log(MOE, true, combine=combine))
+    ctx = ContextSource(CTX, "synthetic")
+    fit = fit_roofline_samples([s], HW, MOE, combine=combine, context=ctx, bootstrap=20, noise=None,
+                               efficiency_floor=1.0)
+    c = fit.coefficients
+    assert c["efficiency.experts"] == 1.0
+    assert all(c[f"efficiency.{t}"] >= 1.0 for t in ("weights", "compute", "attention_prefill", "kv_read"))
+    assert fit.ci["efficiency.experts"][0] == 1.0
+    # (a term that grows with the batch beside it may want less too, to make up for it)
+    held = fit.extra["roofline"]["held_at_floor"]
+    assert "efficiency.experts" in held and "efficiency.compute" not in held
+    (note,) = [n for n in fit.notes if "physical floor" in n]
+    assert note.startswith("held at the physical floor (efficiency 1) against the data")
+    assert note.split(": ", 1)[1].split(";")[0] == ", ".join(held)
+    free = fit_roofline_samples([s], HW, MOE, combine=combine, context=ctx, bootstrap=0, noise=None)
+    assert free.extra["roofline"]["efficiency_floor"] == 0.0
+    # (the prior toward 1 pulls a little; the max form, fitted by a local search, more)
+    assert free.coefficients["efficiency.experts"] == pytest.approx(0.6, rel=0.02 if combine == "sum" else 0.1)
+    assert free.coefficients["efficiency.compute"] == pytest.approx(3.0, rel=0.05)
+    assert free.extra["roofline"]["held_at_floor"] == []
+    assert any(n.startswith("below the physical floor") and "efficiency.experts 0.6" in n for n in free.notes)
+    with pytest.raises(CalibrationError, match="efficiency_floor: a number from 0 to 1"):
+        fit_roofline_samples([s], HW, MOE, context=ctx, efficiency_floor=1.5)
+
+
+def test_the_floor_follows_the_hardwares_figures():
+    """Datasheet peaks bound the efficiencies at 1; rates a microbenchmark measured do not (real
+    kernels may beat them); a given floor wins over either."""
+    from simcap.calibrate.fit_roofline import check_floor
+
+    peak, measured = (roofline_config(h, DENSE).physics.hardware for h in ("a800-80gb", HW))
+    assert (peak.rates, measured.rates) == ("peak", "measured")
+    assert check_floor(None, peak) == 1.0 and check_floor(None, measured) == 0.0
+    assert check_floor(0.5, peak) == 0.5 and check_floor(1, measured) == 1.0
+
+
 def test_max_form_recovers_its_own_data(tmp_path):
     true = {"experts": 2.0, "compute": 3.0}
     s = _samples(tmp_path, _log(MOE, true, combine="max"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Leave-high-out on the field data, both step-time forms (and roofline sum vs max).
 
-    PYTHONPATH=. python experiments/leave-high-out/run.py [--only a800|910b4]
+    PYTHONPATH=. python experiments/leave-high-out/run.py [--only a800|910b4] [--intervals N]
 
 Each shipped recipe is refitted (no bootstrap) on a LOW subset of its published figures and
 the fitted profile PREDICTS the held-out figures, which the fit never saw; the table reports
@@ -60,6 +60,31 @@ def fitted_step_time(fit, recipe: Recipe) -> dict:
     return {k: v for k, v in fit.coefficients.items() if v is not None}
 
 
+def bootstrap_step_times(fit, recipe: Recipe) -> list[dict]:
+    """The step_time of each of the fit's bootstrap coefficient sets."""
+    from simcap.calibrate.fit_bench import apply_coefficients
+
+    base = fitted_step_time(fit, recipe)
+    if fit.step_time is not None:
+        return [apply_coefficients(base, s) for s in fit.bootstrap]
+    return [{**base, **{k: v for k, v in s.items() if v is not None}} for s in fit.bootstrap]
+
+
+def add_intervals(rows: list[dict], points, step_times: list[dict], metrics, level: float = 0.9) -> None:
+    """Each prediction row gets the bootstrap's central ``level`` interval (the held-out
+    figure simulated with every bootstrap coefficient set) and whether it holds the measured
+    figure."""
+    import numpy as np
+
+    draws = [{(r["point"], r["metric"]): r["predicted"] for r in predict(points, st, metrics)}
+             for st in step_times]
+    for r in rows:
+        values = np.array([d[(r["point"], r["metric"])] for d in draws])
+        lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
+        r["interval"] = [float(lo), float(hi)]
+        r["covered"] = bool(lo <= r["measured"] <= hi)
+
+
 def predict(points, step_time: dict, metrics) -> list[dict]:
     rows = []
     for pt in points:
@@ -74,7 +99,7 @@ def predict(points, step_time: dict, metrics) -> list[dict]:
     return rows
 
 
-def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics) -> dict:
+def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, intervals: int = 0) -> dict:
     recipe = Recipe.load(RECIPES / recipe_file)
     if variant == "roofline-max":
         recipe.step_time = {**recipe.step_time, "combine": "max"}
@@ -89,17 +114,19 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics) -
     if recipe.step_time.get("form") == "roofline":
         fit = fit_benchmarks_roofline(fit_pts, recipe.step_time, recipe.form, prior=recipe.prior,
                                       fit_metrics=recipe.fit_metrics, weights=recipe.weights,
-                                      bootstrap=0, seed=recipe.seed, starts=recipe.starts)
+                                      bootstrap=intervals, seed=recipe.seed, starts=recipe.starts)
     else:
         fixed = {k: v for k, v in recipe.step_time.items() if v is not None}
         fit = fit_benchmarks(fit_pts, Form.parse(recipe.form), fixed=fixed,
                              fit_metrics=recipe.fit_metrics, weights=recipe.weights,
-                             bootstrap=0, seed=recipe.seed)
+                             bootstrap=intervals, seed=recipe.seed)
     del sub
     st = fitted_step_time(fit, recipe)
     rows = predict(held, st, metrics)
+    if intervals:
+        add_intervals(rows, held, bootstrap_step_times(fit, recipe), metrics)
     errs = [abs(r["error_pct"]) for r in rows]
-    return {
+    out = {
         "recipe": recipe_file, "variant": variant,
         "fitted_on": [p.label for p in fit_pts], "held_out": [p.label for p in held],
         "coefficients": fit.coefficients, "fit_quality": fit.quality,
@@ -108,9 +135,13 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics) -
         "max_abs_error_pct": max(errs) if errs else None,
         "wall_s": time.perf_counter() - started,
     }
+    if intervals:
+        out["intervals"] = {"bootstrap": intervals, "level": 0.9,
+                            "covered": sum(r["covered"] for r in rows), "held_out": len(rows)}
+    return out
 
 
-def a800(variant: str) -> dict:
+def a800(variant: str, intervals: int = 0) -> dict:
     def conc(p):
         arm = "eagle3" if p.scenario.get("speculative") else "no-spec"
         return arm, p.scenario["workload"]["arrival"]["concurrency"]
@@ -118,32 +149,39 @@ def a800(variant: str) -> dict:
     recipe = {"linear": "a800-minimax-m3.yaml"}.get(variant, "a800-minimax-m3.roofline.yaml")
     return run_case(recipe, variant, lambda p: conc(p)[1] in A800_FIT[conc(p)[0]],
                     lambda p: conc(p)[1] in A800_HELD[conc(p)[0]],
-                    ["output_throughput", "e2e_mean", "e2e_p50"])
+                    ["output_throughput", "e2e_mean", "e2e_p50"], intervals)
 
 
-def b4(variant: str) -> dict:
+def b4(variant: str, intervals: int = 0) -> dict:
     recipe = {"linear": "ascend910b4-minimax-m2.7.yaml"}.get(
         variant, "ascend910b4-minimax-m2.7.roofline.yaml")
     return run_case(recipe, variant, lambda p: p.label.startswith("long-context"),
                     lambda p: not p.label.startswith("long-context"),
-                    ["output_throughput", "tpot_p95"])
+                    ["output_throughput", "tpot_p95"], intervals)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("a800", "910b4"))
+    ap.add_argument("--intervals", type=int, default=0, metavar="N",
+                    help="bootstrap the fit N times and give each held-out figure its 90%% interval "
+                         "and whether it holds the measurement (slower: N re-simulations)")
     args = ap.parse_args()
     out_path = HERE / "results.json"
     out = json.loads(out_path.read_text()) if out_path.exists() else {}
     for dep, fn in (("a800", a800), ("910b4", b4)):
         if args.only and dep != args.only:
             continue
-        out[dep] = {v: fn(v) for v in ("linear", "roofline-sum", "roofline-max")}
+        out[dep] = {v: fn(v, args.intervals) for v in ("linear", "roofline-sum", "roofline-max")}
         for v, r in out[dep].items():
-            print(dep, v, f"mean |err| {r['mean_abs_error_pct']:.1f}%  max {r['max_abs_error_pct']:.1f}%")
+            cover = (f"  covered {r['intervals']['covered']}/{r['intervals']['held_out']}"
+                     if "intervals" in r else "")
+            print(dep, v, f"mean |err| {r['mean_abs_error_pct']:.1f}%  max {r['max_abs_error_pct']:.1f}%{cover}")
             for row in r["predictions"]:
+                band = (f"  90% [{row['interval'][0]:.4g}, {row['interval'][1]:.4g}]"
+                        f"{'' if row['covered'] else ' misses'}" if "interval" in row else "")
                 print(f"   {row['point']:24s} {row['metric']:18s} {row['measured']:.4g} -> "
-                      f"{row['predicted']:.4g} ({row['error_pct']:+.1f}%)")
+                      f"{row['predicted']:.4g} ({row['error_pct']:+.1f}%){band}")
         out_path.write_text(json.dumps(out, indent=2) + "\n")
 
 

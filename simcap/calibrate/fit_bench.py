@@ -405,9 +405,14 @@ class _RooflineObjective(_Objective):
 def _roofline_priors(form: RooflineForm, prior: dict[str, Any] | None) -> tuple[dict, float]:
     """{free term: (centre, sigma)} and the data sigma from a recipe's ``prior`` section:
     ``{sigma: 0.7, data_sigma: 0.05, terms: {efficiency.draft: {value: 1, sigma: 1.0},
-    mixed_step: {value: 0.0, sigma: 0.1}}}`` (a multiplier's sigma is log-space; a seconds
-    term has no prior unless given one)."""
+    mixed_step: {value: 0.0, sigma: 0.1}}, efficiency_floor: 1}`` (a multiplier's sigma is
+    log-space; a seconds term has no prior unless given one; the floor is read by
+    :func:`_floor_of`)."""
     prior = dict(prior or {})
+    unknown = sorted(set(prior) - {"sigma", "data_sigma", "terms", "efficiency_floor"})
+    if unknown:
+        raise CalibrationError(f"prior: unknown key {unknown[0]!r}; allowed: sigma, data_sigma, "
+                               "terms, efficiency_floor")
     sigma = float(prior.get("sigma", PRIOR_SIGMA))
     data_sigma = float(prior.get("data_sigma", DATA_SIGMA))
     own = {_roofline_term(k): v for k, v in (prior.get("terms") or {}).items()}
@@ -425,6 +430,17 @@ def _roofline_priors(form: RooflineForm, prior: dict[str, Any] | None) -> tuple[
         if out[t][1] <= 0 or (t not in ROOFLINE_SECONDS and out[t][0] <= 0):
             raise CalibrationError(f"prior.terms.{t}: value > 0 (multipliers) and sigma > 0 required")
     return out, data_sigma
+
+
+def _floor_of(prior: dict[str, Any] | None, hardware: Any) -> float:
+    """The efficiencies' lower bound: a recipe ``prior`` section's ``efficiency_floor``, else
+    the hardware's own (1 for datasheet peaks, none for measured rates)."""
+    from simcap.calibrate.fit_roofline import check_floor
+
+    try:
+        return check_floor((prior or {}).get("efficiency_floor"), hardware)
+    except CalibrationError as exc:
+        raise CalibrationError(f"prior.{exc}") from None
 
 
 def fit_benchmarks_roofline(
@@ -472,12 +488,16 @@ def fit_benchmarks_roofline(
     n = sum(len(m) for m in metrics)
     p = len(form.free)
     obj = _RooflineObjective(points, form, step_time, metrics, smooth, priors, data_sigma)
+    floor = _floor_of(prior, obj.step_time(obj.start).physics.hardware)
+    for t, (centre, _) in priors.items():
+        if t not in ROOFLINE_SECONDS and centre < floor:
+            raise CalibrationError(f"prior.terms.{t}: value {centre:g} is below efficiency_floor {floor:g}")
     n_prior = len(obj.prior_rows())
     if n + n_prior < p:
         raise CalibrationError(
             f"calibrate: {n} fitted measurements and {n_prior} priors are too few for {p} free "
             f"terms ({', '.join(form.free)})" + _ignored_note(points))
-    lower = np.where(obj.is_log, -8.0, 0.0)
+    lower = np.where(obj.is_log, math.log(floor) if floor > math.exp(-8.0) else -8.0, 0.0)
     upper = np.where(obj.is_log, 8.0, np.inf)
     x0 = np.clip(obj.x0(), lower, np.where(np.isfinite(upper), upper, 1e9))
     fits = []
@@ -500,7 +520,11 @@ def fit_benchmarks_roofline(
     if len(fits) > 1:
         notes.append(f"{len(fits)} starts (the recipe's, then {len(fits) - 1} drawn around it; seed {seed}): "
                      f"costs {', '.join(f'{f.cost:.4g}' for f in fits)}; kept start {best + 1}")
-    x_hat, J = res.x, res.jac
+    # Efficiencies the fit holds at the floor against the data (they want less time); trf
+    # stays a hair inside its bounds, so those are set on it.
+    at_floor = obj.is_log & (res.active_mask < 0)
+    held = [t for t, h in zip(form.free, at_floor) if h]
+    x_hat, J = np.where(at_floor, lower, res.x), res.jac
     coeffs = obj.coefficients(x_hat)
     # Identification (Laplace approximation): posterior covariance (J'J)^-1 in residual units,
     # against the prior's own variance (1 / w^2 in the same units).
@@ -556,6 +580,8 @@ def fit_benchmarks_roofline(
             sd = data_sigma * post_sd[j] * (obj.scale[j] if not obj.is_log[j] else 1.0)
             entry.update({"prior": None, "posterior_sd": _fmt(sd),
                           "pinned": bool(sd < 0.5 * max(coeffs[t], 1e-12))})
+        if t in held:
+            entry["held_at_floor"] = True
         identification[t] = entry
     unpinned = [t for t, e in identification.items() if not e["pinned"]]
     if unpinned:
@@ -563,7 +589,7 @@ def fit_benchmarks_roofline(
                      + ", ".join(unpinned))
     from simcap.calibrate.fit_roofline import physics_floor_notes  # (scipy: a fit's, not start-up's)
 
-    notes += physics_floor_notes({t: coeffs[t] for t in form.free})
+    notes += physics_floor_notes({t: coeffs[t] for t in form.free}, held, floor)
     rows = _residual_rows(points, obj.simulate(x_hat), metrics)
     quality = _quality(rows, warn_above, warnings)
     quality["rms_log_error"] = round(float(np.sqrt(np.mean(r_hat[:n] ** 2))), 4) if n else None
@@ -579,7 +605,7 @@ def fit_benchmarks_roofline(
         method=("simulation-based, roofline form: scipy.optimize.least_squares (trf) on "
                 "log(simulated / measured) of the fitted aggregates, every point re-simulated, "
                 f"plus a log-normal pull of each free efficiency toward its prior (data sigma "
-                f"{data_sigma:g}); efficiencies fitted in log space"),
+                f"{data_sigma:g}); efficiencies fitted in log space, each at least {floor:g}"),
         form=form, coefficients={**coeffs, "host_overhead": obj.host}, fixed={},
         ci=ci, bootstrap=sets,
         bootstrap_method=(f"wild bootstrap (random signs) of the {n} log-ratio residuals (scaled "

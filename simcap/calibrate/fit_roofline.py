@@ -20,6 +20,14 @@ of that roofline (``efficiency``, 1 = at the roofline) plus ``base``, ``per_requ
   :data:`PER_REQUEST_SD` (0.3) x one token's roofline compute seconds. ``base`` and
   ``mixed_step`` are free. Solved by non-negative least squares (``combine: sum``) or bounded
   ``scipy.optimize.least_squares`` from the sum solution (``combine: max``, not linear).
+- **The physical floor.** Every efficiency is bounded below by ``efficiency_floor``: by
+  default 1 on hardware whose figures are datasheet peaks (no term runs faster than its bytes
+  and FLOPs at those rates allow; the prior toward 1 is then a half-normal), none on hardware
+  whose rates a microbenchmark measured (``rates: measured``: real kernels may beat them). The sum form solves for each term's excess over its bound. A term the fit
+  holds at the floor against the data's pull (the objective's gradient points below it) is
+  named in the notes: the data give that term less time than the hardware can, so the
+  datasheet is off or another term (or one the form lacks) takes the time. A floor of 0
+  gives the unbounded fit, whose efficiencies below 0.95 are named instead.
 - **Pinned or not.** Per regularised term the *prior share*
   ``lambda_j [(J^T J + Lambda)^-1]_jj`` (``J``: the weighted data Jacobian at the fit,
   ``Lambda``: the prior precisions): how much of the estimate's precision comes from the prior.
@@ -196,19 +204,22 @@ def model_arg(value: str) -> Any:
 
 def roofline_options(hardware: str | None, model: str | None, *, combine: str = "sum",
                      routing_skew: str | float = 0.0, prior_sd: float = 1.0,
+                     efficiency_floor: float | None = None,
                      records: Sequence[Any] | None = None) -> dict[str, Any]:
     """The ``roofline`` arguments of :func:`simcap.calibrate.calibrate` from command-line values."""
     if not hardware or not model:
         raise CalibrationError("--form roofline: give --hardware and --model (catalog names or files)")
     if not 0.0 < prior_sd < math.inf:
         raise CalibrationError(f"--prior-sd: a finite number > 0 (got {prior_sd!r})")
+    if efficiency_floor is not None and not 0.0 <= efficiency_floor <= 1.0:
+        raise CalibrationError(f"--efficiency-floor: a number from 0 to 1 (got {efficiency_floor!r})")
     if routing_skew != "fit":
         try:
             routing_skew = float(routing_skew)
         except ValueError:
             raise CalibrationError(f"--routing-skew: a number in [0, 1) or 'fit' (got {routing_skew!r})") from None
     return {"hardware": hardware_arg(hardware), "model": model_arg(model), "combine": combine,
-            "routing_skew": routing_skew, "prior_sd": prior_sd,
+            "routing_skew": routing_skew, "prior_sd": prior_sd, "efficiency_floor": efficiency_floor,
             "records": [str(r) for r in records or []]}
 
 
@@ -237,41 +248,52 @@ class _System:
     prior: np.ndarray  # prior value per column (all columns)
     sd: np.ndarray  # prior sd per column (inf: unregularised)
     combine: str
+    lower: np.ndarray  # lower bound per column: 0 for seconds, the floor for efficiencies
 
 
 def _solve(sys: _System, rows: np.ndarray, w: np.ndarray, sigma: float,
            x0: np.ndarray | None = None) -> np.ndarray:
     """Coefficients (all columns; unfitted at their prior) minimising the weighted relative
-    residuals of ``rows`` plus the prior."""
+    residuals of ``rows`` plus the prior, each at or above its lower bound."""
+    return _solve_bounded(sys, rows, w, sigma, x0)[0]
+
+
+def _solve_bounded(sys: _System, rows: np.ndarray, w: np.ndarray, sigma: float,
+                   x0: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """As :func:`_solve`, and per free column whether the fit holds it at its lower bound
+    against the data's pull (the objective would fall below it)."""
     f = sys.free
     X, y, wr = sys.X[rows], sys.y[rows], w[rows]
     reg = f[np.isfinite(sys.sd[f])]
+    lo = sys.lower[f]
     fixed = np.array(sys.prior, dtype=float)
-    fixed[f] = 0.0
+    fixed[f] = lo  # (the sum form solves for the excess over the bound, >= 0)
     scale = sigma / sys.sd[reg] if len(reg) else np.zeros(0)
+    out = np.array(sys.prior, dtype=float)
     if sys.combine != "max":
         A = np.vstack([X[:, f] / wr[:, None], np.zeros((len(reg), len(f)))])
-        b = np.concatenate([(y - X @ fixed) / wr, scale * sys.prior[reg]])
+        b = np.concatenate([(y - X @ fixed) / wr, scale * (sys.prior[reg] - sys.lower[reg])])
         for i, j in enumerate(reg):
             A[len(y) + i, list(f).index(j)] = scale[i]
         try:
             sol = nnls(A, b, maxiter=100 * len(f))[0]
         except RuntimeError as exc:
             raise CalibrationError(f"roofline fit: NNLS did not converge: {exc}") from None
-        out = np.array(sys.prior, dtype=float)
-        out[f] = sol
-        return out
+        out[f] = lo + sol
+        pull = A.T @ (b - A @ sol)  # < 0 at a bound: the objective falls below it
+        held = (sol <= 0.0) & (pull < -1e-9 * max(float(np.abs(A.T @ b).max()), 1e-300))
+        return out, held
 
     def resid(v: np.ndarray) -> np.ndarray:
         c = np.array(sys.prior, dtype=float)
         c[f] = v
         return np.concatenate([(roofline_forward(X, c, "max") - y) / wr, scale * (c[reg] - sys.prior[reg])])
 
-    start = np.maximum((x0 if x0 is not None else sys.prior)[f], 1e-12)
-    r = least_squares(resid, start, bounds=(0.0, np.inf), method="trf", x_scale="jac", max_nfev=200)
-    out = np.array(sys.prior, dtype=float)
-    out[f] = r.x
-    return out
+    start = np.maximum((x0 if x0 is not None else sys.prior)[f], lo + 1e-12)
+    r = least_squares(resid, start, bounds=(lo, np.inf), method="trf", x_scale="jac", max_nfev=200)
+    held = r.active_mask < 0
+    out[f] = np.where(held, lo, r.x)  # (trf stays a hair inside its bounds)
+    return out, held
 
 
 def _objective(sys: _System, c: np.ndarray, w: np.ndarray, sigma: float) -> float:
@@ -295,6 +317,13 @@ def _jacobian(sys: _System, c: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def _fit_once(sys: _System, sigma_fixed: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
     """IRLS: (coefficients, weights, sigma)."""
+    c, w, sigma, _ = _fit_held(sys, sigma_fixed)
+    return c, w, sigma
+
+
+def _fit_held(sys: _System, sigma_fixed: float | None = None
+              ) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """IRLS: (coefficients, weights, sigma, per free column held at its bound by the fit)."""
     rows = np.arange(len(sys.y))
     w = np.maximum(sys.y, 1e-9)
     # Unregularised pass for the residual spread (sigma), then the regularised passes.
@@ -308,26 +337,47 @@ def _fit_once(sys: _System, sigma_fixed: float | None = None) -> tuple[np.ndarra
             sigma = float(1.4826 * np.median(np.abs(lr - np.median(lr)))) if ok.any() else 1.0
             sigma = max(sigma, 1e-3)
         w = np.maximum(pred, 1e-9)
-        c = _solve(sys, rows, w, sigma, c)
-    return c, w, float(sigma)
+        c, held = _solve_bounded(sys, rows, w, sigma, c)
+    return c, w, float(sigma), held
 
 
-def physics_floor_notes(fitted: dict[str, float]) -> list[str]:
-    """A note naming each fitted efficiency below 1: that term then runs faster than the
-    hardware's datasheet allows (time = efficiency x its bytes or FLOPs at the datasheet's
-    rate), so the datasheet figure is low for this machine, or the time the fit took off it
-    belongs to a term the form lacks. ``fitted``: the free ``efficiency.<term>`` values."""
+def physics_floor_notes(fitted: dict[str, float], held: Sequence[str] = (),
+                        floor: float = 1.0) -> list[str]:
+    """Notes on efficiencies against the physical floor (time = efficiency x the term's bytes
+    or FLOPs at the datasheet's rate, so below 1 the term runs faster than the hardware
+    allows). ``held``: the terms a fit with efficiencies bounded at ``floor`` holds there
+    against the data, which want them lower; ``fitted``: the free ``efficiency.<term>``
+    values, those below :data:`FLOOR` named (fits whose bound is under it). Either way the
+    datasheet figure is low for this machine, or the time the fit took off that term belongs
+    to a term the form lacks."""
+    notes = []
+    if held:
+        notes.append(
+            f"held at the physical floor (efficiency {floor:g}) against the data, which want it "
+            "faster than the datasheet allows: " + ", ".join(held)
+            + "; the datasheet figure is low for this machine, or the form lacks a term that takes "
+              "the time the data give the others")
     below = {t: v for t, v in fitted.items() if t.startswith("efficiency.") and v < FLOOR}
-    if not below:
-        return []
-    return [
-        "below the physical floor (efficiency < 1: faster than the datasheet allows): "
-        + ", ".join(f"{t} {v:.3g}" for t, v in below.items())
-        + "; the datasheet figure is low for this machine, or the form lacks a term that takes this time"
-    ]
+    if below:
+        notes.append(
+            "below the physical floor (efficiency < 1: faster than the datasheet allows): "
+            + ", ".join(f"{t} {v:.3g}" for t, v in below.items())
+            + "; the datasheet figure is low for this machine, or the form lacks a term that takes this time")
+    return notes
 
 
 FLOOR = 0.95  # below this a fitted efficiency is noted (a little under 1: fits carry noise)
+
+
+def check_floor(floor: float | None, hardware: Any) -> float:
+    """The efficiencies' lower bound of a fit: ``floor`` (a number in [0, 1]; 0 gives the
+    unbounded fit), or None for the hardware's own (1 for datasheet peaks, none for rates a
+    microbenchmark measured: :attr:`simcap.catalog.HardwareSpec.efficiency_floor`)."""
+    if floor is None:
+        return hardware.efficiency_floor
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
+        raise CalibrationError(f"efficiency_floor: a number from 0 to 1 (got {floor!r})")
+    return float(floor)
 
 
 def fit_roofline_samples(
@@ -339,6 +389,7 @@ def fit_roofline_samples(
     routing_skew: float | str = 0.0,
     context: ContextSource | None = None,
     prior_sd: float = 1.0,
+    efficiency_floor: float | None = None,
     num_draft_passes: int = 0,
     host_overhead: float | None = None,
     bootstrap: int = 200,
@@ -353,7 +404,8 @@ def fit_roofline_samples(
     ``hardware``, ``model``: catalog names, ``{config: PATH}`` or inline entries (as in a
     scenario's ``step_time``); ``config``: further roofline keys (weight_dtype, kv_dtype,
     compute_dtype, tensor_parallel_size, draft_model). ``context``: the attended context per
-    decoding request where the samples lack it (:func:`step_inputs`). ``routing_skew``: a value,
+    decoding request where the samples lack it (:func:`step_inputs`). ``efficiency_floor``:
+    every efficiency's lower bound (None: the hardware's, :func:`check_floor`). ``routing_skew``: a value,
     or ``"fit"`` (grid). ``num_draft_passes``: k of an EAGLE draft (0 otherwise). The rest as
     :func:`simcap.calibrate.fit_step_samples`. The returned :class:`Fit` carries the profile's
     ``step_time`` section (``Fit.step_time``) and per-term pinning (``Fit.extra['roofline']``).
@@ -376,6 +428,7 @@ def fit_roofline_samples(
     extra = dict(config or {})
     base_cfg = roofline_config(hardware, model, combine=combine, **extra)
     phys = base_cfg.physics
+    floor = check_floor(efficiency_floor, phys.hardware)
     names = coef_names()
     m = len(names)
     if len(y) < 4:
@@ -391,7 +444,8 @@ def fit_roofline_samples(
         sd = np.array([np.inf, PER_REQUEST_SD * prior_sd * tok, np.inf, *([prior_sd] * len(ROOFLINE_TERMS))])
         varies = np.array([np.any(X[:, j] != 0) for j in range(m)])
         varies[0] = True
-        return _System(X, y, np.flatnonzero(varies), prior, sd, combine)
+        lower = np.array([0.0, 0.0, 0.0, *([floor] * len(ROOFLINE_TERMS))])
+        return _System(X, y, np.flatnonzero(varies), prior, sd, combine, lower)
 
     skew_report = None
     if routing_skew == "fit":
@@ -417,7 +471,8 @@ def fit_roofline_samples(
     else:
         skew = float(routing_skew)
     sys_ = system(skew)
-    coef, w, sigma = _fit_once(sys_)
+    coef, w, sigma, held = _fit_held(sys_)
+    held = [names[j] for j, h in zip(sys_.free, held) if h and names[j].startswith("efficiency.")]
     fitted = roofline_forward(sys_.X, coef, combine)
 
     # Pinning: the prior's share of each regularised term's precision.
@@ -477,14 +532,15 @@ def fit_roofline_samples(
     unpinned = [n for n, e in pinning.items() if e.get("pinned") is False]
     notes.append(f"pinned by the data (prior share < {PIN_THRESHOLD}): {', '.join(pinned) or 'none'}; "
                  f"held by the prior: {', '.join(unpinned) or 'none'}")
-    notes += physics_floor_notes({t: coeffs[t] for t in terms})
+    notes += physics_floor_notes({t: coeffs[t] for t in terms}, held, floor)
     fit = Fit(
         kind="step_samples",
         method=(f"roofline form ({combine}): "
                 + ("nnls (scipy.optimize.nnls)" if combine == "sum" else "bounded least squares "
                    "(scipy.optimize.least_squares, trf) from the sum form's solution")
                 + " on relative step residuals (iteratively reweighted by the prediction), each "
-                  f"efficiency pulled toward 1 (sd {prior_sd:g}) and per_request toward 0"),
+                  f"efficiency pulled toward 1 (sd {prior_sd:g}) and at least {floor:g}, "
+                  "per_request toward 0"),
         form=Form(tuple(terms), {}), coefficients=coeffs, fixed={},
         ci=ci, bootstrap=sets,
         bootstrap_method=f"pairs bootstrap over step rows ({bootstrap} resamples, seed {seed}; "
@@ -494,6 +550,8 @@ def fit_roofline_samples(
     )
     fit.step_time = step_time
     fit.extra = {"roofline": {
+        "efficiency_floor": floor,
+        "held_at_floor": held,
         "prior": {"efficiency": 1.0, "efficiency_sd": prior_sd, "per_request": 0.0,
                   "per_request_sd_s": _fmt(PER_REQUEST_SD * prior_sd * (phys.compute_per_token + phys.compute_per_logit)),
                   "weight": "sigma^2 / sd^2 per coefficient, sigma the relative residual spread "

@@ -2,7 +2,8 @@
 
 - ``hardware.yaml``: name -> ``{description, memory_gb, memory_bandwidth_gbps (GB/s, 10**9
   bytes), peak_tflops: {bf16, fp16, fp8, int8, fp32} (dense; null where the chip has none),
-  interconnect: {name, bandwidth_gbps (per direction, per GPU), latency_us}, sources: {field:
+  interconnect: {name, bandwidth_gbps (per direction, per GPU), latency_us}, rates: peak
+  (datasheet, the default) or measured (a microbenchmark's achieved rates), sources: {field:
   citation}}``.
 - ``models/NAME.json``: a Hugging Face ``config.json`` (plus ``_source`` / ``_assumption``
   notes), read by :meth:`simcap.catalog.memory.ModelShape.from_hf_config`.
@@ -17,7 +18,7 @@ import json
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -60,7 +61,17 @@ class HardwareSpec(_Model):
     memory_bandwidth_gbps: float = Field(gt=0.0, description="GB/s (10**9 bytes per second).")
     peak_tflops: dict[str, float | None] = Field(description="Dense peak TFLOPS per dtype.")
     interconnect: Interconnect | None = None
+    rates: Literal["peak", "measured"] = Field(
+        "peak",
+        description="peak: datasheet figures, which no kernel beats (a fitted efficiency is at "
+                    "least 1); measured: achieved by a microbenchmark, which real kernels may beat.")
     sources: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def efficiency_floor(self) -> float:
+        """The fitted efficiencies' lower bound these figures allow: 1 for peaks, 0 (none)
+        for measured rates."""
+        return 1.0 if self.rates == "peak" else 0.0
 
     def peak_flops(self, key: str, path: str) -> float:
         """FLOP/s of the ``key`` entry (bf16, fp8, ...); a ScenarioError when the chip lacks it."""

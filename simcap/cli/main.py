@@ -433,6 +433,11 @@ def calibrate_cmd(
     prior_sd: float = typer.Option(
         1.0, "--prior-sd", help="--form roofline: prior sd of each efficiency around 1."
     ),
+    efficiency_floor: Optional[float] = typer.Option(
+        None, "--efficiency-floor",
+        help="--form roofline: lower bound of each efficiency (default: 1 on datasheet hardware, "
+             "none on measured rates; 0: the unbounded fit).",
+    ),
     records: Optional[List[Path]] = typer.Option(
         None, "--records",
         help="--form roofline: client request records of the logged run (JSONL, .gz ok; repeatable): "
@@ -492,13 +497,15 @@ def calibrate_cmd(
             from simcap.calibrate.fit_roofline import roofline_options
 
             roofline = roofline_options(hardware, model, combine=combine, routing_skew=routing_skew,
-                                        prior_sd=prior_sd, records=records)
+                                        prior_sd=prior_sd, efficiency_floor=efficiency_floor,
+                                        records=records)
         elif hardware or model or records:
             raise cal.CalibrationError("--hardware, --model, --records: only with --form roofline")
-        elif combine != "sum" or routing_skew != "0" or prior_sd != 1.0:
-            # (a roofline recipe carries its own combine, routing skew and prior)
-            raise cal.CalibrationError("--combine, --routing-skew, --prior-sd: only with --form roofline "
-                                       "(a roofline recipe sets them in its step_time and prior)")
+        elif combine != "sum" or routing_skew != "0" or prior_sd != 1.0 or efficiency_floor is not None:
+            # (a roofline recipe carries its own combine, routing skew, prior and floor)
+            raise cal.CalibrationError("--combine, --routing-skew, --prior-sd, --efficiency-floor: only "
+                                       "with --form roofline (a roofline recipe sets them in its "
+                                       "step_time and prior)")
         startup.end()  # what follows reads the measurements and fits them
         fit = cal.calibrate(
             inputs, recipe, form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
