@@ -23,11 +23,12 @@ of that roofline (``efficiency``, 1 = at the roofline) plus ``base``, ``per_requ
 - **The physical floor.** Every efficiency is bounded below by ``efficiency_floor``: by
   default 1 on hardware whose figures are datasheet peaks (no term runs faster than its bytes
   and FLOPs at those rates allow; the prior toward 1 is then a half-normal), none on hardware
-  whose rates a microbenchmark measured (``rates: measured``: real kernels may beat them). The sum form solves for each term's excess over its bound. A term the fit
-  holds at the floor against the data's pull (the objective's gradient points below it) is
-  named in the notes: the data give that term less time than the hardware can, so the
-  datasheet is off or another term (or one the form lacks) takes the time. A floor of 0
-  gives the unbounded fit, whose efficiencies below 0.95 are named instead.
+  whose rates a microbenchmark measured (``rates: measured``: real kernels may beat them).
+  The sum form solves for each term's excess over its bound. A term the fit holds at the
+  floor against the data's pull (the objective's gradient points below it) is named in the
+  notes: the data give that term less time than the hardware can, so the datasheet is off or
+  another term (or one the form lacks) takes the time. A floor of 0 gives the unbounded fit,
+  whose efficiencies below 0.95 are named instead.
 - **Pinned or not.** Per regularised term the *prior share*
   ``lambda_j [(J^T J + Lambda)^-1]_jj`` (``J``: the weighted data Jacobian at the fit,
   ``Lambda``: the prior precisions): how much of the estimate's precision comes from the prior.
