@@ -58,6 +58,14 @@ CASES = [
     (["serve", "{s}", "--tokenizer", "{file}"], "--tokenizer"),
     # score: the profile, the tables, the options
     (["score", "{csv}", "{csv}"], "s.csv: expected a mapping of name, engine, step_time"),
+    (["measure-next", "{roofline_recipe}", "--target", "foo c=16", "--candidate", "eagle3 c=8"],
+     "'foo c=16': no row of arm 'foo' to run at 16 clients (arms: eagle3, no-spec)"),
+    (["measure-next", "{roofline_recipe}", "--target", "eagle3 c=0", "--candidate", "eagle3 c=8"],
+     "'eagle3 c=0': a row label or ARM c=N"),
+    (["measure-next", "{linear_recipe}", "--target", "eagle3 c=16", "--candidate", "eagle3 c=8"],
+     "a roofline recipe with datasets is needed"),
+    (["measure-next", "{roofline_recipe}", "--target", "eagle3 c=16", "--candidate", "eagle3 c=8",
+      "--metrics", ","], "--metrics: at least one metric"),
     (["score", "{profile}", "{csv}", "--input-len", "0"], "--input-len"),
     (["score", "{profile}", "{csv}", "--column", "x=y"], "--column"),
     (["score", "{profile}", "{csv}", "--metrics", "speed"], "--metrics"),
@@ -333,14 +341,16 @@ def paths(tmp_path_factory):
     trace = root / "trace.yaml"
     trace.write_text(yaml.safe_dump({**SCENARIO, "workload": {"trace": {"format": "azure", "path": "t.csv"}}}))
     return {"s": str(scenario), "csv": str(samples), "file": str(regular), "recipe": str(recipe),
-            "t": str(trace), "profile": str(ROOT / "calibration" / "profiles" / "a800-minimax-m3.yaml")}
+            "t": str(trace), "profile": str(ROOT / "calibration" / "profiles" / "a800-minimax-m3.yaml"),
+            "roofline_recipe": str(ROOT / "calibration" / "recipes" / "a800-minimax-m3.roofline.yaml"),
+            "linear_recipe": str(ROOT / "calibration" / "recipes" / "a800-minimax-m3.yaml")}
 
 
 def test_the_table_covers_every_command():
     assert len(CASES) >= 40
     commands = {args[0] if args[0] != "live" else " ".join(args[:2]) for args, _ in CASES}
     assert commands >= {"simulate", "kv", "crossover", "capacity", "sweep", "calibrate", "fleet", "serve",
-                        "score", "live run", "live validate", "live calibrate", "live capacity"}
+                        "score", "measure-next", "live run", "live validate", "live calibrate", "live capacity"}
 
 
 @pytest.mark.parametrize("args,field", CASES, ids=lambda v: " ".join(v)[:70] if isinstance(v, list) else v)

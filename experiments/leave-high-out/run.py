@@ -85,6 +85,24 @@ def add_intervals(rows: list[dict], points, step_times: list[dict], metrics, lev
         r["covered"] = bool(lo <= r["measured"] <= hi)
 
 
+def add_laplace(rows: list[dict], recipe: Recipe, fit_pts, held) -> None:
+    """Roofline form: each prediction row gets its 90% interval in the fit's Laplace
+    approximation (the priors' spread over terms the low rows leave free included;
+    simcap.calibrate.measure_next) and whether it holds the measured figure."""
+    from simcap.calibrate.measure_next import Query, measure_next
+
+    wanted = sorted({r["metric"] for r in rows})
+    targets = [Query(p, (m,)) for p in held for m in wanted if m in p.measured]
+    rep = measure_next(fit_pts, recipe.step_time, recipe.form, prior=recipe.prior,
+                       fit_metrics=recipe.fit_metrics, weights=recipe.weights, starts=recipe.starts,
+                       seed=recipe.seed, targets=targets, candidates=targets[:1])
+    by = {(t["point"], t["metric"]): t["interval"] for t in rep["targets"]}
+    for r in rows:
+        lo, hi = by[(r["point"], r["metric"])]
+        r["laplace_interval"] = [lo, hi]
+        r["laplace_covered"] = bool(lo <= r["measured"] <= hi)
+
+
 def predict(points, step_time: dict, metrics) -> list[dict]:
     rows = []
     for pt in points:
@@ -125,6 +143,8 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, i
     rows = predict(held, st, metrics)
     if intervals:
         add_intervals(rows, held, bootstrap_step_times(fit, recipe), metrics)
+        if recipe.step_time.get("form") == "roofline":
+            add_laplace(rows, recipe, fit_pts, held)
     errs = [abs(r["error_pct"]) for r in rows]
     out = {
         "recipe": recipe_file, "variant": variant,
@@ -138,6 +158,8 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, i
     if intervals:
         out["intervals"] = {"bootstrap": intervals, "level": 0.9,
                             "covered": sum(r["covered"] for r in rows), "held_out": len(rows)}
+        if rows and "laplace_covered" in rows[0]:
+            out["intervals"]["laplace_covered"] = sum(r["laplace_covered"] for r in rows)
     return out
 
 
@@ -175,6 +197,7 @@ def main() -> None:
         out[dep] = {v: fn(v, args.intervals) for v in ("linear", "roofline-sum", "roofline-max")}
         for v, r in out[dep].items():
             cover = (f"  covered {r['intervals']['covered']}/{r['intervals']['held_out']}"
+                     + (f" (Laplace {r['intervals']['laplace_covered']})" if "laplace_covered" in r["intervals"] else "")
                      if "intervals" in r else "")
             print(dep, v, f"mean |err| {r['mean_abs_error_pct']:.1f}%  max {r['max_abs_error_pct']:.1f}%{cover}")
             for row in r["predictions"]:

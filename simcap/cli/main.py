@@ -532,10 +532,12 @@ def calibrate_cmd(
 
 from simcap.cli.accuracy import accuracy  # noqa: E402
 from simcap.cli.live import live_app  # noqa: E402  (the `simcap live` sub-commands)
+from simcap.cli.measure_next import measure_next  # noqa: E402
 from simcap.cli.score import score  # noqa: E402
 from simcap.cli.serve import serve  # noqa: E402
 
 app.command("accuracy")(accuracy)
+app.command("measure-next")(measure_next)
 app.command("score")(score)
 app.command("serve")(serve)
 app.add_typer(live_app, name="live")

@@ -1,0 +1,63 @@
+"""``simcap measure-next``: which load point to measure to narrow a prediction most."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import typer
+
+from simcap.cli.common import JSON_OPTION, user_errors
+from simcap.metrics import report
+
+
+def measure_next(
+    recipe: Path = typer.Argument(..., help="A roofline recipe with datasets (what simcap calibrate fits)."),
+    target: List[str] = typer.Option(
+        ..., "--target", metavar="LABEL",
+        help="A prediction: a row label or ARM c=N (N clients, run as that arm's rows are; repeatable).",
+    ),
+    candidate: List[str] = typer.Option(
+        ..., "--candidate", metavar="LABEL", help="A point you could measure, as --target (repeatable).",
+    ),
+    metrics: str = typer.Option(
+        "output_throughput,e2e_mean", "--metrics",
+        help="Comma-separated: the targets' figure is the first; a candidate run measures them all.",
+    ),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Fit the recipe, give each target its 90% interval (the prior's spread over terms the data
+    leave free included), and say which candidate, measured, would narrow them most."""
+    from simcap.calibrate.measure_next import measure_next_recipe
+
+    with user_errors():
+        result = measure_next_recipe(recipe, target, candidate,
+                                     [m.strip() for m in metrics.split(",") if m.strip()])
+    if json_out:
+        typer.echo(report.to_json(result))
+        return
+    console = report.wide_console(110)
+    from rich.table import Table
+
+    table = Table(title="targets (90% interval, Laplace at the fit)", title_justify="left")
+    for col in ("target", "figure", "predicted", "interval"):
+        table.add_column(col, justify="left" if col in ("target", "figure") else "right")
+    for t in result["targets"]:
+        table.add_row(t["point"], t["metric"], f"{t['value']:.4g}",
+                      f"{t['interval'][0]:.4g} - {t['interval'][1]:.4g}")
+    console.print(table)
+    table = Table(title="candidates: each target's interval width if measured (x current)",
+                  title_justify="left")
+    table.add_column("measure")
+    for t in result["targets"]:
+        table.add_column(t["point"], justify="right")
+    table.add_column("summed variance", justify="right")
+    for c in result["candidates"]:
+        table.add_row(c["point"], *(f"{v:.2f}" for v in c["shrink"].values()),
+                      f"{c['summed_variance_ratio']:.2f}")
+    console.print(table)
+    a = result["advice"]
+    typer.echo(f"measure next: {a['measure']} ({', '.join(a['metrics'])}); the widest interval "
+               f"({a['widest_target']}) shrinks to {a['its_interval_shrinks_to']:.2f} of its width")
+    for note in result["fit"]["notes"]:
+        typer.echo(f"note: {note}")
