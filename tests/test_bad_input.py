@@ -59,9 +59,9 @@ CASES = [
     # score: the profile, the tables, the options
     (["score", "{csv}", "{csv}"], "s.csv: expected a mapping of name, engine, step_time"),
     (["measure-next", "{roofline_recipe}", "--target", "foo c=16", "--candidate", "eagle3 c=8"],
-     "'foo c=16': no row of arm 'foo' to run at 16 clients (arms: eagle3, no-spec)"),
+     "'foo c=16': no row of arm 'foo' (arms: eagle3, no-spec)"),
     (["measure-next", "{roofline_recipe}", "--target", "eagle3 c=0", "--candidate", "eagle3 c=8"],
-     "'eagle3 c=0': a row label or ARM c=N"),
+     "'eagle3 c=0': a row label, ARM c=N (N clients) or ARM rate=R"),
     (["measure-next", "{linear_recipe}", "--target", "eagle3 c=16", "--candidate", "eagle3 c=8"],
      "a roofline recipe with datasets is needed"),
     (["measure-next", "{roofline_recipe}", "--target", "eagle3 c=16", "--candidate", "eagle3 c=8",

@@ -33,10 +33,28 @@ def test_labels_name_rows_or_a_concurrency(low_rows):
     assert moved.scenario["engine"] == low_rows[0].scenario["engine"]
     with pytest.raises(CalibrationError, match="no row of arm 'x'"):
         point_at(low_rows, "x c=8")
-    with pytest.raises(CalibrationError, match="a row label or ARM c=N"):
+    with pytest.raises(CalibrationError, match="a row label, ARM c=N"):
         point_at(low_rows, "syn c=zero")
     with pytest.raises(CalibrationError, match="a whole number >= 1"):
         at_concurrency(low_rows[0], 0)
+    with pytest.raises(CalibrationError, match="not an open loop at a rate"):
+        point_at(low_rows, "syn rate=2")
+
+
+def test_an_open_loop_row_moves_to_another_rate_over_the_same_time():
+    from simcap.calibrate.readers import BenchmarkPoint
+
+    knee = BenchmarkPoint("knee rate=6", {"engine": ENGINE, "workload": {
+        "arrival": {"process": "gamma", "rate": 6.0, "burstiness": 0.5}, "num_requests": 600,
+        "input_len": 512, "output_len": 256}}, {"tpot_p95": 0.05}, {"file": "t"})
+    moved = point_at([knee], "knee rate=2.5")
+    assert moved.label == "knee rate=2.5" and moved.measured == {}
+    assert moved.scenario["workload"]["arrival"] == {"process": "gamma", "rate": 2.5, "burstiness": 0.5}
+    assert moved.scenario["workload"]["num_requests"] == 250
+    with pytest.raises(CalibrationError, match="not a closed loop"):
+        point_at([knee], "knee c=4")
+    with pytest.raises(CalibrationError, match="ARM rate=R"):
+        point_at([knee], "knee rate=-1")
 
 
 def test_a_high_point_narrows_a_high_prediction_most(low_rows):

@@ -11,7 +11,8 @@ says which, and by how much, in the fit's own Laplace approximation:
   re-simulated). ``H = J^T J``; the coefficients' covariance is ``data_sigma^2 H^-1`` (a data
   row's residual is a log ratio with noise ``data_sigma``, a prior row is scaled to the same
   units), so a term the data do not pin keeps its prior's spread.
-- **Predictions.** A query is a point (its scenario) and a metric. Its log sensitivity ``g``
+- **Predictions.** A query is a point (its scenario: a row, or a row's arm at another
+  concurrency or rate) and a metric. Its log sensitivity ``g``
   (forward differences again) gives ``var(log value) = data_sigma^2 g H^-1 g^T`` and the
   interval ``value x exp(+-z sd)``.
 - **A candidate** is a point to measure and the metrics such a run gives (a closed-loop run
@@ -51,20 +52,44 @@ class Query:
         return f"{self.point.label} {'+'.join(self.metrics)}"
 
 
+def _arm(label: str) -> str:
+    """A row label without its load: ``eagle3 c=4`` -> ``eagle3``, ``knee rate=6`` -> ``knee``."""
+    for key in (" c=", " rate="):
+        if key in label:
+            return label.rpartition(key)[0].strip()
+    return label.strip()
+
+
 def at_concurrency(point: BenchmarkPoint, concurrency: int, *, label: str | None = None) -> BenchmarkPoint:
     """``point`` run as a closed loop of ``concurrency`` clients (``max(20, 8 x concurrency)``
-    requests, steady-state throughput as the point's), labelled ``label`` or the point's label
-    with ``c=<concurrency>``."""
-    if not isinstance(concurrency, int) or concurrency < 1:
+    requests, steady-state throughput as the point's), labelled ``label`` or ``ARM c=N``."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise CalibrationError(f"concurrency: a whole number >= 1 (got {concurrency!r})")
     workload = dict(point.scenario["workload"])
     if (workload.get("arrival") or {}).get("process") != "closed":
         raise CalibrationError(f"{point.label}: not a closed loop; no concurrency to change")
     workload["arrival"] = {**workload["arrival"], "concurrency": concurrency}
     workload["num_requests"] = max(20, 8 * concurrency)
-    name = label or f"{point.label.rsplit('c=', 1)[0].strip()} c={concurrency}".strip()
-    return dataclasses.replace(point, label=name, scenario={**point.scenario, "workload": workload},
-                               measured={})
+    return dataclasses.replace(point, label=label or f"{_arm(point.label)} c={concurrency}",
+                               scenario={**point.scenario, "workload": workload}, measured={})
+
+
+def at_rate(point: BenchmarkPoint, rate: float, *, label: str | None = None) -> BenchmarkPoint:
+    """``point`` (an open loop) at ``rate`` requests/s, its arrival process otherwise kept and
+    its duration too (requests scaled with the rate, at least 20), labelled ``label`` or
+    ``ARM rate=R``."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 < rate < math.inf:
+        raise CalibrationError(f"rate: a number > 0 (got {rate!r})")
+    workload = dict(point.scenario["workload"])
+    arrival = workload.get("arrival") or {}
+    if not arrival.get("rate"):
+        raise CalibrationError(f"{point.label}: not an open loop at a rate; no rate to change")
+    n = workload.get("num_requests")
+    if n:
+        workload["num_requests"] = max(20, round(n * rate / float(arrival["rate"])))
+    workload["arrival"] = {**arrival, "rate": float(rate)}
+    return dataclasses.replace(point, label=label or f"{_arm(point.label)} rate={rate:g}",
+                               scenario={**point.scenario, "workload": workload}, measured={})
 
 
 def measure_next(
@@ -170,21 +195,31 @@ def measure_next(
 
 
 def point_at(points: Sequence[BenchmarkPoint], label: str) -> BenchmarkPoint:
-    """The point ``label`` names: a row of ``points`` with that label, or ``ARM c=N`` (a
-    closed loop of N clients run as the first row labelled ``ARM c=...``, :func:`at_concurrency`)."""
+    """The point ``label`` names: a row of ``points`` with that label, ``ARM c=N`` (a closed
+    loop of N clients run as the first row of that arm, :func:`at_concurrency`) or ``ARM
+    rate=R`` (an open loop at R requests/s, :func:`at_rate`). A row's arm is its label
+    without its load (``eagle3 c=4`` -> ``eagle3``; ``high-generation`` is its own)."""
     for pt in points:
         if pt.label == label:
             return pt
-    arm, sep, count = label.rpartition("c=")
-    arm = arm.strip()
-    arms = sorted({p.label.rpartition("c=")[0].strip() for p in points if "c=" in p.label})
-    if not sep or not count.isdigit() or int(count) < 1:
-        raise CalibrationError(f"{label!r}: a row label or ARM c=N (N clients; arms: {', '.join(arms) or 'none'})")
+    arms = sorted({_arm(p.label) for p in points})
+    arm = _arm(label)
+    load = label.strip()[len(arm):].strip()
+    kind, _, value = load.partition("=")
+    try:
+        if kind == "c" and value.isdigit() and int(value) >= 1:
+            make = lambda pt: at_concurrency(pt, int(value))  # noqa: E731
+        elif kind == "rate" and 0.0 < float(value) < math.inf:
+            make = lambda pt: at_rate(pt, float(value))  # noqa: E731
+        else:
+            raise ValueError
+    except ValueError:
+        raise CalibrationError(f"{label!r}: a row label, ARM c=N (N clients) or ARM rate=R (R requests/s); "
+                               f"arms: {', '.join(arms) or 'none'}") from None
     for pt in points:
-        if "c=" in pt.label and pt.label.rpartition("c=")[0].strip() == arm:
-            return at_concurrency(pt, int(count), label=f"{arm} c={count}".strip())
-    raise CalibrationError(f"{label!r}: no row of arm {arm!r} to run at {count} clients "
-                           f"(arms: {', '.join(arms) or 'none'})")
+        if _arm(pt.label) == arm:
+            return make(pt)
+    raise CalibrationError(f"{label!r}: no row of arm {arm!r} (arms: {', '.join(arms) or 'none'})")
 
 
 def measure_next_recipe(recipe_path: str | Any, targets: Sequence[str], candidates: Sequence[str],
