@@ -15,7 +15,8 @@ def measure_next(
     recipe: Path = typer.Argument(..., help="A roofline recipe with datasets (what simcap calibrate fits)."),
     target: List[str] = typer.Option(
         ..., "--target", metavar="LABEL",
-        help="A prediction: a row label or ARM c=N (N clients, run as that arm's rows are; repeatable).",
+        help="A prediction: a row label, ARM c=N (N clients, run as that arm's rows are) or ARM rate=R "
+             "(an open-loop row at R requests/s); repeatable.",
     ),
     candidate: List[str] = typer.Option(
         ..., "--candidate", metavar="LABEL", help="A point you could measure, as --target (repeatable).",
