@@ -66,6 +66,8 @@ CASES = [
      "a roofline recipe with datasets is needed"),
     (["measure-next", "{roofline_recipe}", "--target", "eagle3 c=16", "--candidate", "eagle3 c=8",
       "--metrics", ","], "--metrics: at least one metric"),
+    (["measure-next", "{roofline_recipe}", "--target", "eagle3 c=16", "--candidate", "eagle3 c=8",
+      "--metrics", "tokens"], "--metrics 'tokens': not a metric"),
     (["score", "{profile}", "{csv}", "--input-len", "0"], "--input-len"),
     (["score", "{profile}", "{csv}", "--column", "x=y"], "--column"),
     (["score", "{profile}", "{csv}", "--metrics", "speed"], "--metrics"),

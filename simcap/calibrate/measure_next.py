@@ -230,17 +230,17 @@ def measure_next_recipe(recipe_path: str | Any, targets: Sequence[str], candidat
     of ``metrics``."""
     from pathlib import Path
 
-    from simcap.calibrate.pipeline import read_inputs
+    from simcap.calibrate.pipeline import check_fit_metrics, read_inputs
     from simcap.calibrate.recipe import Recipe
 
+    if not metrics:
+        raise CalibrationError("--metrics: at least one metric")
+    metrics = tuple(check_fit_metrics(metrics, "--metrics"))
     recipe = Recipe.load(Path(recipe_path))
     if (recipe.step_time or {}).get("form") != "roofline" or not recipe.datasets:
         raise CalibrationError(f"{recipe_path}: a roofline recipe with datasets is needed (its step_time "
                                "says form: roofline; its priors hold the terms the data leave free)")
     _, points = read_inputs(recipe.datasets, recipe.path.parent, recipe, None, 0)
-    metrics = tuple(metrics)
-    if not metrics:
-        raise CalibrationError("--metrics: at least one metric")
     report = measure_next(
         points, recipe.step_time, recipe.form, prior=recipe.prior, fit_metrics=recipe.fit_metrics,
         weights=recipe.weights, starts=recipe.starts, seed=recipe.seed, level=level,
