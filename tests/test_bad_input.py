@@ -194,6 +194,7 @@ CASES = [
     (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--efficiency-floor", "1"],
      "--combine, --routing-skew, --prior-sd, --efficiency-floor"),
     (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--rows", "no-spec c=1"], "--rows"),
+    (["calibrate", "{csv}", "--out", "{tmp}/p.yaml", "--leave-one-out"], "--leave-one-out: benchmark rows only"),
     (["calibrate", "{csv}"], "--out"),
     (["calibrate", "{recipe}", "--out", "{tmp}/p.yaml"], "r.yaml: bootstrap"),
     # live (each fails before contacting the server)

@@ -132,16 +132,16 @@ def fit_on(recipe: Recipe, fit_pts, bootstrap: int = 0):
 
 
 def leave_one_row_out(recipe_file: str, metrics) -> list[dict]:
-    """Each of the recipe's rows predicted by the recipe's fit on all the OTHER rows: a row
-    the others cannot predict is inconsistent with them (a one-run outlier, or a load the form
-    cannot reach from the rest)."""
+    """Each of the recipe's rows predicted by the recipe's fit on all the OTHER rows
+    (simcap.calibrate.leave_one_out, as ``simcap calibrate --leave-one-out``)."""
+    from simcap.calibrate.leave_one_out import leave_one_out
+
     recipe = Recipe.load(RECIPES / recipe_file)
     pts = points_of(recipe)
-    rows = []
-    for p in pts:
-        fit = fit_on(recipe, [q for q in pts if q is not p])
-        rows += predict([p], fitted_step_time(fit, recipe), metrics)
-    return rows
+    rows = leave_one_out(
+        pts, lambda labels: fitted_step_time(fit_on(recipe, [p for p in pts if p.label in labels]), recipe),
+        metrics)
+    return [{**r, "error_pct": r["rel_error"] * 100} for r in rows]
 
 
 def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, intervals: int = 0) -> dict:

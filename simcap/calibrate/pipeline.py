@@ -166,15 +166,7 @@ def calibrate(
     form_obj = (Form.parse(form or recipe.form) if (form or recipe.form) and not roofline_recipe
                 else None)
     warn = warn_above if warn_above is not None else recipe.warn_above
-    base_dir = recipe.path.parent if recipe.path and recipe.datasets else Path(".")
-    datasets = [dict(d) for d in recipe.datasets] or [
-        {"input": i} for i in inputs
-    ]
-    if recipe.datasets and inputs:
-        raise CalibrationError("calibrate: give a recipe or measurement files, not both")
-    if not datasets:
-        raise CalibrationError("calibrate: no input files")
-    step_inputs, points = read_inputs(datasets, base_dir, recipe, workload, num_speculative_tokens, table)
+    step_inputs, points = read_all(inputs, recipe, workload, num_speculative_tokens, table)
     if step_inputs:
         _no_table_options(rows, table, fit_metrics, "step samples have none")
     points = pick_rows(points, rows)
@@ -233,6 +225,19 @@ def pick_rows(points: list, rows: Collection[str] | None) -> list:
         raise CalibrationError(f"--rows: no benchmark row labelled {', '.join(map(repr, unknown))} "
                                f"(rows: {', '.join(sorted(known))})")
     return [p for p in points if p.label in set(rows)]
+
+
+def read_all(inputs: Sequence[str], recipe: Recipe, workload: dict[str, Any] | None,
+             num_speculative_tokens: int, table: TableReading | None = None) -> tuple[list, list]:
+    """The step samples and benchmark points of the command's inputs or the recipe's datasets
+    (one or the other)."""
+    base_dir = recipe.path.parent if recipe.path and recipe.datasets else Path(".")
+    datasets = [dict(d) for d in recipe.datasets] or [{"input": i} for i in inputs]
+    if recipe.datasets and inputs:
+        raise CalibrationError("calibrate: give a recipe or measurement files, not both")
+    if not datasets:
+        raise CalibrationError("calibrate: no input files")
+    return read_inputs(datasets, base_dir, recipe, workload, num_speculative_tokens, table)
 
 
 def read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Recipe,

@@ -468,6 +468,11 @@ def calibrate_cmd(
         help="Benchmark results: fit only the row with this label (repeatable), e.g. 'no-spec c=4'; "
              "the others are left out (held out, to score the fit on).",
     ),
+    leave_one_out: bool = typer.Option(
+        False, "--leave-one-out",
+        help="Benchmark results: also predict each row from the same fit on all the other rows, "
+             "and name the rows the others cannot predict.",
+    ),
     column: Optional[List[str]] = COLUMN_OPTION,
     where: Optional[List[str]] = WHERE_OPTION,
     gpus: Optional[int] = GPUS_OPTION,
@@ -507,27 +512,42 @@ def calibrate_cmd(
                                        "with --form roofline (a roofline recipe sets them in its "
                                        "step_time and prior)")
         startup.end()  # what follows reads the measurements and fits them
-        fit = cal.calibrate(
-            inputs, recipe, form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
-            num_speculative_tokens=num_speculative_tokens, bootstrap=bootstrap, warn_above=warn_above,
-            noise=family, roofline=roofline, rows=rows, table=table_reading(column, where, gpus),
-            fit_metrics=fit_metrics.split(",") if fit_metrics is not None else None,
-        )
+        options = dict(form=form, fix=fixed, host_overhead=host_overhead, workload=workload,
+                       num_speculative_tokens=num_speculative_tokens, warn_above=warn_above,
+                       noise=family, roofline=roofline, table=table_reading(column, where, gpus),
+                       fit_metrics=fit_metrics.split(",") if fit_metrics is not None else None)
+        fit = cal.calibrate(inputs, recipe, bootstrap=bootstrap, rows=rows, **options)
+        loo = None
+        if leave_one_out:
+            from simcap.calibrate.leave_one_out import of_calibration
+
+            loo = of_calibration(inputs, recipe, rows=rows, **options)
         command = "simcap calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         cal.write_profile(cal.profile_dict(fit, recipe, command=command), out)
         if residual_plot is not None:
             cal.residual_plot(fit, residual_plot)
     except SimcapError as exc:
         fail(str(exc))
+    above = warn_above if warn_above is not None else recipe.warn_above
     if json_out:
-        typer.echo(report.to_json({**fit.to_dict(), "profile": str(out)}))
+        typer.echo(report.to_json({**fit.to_dict(), "profile": str(out),
+                                   **({"leave_one_out": loo} if loo is not None else {})}))
     else:
         cal.render_fit(fit, report.wide_console(110))
+        if loo is not None:
+            report.wide_console(110).print(report.leave_one_out_table(loo))
         typer.echo(f"profile: {out}")
         if residual_plot is not None:
             typer.echo(f"figure: {residual_plot}")
     for line in fit.warnings:
         typer.echo(line, err=True)
+    if loo is not None:
+        from simcap.calibrate.leave_one_out import disagreeing
+
+        for label in disagreeing(loo, above):
+            typer.echo(f"WARNING: {label}: the fit on the other rows misses it by more than "
+                       f"{above:.0%}; it disagrees with them (a one-run outlier, or a load the form "
+                       "cannot reach from the rest)", err=True)
 
 
 from simcap.cli.accuracy import accuracy  # noqa: E402

@@ -63,6 +63,22 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:,.1f}"
 
 
+def leave_one_out_table(rows: list[dict[str, Any]]) -> Table:
+    """Each benchmark row's figures predicted by the fit on the other rows (``simcap calibrate
+    --leave-one-out``)."""
+    from rich.table import Table
+
+    table = Table(title="leave one row out: each row predicted by the fit on the others",
+                  title_justify="left")
+    for col in ("row", "figure", "measured", "predicted", "error"):
+        table.add_column(col, justify="left" if col in ("row", "figure") else "right")
+    for r in rows:
+        err = r["rel_error"]
+        table.add_row(r["point"], r["metric"], f"{r['measured']:.4g}", f"{r['predicted']:.4g}",
+                      "-" if err is None else f"{err * 100:+.1f}%")
+    return table
+
+
 def latency_table(result: dict[str, Any], title: str = "latency (ms)") -> Table:
     from rich.table import Table
 
