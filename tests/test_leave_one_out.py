@@ -47,6 +47,19 @@ def test_a_row_that_disagrees_with_the_others_is_named(tmp_path):
         leave_one_out([pts[0], pts[0]], refit)
 
 
+def test_a_row_whose_others_cannot_be_fitted_is_reported_not_predicted(tmp_path):
+    pts = read_benchmarks(synthetic_table(tmp_path / "t.json", concurrencies=(1, 4)), "runs",
+                          engine=ENGINE, speculative=None, label="syn")
+
+    def refit(labels):
+        raise CalibrationError("calibrate: 2 fitted measurements are too few for 3 free terms")
+
+    rows = leave_one_out(pts, refit, ["output_throughput"])
+    assert [r["point"] for r in rows] == [p.label for p in pts]
+    assert all(r["predicted"] is None and r["rel_error"] is None and "too few" in r["unfitted"] for r in rows)
+    assert disagreeing(rows, 0.1) == []
+
+
 def test_cli_names_the_a800_rows_the_others_cannot_predict(tmp_path):
     out = tmp_path / "p.yaml"
     res = CliRunner().invoke(app, ["calibrate", str(ROOT / "calibration" / "recipes" / "a800-minimax-m3.yaml"),

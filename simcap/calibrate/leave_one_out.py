@@ -24,8 +24,10 @@ def leave_one_out(points: Sequence[BenchmarkPoint], refit: Callable[[list[str]],
                   metrics: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """For each row of ``points``: ``refit`` on the labels of all the others (it returns the
     fitted ``step_time`` section), then the row simulated with it; one result per measured
-    figure (those in ``metrics`` when given): measured, predicted, relative error. Rows
-    whose labels repeat are refused (a label must name one row)."""
+    figure (those in ``metrics`` when given): measured, predicted, relative error. Where the
+    other rows cannot be fitted (too few figures for the free terms, say), the row's results
+    carry no prediction and ``unfitted``, the reason. Rows whose labels repeat are refused (a
+    label must name one row)."""
     labels = [p.label for p in points]
     if len(set(labels)) != len(labels):
         raise CalibrationError("--leave-one-out: row labels repeat; give each row its own label")
@@ -33,14 +35,19 @@ def leave_one_out(points: Sequence[BenchmarkPoint], refit: Callable[[list[str]],
         raise CalibrationError("--leave-one-out: needs at least two benchmark rows")
     out = []
     for pt in points:
-        step_time = refit([label for label in labels if label != pt.label])
+        wanted = [m for m in pt.measured if metrics is None or m in metrics]
+        try:
+            step_time = refit([label for label in labels if label != pt.label])
+        except CalibrationError as exc:
+            out += [{"point": pt.label, "metric": m, "measured": pt.measured[m], "predicted": None,
+                     "rel_error": None, "unfitted": str(exc)} for m in wanted]
+            continue
         try:
             res = simulate(parse_scenario({**pt.scenario, "step_time": step_time}))
         except (ScenarioError, SimulationError) as exc:
             raise CalibrationError(f"--leave-one-out: {pt.label}: {exc}") from None
-        for m, measured in pt.measured.items():
-            if metrics is not None and m not in metrics:
-                continue
+        for m in wanted:
+            measured = pt.measured[m]
             predicted = metric_value(m, res, steady_state=pt.steady_state)
             out.append({"point": pt.label, "metric": m, "measured": measured, "predicted": predicted,
                         "rel_error": (predicted - measured) / measured if measured else None})

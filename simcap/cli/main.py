@@ -544,6 +544,8 @@ def calibrate_cmd(
     if loo is not None:
         from simcap.calibrate.leave_one_out import disagreeing
 
+        for label, why in dict.fromkeys((r["point"], r["unfitted"]) for r in loo if r.get("unfitted")):
+            typer.echo(f"note: {label}: not predicted: the other rows cannot be fitted alone ({why})", err=True)
         for label in disagreeing(loo, above):
             typer.echo(f"WARNING: {label}: the fit on the other rows misses it by more than "
                        f"{above:.0%}; it disagrees with them (a one-run outlier, or a load the form "

@@ -74,7 +74,9 @@ def leave_one_out_table(rows: list[dict[str, Any]]) -> Table:
         table.add_column(col, justify="left" if col in ("row", "figure") else "right")
     for r in rows:
         err = r["rel_error"]
-        table.add_row(r["point"], r["metric"], f"{r['measured']:.4g}", f"{r['predicted']:.4g}",
+        predicted = r["predicted"]
+        table.add_row(r["point"], r["metric"], f"{r['measured']:.4g}",
+                      "not fitted" if predicted is None else f"{predicted:.4g}",
                       "-" if err is None else f"{err * 100:+.1f}%")
     return table
 
