@@ -79,6 +79,10 @@ def test_a_high_point_narrows_a_high_prediction_most(low_rows):
     again = measure_next(low_rows, start(), "base,experts,compute", prior={"sigma": 0.7},
                          targets=targets, candidates=candidates)
     assert json.dumps(again, sort_keys=True) == json.dumps(rep, sort_keys=True)
+    # Without candidates: the same intervals, and no advice.
+    alone = measure_next(low_rows, start(), "base,experts,compute", prior={"sigma": 0.7},
+                         targets=targets, candidates=())
+    assert alone["targets"] == rep["targets"] and alone["advice"] is None and alone["candidates"] == []
 
 
 def test_cli_prints_the_advice(tmp_path):

@@ -95,7 +95,7 @@ def add_laplace(rows: list[dict], recipe: Recipe, fit_pts, held) -> None:
     targets = [Query(p, (m,)) for p in held for m in wanted if m in p.measured]
     rep = measure_next(fit_pts, recipe.step_time, recipe.form, prior=recipe.prior,
                        fit_metrics=recipe.fit_metrics, weights=recipe.weights, starts=recipe.starts,
-                       seed=recipe.seed, targets=targets, candidates=targets[:1])
+                       seed=recipe.seed, targets=targets, candidates=())
     by = {(t["point"], t["metric"]): t["interval"] for t in rep["targets"]}
     for r in rows:
         lo, hi = by[(r["point"], r["metric"])]

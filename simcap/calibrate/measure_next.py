@@ -108,9 +108,9 @@ def measure_next(
     step: float = 0.02,
 ) -> dict[str, Any]:
     """Fit the roofline form to ``points`` (as :func:`fit_benchmarks_roofline`, no
-    bootstrap), then give each target its value and Laplace interval, and each candidate the
-    factor by which measuring it would shrink every target's interval; ``advice``: the best
-    candidate. See the module docstring."""
+    bootstrap), then give each target its value and Laplace interval, and each candidate (none:
+    the intervals alone) the factor by which measuring it would shrink every target's interval;
+    ``advice``: the best candidate (None without candidates). See the module docstring."""
     from scipy.stats import norm
 
     from simcap.calibrate.fit_bench import (
@@ -118,8 +118,6 @@ def measure_next(
 
     if not targets:
         raise CalibrationError("measure next: no target to predict")
-    if not candidates:
-        raise CalibrationError("measure next: no candidate point to measure")
     if not 0.0 < level < 1.0:
         raise CalibrationError(f"level: a number in (0, 1) (got {level!r})")
     form = form if isinstance(form, RooflineForm) else RooflineForm.parse(form)
@@ -176,8 +174,14 @@ def measure_next(
                                "shrink": {t["point"] + " " + t["metric"]: float(s)
                                           for t, s in zip(out_targets, shrink)},
                                "summed_variance_ratio": float(var_k.sum() / var.sum()) if var.sum() > 0 else 1.0})
-    best = min(range(len(candidates)), key=lambda k: out_candidates[k]["summed_variance_ratio"])
-    widest = max(range(len(targets)), key=lambda i: var[i])
+    advice = None
+    if candidates:
+        best = out_candidates[min(range(len(candidates)),
+                                  key=lambda k: out_candidates[k]["summed_variance_ratio"])]
+        widest = out_targets[max(range(len(targets)), key=lambda i: var[i])]
+        key = widest["point"] + " " + widest["metric"]
+        advice = {"measure": best["point"], "metrics": best["metrics"], "widest_target": key,
+                  "its_interval_shrinks_to": best["shrink"][key]}
     return {
         "fit": {"coefficients": {t: fit.coefficients[t] for t in form.free},
                 "notes": [n for n in fit.notes if "floor" in n or "pinned" in n]},
@@ -187,10 +191,7 @@ def measure_next(
                    "the targets' summed variance"),
         "targets": out_targets,
         "candidates": out_candidates,
-        "advice": {"measure": out_candidates[best]["point"], "metrics": out_candidates[best]["metrics"],
-                   "widest_target": out_targets[widest]["point"] + " " + out_targets[widest]["metric"],
-                   "its_interval_shrinks_to": out_candidates[best]["shrink"][
-                       out_targets[widest]["point"] + " " + out_targets[widest]["metric"]]},
+        "advice": advice,
     }
 
 

@@ -453,15 +453,15 @@ class EngineWorld:
         engine's time plus its offset), as a step at a time takes it and as the records hold
         them: the summaries of both, and of the records, agree byte for byte."""
         fe = self.frontend
-        first = times[1]
         if fe is None:
             ends = times
+            first = ends[1]
             gaps = [first - last for last in lasts]
         else:
             off, prevs = fe.batch([req.request_id for req in reqs])
             ends = array("d", [t + off for t in times])
+            first = ends[1]
             it = iter(lasts)
-            first += off
             gaps = [first - (next(it) + prev) for prev in prevs if prev is not None]
         single = self._single_gaps
         single += gaps
