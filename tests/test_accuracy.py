@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from simcap.accuracy.corpus import CASE_FILE, CorpusError, load_case, load_corpus
 from simcap.accuracy.replay import replay_corpus
-from simcap.accuracy.report import markdown, ratchet, read_record, record_of
+from simcap.accuracy.report import form_error, markdown, ratchet, read_record, record_of
 from simcap.cli.main import app
 from simcap.live.client import LiveRun
 from simcap.live.prom import parse_metrics
@@ -45,6 +45,18 @@ def test_the_committed_table_is_the_replay(replayed):
     assert json.loads(RECORD.read_text()) == json.loads(json.dumps(record_of(replays)))
 
 
+def test_the_committed_model_form_is_the_replay_and_its_intervals_cover(replayed):
+    cases, replays = replayed
+    record = form_error(cases, replays)
+    assert json.loads((ROOT / "calibration" / "model_form.json").read_text()) == json.loads(json.dumps(record))
+    cov = record["coverage"]
+    # Each case's figures against 90% intervals fitted on the other cases: the share inside
+    # must stay between 80% and 100%, overall and for the figures predicted past the fit part.
+    assert 0.8 <= cov["all"]["share"] <= 1.0, cov["all"]
+    assert 0.8 <= cov["beyond_fit"]["share"] <= 1.0, cov["beyond_fit"]
+    assert {"live", "table"} <= set(cov["kind"])
+
+
 def test_the_corpus_covers_both_forms_and_both_kinds(replayed):
     cases, replays = replayed
     assert {c.kind for c in cases} == {"live", "table"}
@@ -56,7 +68,7 @@ def test_the_corpus_covers_both_forms_and_both_kinds(replayed):
     covered = {m for c in cases for m in c.mechanisms}
     assert {"open loop", "closed loop", "near saturation", "chunked prefill", "preemption", "prefix caching",
             "sessions", "speculative decoding (ngram)", "speculative decoding (EAGLE3)", "fleet of two replicas",
-            "MoE experts"} <= covered
+            "MoE experts", "a public table"} <= covered
     # Each mechanism's own figure is in the table where the case has one.
     metrics = {f["metric"] for r in replays for f in r.figures}
     assert {"preemptions", "prefix_hit_rate", "later_turns_ttft_p50"} <= metrics

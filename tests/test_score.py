@@ -322,3 +322,33 @@ def test_a_declared_or_aliased_column_beats_a_bare_one(tmp_path):
     with pytest.raises(CalibrationError, match=r"two columns read as 'concurrency' \('load' and 'clients'\); "
                                                 r"declare the one to read with --column NAME=concurrency"):
         loads(TableReading.parse(["load=concurrency", "clients=concurrency"]))
+
+
+def test_a_recipe_reads_a_table_as_the_options_do():
+    """A recipe dataset's ``table`` section is ``--column``/``--where`` written down: the public
+    cases' recipes read dstack's H200 vLLM rows, the same six the README's journey reads."""
+    from simcap.calibrate import Recipe
+    from simcap.calibrate.pipeline import benchmark_points
+
+    points = benchmark_points(Recipe.load(ROOT / "calibration" / "recipes" / "dstack-r1-h200.yaml"))
+    assert [p.label for p in points] == [f"vllm c={c}" for c in (128, 64, 32, 16, 8, 4)]
+    assert points[-1].scenario["workload"]["input_len"] == 3200
+    assert points[-1].measured["tpot_mean"] == pytest.approx(0.02573, rel=1e-3)
+
+
+@pytest.mark.parametrize("section, says", [
+    ({"columns": {"ISL": "input_len"}, "wher": []}, "dataset table: unknown key 'wher'; allowed: columns, where, gpus"),
+    ("GPU==h200", "dataset table: a mapping; allowed: columns, where, gpus"),
+    ({"where": ["GPU ~ h200"]}, "dataset table: --where 'GPU ~ h200': expected NAME OP VALUE"),
+    ({"columns": ["ISL=input_len"]}, "dataset table: columns is a mapping NAME: KEY"),
+])
+def test_a_recipe_table_section_is_refused_in_one_line(tmp_path, section, says):
+    recipe = yaml.safe_load((ROOT / "calibration" / "recipes" / "dstack-r1-h200.yaml").read_text())
+    recipe["datasets"][0]["file"] = str(PUBLIC / "online_results.csv")
+    recipe["datasets"][0]["table"] = section
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = run("calibrate", path, "--out", tmp_path / "p.yaml")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], out.stderr

@@ -19,7 +19,11 @@ its held-out part, and give every prediction's error beside the measurement's ow
 Per figure: ``measured`` is the median over the point's runs (a table row: the published
 value), ``predicted`` the median over the runs' replays, ``error`` = predicted / measured - 1,
 and ``spread`` the range of the server instances' medians relative to ``measured`` (None with
-one instance or a table): the noise a prediction cannot be asked to beat.
+one instance or a table): the noise a prediction cannot be asked to beat. ``load`` is the
+point's requests in flight as predicted (Little's law on its simulation: completed requests x
+mean end-to-end latency / duration, the median over its runs) and ``fit_load`` the most any run
+or row of the fit part had (a live case's as measured, a table's fit rows as simulated with the
+fitted profile): how far past its data the prediction reached (:mod:`simcap.accuracy.model_form`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class CaseReplay:
     form: str
     figures: list[Figure]
     fitted: dict[str, Any]  # the fitted step_time (speculative, frontend) sections
+    fit_load: float | None = None  # the fit part's most requests in flight (see the module doc)
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -58,10 +63,26 @@ def _rel(pred: float | None, ref: float | None) -> float | None:
 
 
 def _figure(case: str, form: str, point: str, metric: str, measured: float | None, predicted: float | None,
-            spread: float | None, runs: int) -> Figure:
+            spread: float | None, runs: int, load: float | None = None,
+            fit_load: float | None = None) -> Figure:
     return {"key": f"{case}/{form}/{point}/{metric}", "case": case, "form": form, "point": point,
             "metric": metric, "measured": measured, "predicted": predicted,
-            "error": _rel(predicted, measured), "spread": spread, "runs": runs}
+            "error": _rel(predicted, measured), "spread": spread, "runs": runs,
+            "load": load, "fit_load": fit_load}
+
+
+def in_flight(summary: Any) -> float | None:
+    """Requests in flight on average over a run (Little's law: completed x mean end-to-end
+    latency / duration; None for a run without completed requests or duration)."""
+    mean = summary.e2e_s.mean
+    if not summary.completed or mean is None or not summary.duration_s:
+        return None
+    return float(summary.completed * mean / summary.duration_s)
+
+
+def _most(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
@@ -103,6 +124,7 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
 
     notes: list[str] = []
     profile = fit_live(case, form, notes, load)
+    fit_load = _most([in_flight(load(f).run.summary()) for f in case.fit.runs])
     figures: list[Figure] = []
     for point in case.points:
         data = dict(point.scenario)
@@ -113,7 +135,7 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
             data["frontend"] = profile["frontend"]
         data.pop("profile", None)
         scenario = parse_scenario(data)
-        live, pred, instance = [], [], []
+        live, pred, instance, loads = [], [], [], []
         for ref in point.runs:
             recorded = load(ref.file)
             sim = replay_run(scenario, recorded.run, point.replay)
@@ -124,6 +146,7 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
             pred.append(_values(sim.summary, sim.records, pc["hits"] / pc["queries"] if pc and pc["queries"] else None,
                                 float(sim.summary.preemptions)))
             instance.append(ref.instance)
+            loads.append(in_flight(sim.summary))
         metrics = list(LIVE_METRICS)
         if scenario.workload.prefix is not None or scenario.workload.sessions is not None:
             metrics.append("prefix_hit_rate")
@@ -139,9 +162,11 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
             by: dict[int, list[float]] = {}
             for i, v in zip(instance, lv):
                 by.setdefault(i, []).append(v)
+            known = [v for v in loads if v is not None]
             figures.append(_figure(case.name, form, point.name, metric, float(np.median(lv)),
-                                   float(np.median(pv)), instance_spread(by)["between_instances"], len(lv)))
-    return CaseReplay(case.name, form, figures, profile, notes)
+                                   float(np.median(pv)), instance_spread(by)["between_instances"], len(lv),
+                                   float(np.median(known)) if known else None, fit_load))
+    return CaseReplay(case.name, form, figures, profile, fit_load, notes)
 
 
 def _values(summary: Any, records: Sequence[Any], prefix_hit_rate: float | None,
@@ -167,6 +192,11 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
     fit = calibrate([], recipe, bootstrap=0, rows=case.fit_rows)
     profile = profile_dict(fit, recipe)
     points = {p.label: p for p in benchmark_points(recipe)}
+
+    def run(pt: Any) -> Any:
+        return simulate(parse_scenario({**pt.scenario, "step_time": profile["step_time"]}))
+
+    fit_load = _most([in_flight(run(points[label]).summary) for label in case.fit_rows if label in points])
     figures: list[Figure] = []
     notes: list[str] = []
     for row in case.held_out:
@@ -174,14 +204,14 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
         if pt is None:
             notes.append(f"{row.row}: not a row of {case.recipes[form]}")  # type: ignore[index]
             continue
-        result = simulate(parse_scenario({**pt.scenario, "step_time": profile["step_time"]}))
+        result = run(pt)
         for metric in row.metrics:
             if metric not in pt.measured:
                 continue
             value = metric_value(metric, result, steady_state=pt.steady_state)
             figures.append(_figure(case.name, form, row.row, metric, float(pt.measured[metric]),
-                                   float(value), None, 1))
-    return CaseReplay(case.name, form, figures, {"step_time": profile["step_time"]}, notes)
+                                   float(value), None, 1, in_flight(result.summary), fit_load))
+    return CaseReplay(case.name, form, figures, {"step_time": profile["step_time"]}, fit_load, notes)
 
 
 def _loader(case: LiveCase) -> Callable[[str], Any]:

@@ -18,10 +18,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from simcap._version import __version__
+from simcap.accuracy import model_form
 from simcap.accuracy.corpus import FORMS, Case, LiveCase
 from simcap.accuracy.replay import CaseReplay, Figure
 
 RECORD_FORMAT = "simcap accuracy record 1"
+MODEL_FORM_FILE = "model_form.json"
 MARGIN = 0.01  # |error| may grow by at most one percentage point
 
 
@@ -94,6 +96,46 @@ def summary_rows(replays: Sequence[CaseReplay]) -> list[dict[str, Any]]:
     return rows
 
 
+def form_error(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> dict[str, Any] | None:
+    """The model-form error fitted on every replayed figure, with its leave-one-case-out
+    coverage (:mod:`simcap.accuracy.model_form`): what ``calibration/model_form.json`` holds.
+    None with fewer than three cases (no case could be left out of a fit worth the name)."""
+    kinds = {c.name: c.kind for c in cases}
+    data = model_form.samples(_figures(replays), kinds)
+    if len({s.case for s in data}) < 3:
+        return None
+    cov = model_form.coverage(data)
+    return {**model_form.fit(data).to_dict(),
+            "coverage": {k: v for k, v in cov.items() if k not in ("rows", "level")}}
+
+
+def _share(row: dict[str, Any]) -> str:
+    return f"{row['inside']} of {row['figures']} ({row['share'] * 100:.0f}%)"
+
+
+def _form_error_markdown(record: dict[str, Any]) -> list[str]:
+    cov = record["coverage"]
+    out = ["", "## Model-form intervals", "",
+           f"How wrong the form is beyond what a fit's bootstrap sees, learned from the figures above "
+           f"(`simcap.accuracy.model_form`; fitted on all of them in `calibration/model_form.json`): per "
+           f"metric family, log(predicted / measured) ~ N(0, s0^2 + (a d)^2) with d the doublings of "
+           f"load (requests in flight) past the fit part, and the {record['level']:.0%} interval "
+           f"+-q sigma(d) with q the conformal quantile. Coverage is counted leaving each case out: its "
+           f"figures against intervals fitted on the other cases only. Width: the interval's length "
+           f"relative to the prediction (exp(h) - exp(-h)), median.", "",
+           "| held out | inside the interval | median width |", "|---|---:|---:|",
+           f"| every figure | {_share(cov['all'])} | {cov['all']['median_width']:.2f} |",
+           f"| beyond the fit part (d > 0) | {_share(cov['beyond_fit'])} | "
+           f"{cov['beyond_fit']['median_width']:.2f} |"]
+    for group in ("kind", "family", "case"):
+        for name, row in cov[group].items():
+            out.append(f"| {group} {name} | {_share(row)} | {row['median_width']:.2f} |")
+    out += ["", "| family | s0 | a (per doubling) | q | figures |", "|---|---:|---:|---:|---:|"]
+    for name, t in record["terms"].items():
+        out.append(f"| {name} | {t['s0']:.3f} | {t['a']:.3f} | {t['q']:.2f} | {t['figures']} |")
+    return out
+
+
 def markdown(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> str:
     """The accuracy table: a summary per case and form, then every figure of every case."""
     out = [
@@ -150,15 +192,21 @@ def markdown(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> str:
             spread = "-" if fig["spread"] is None else f"{fig['spread'] * 100:.1f}%"
             out.append(f"| {point} | {metric} | {_value(metric, fig['measured'])} | " + " | ".join(cells)
                        + f" | {spread} |")
+    record = form_error(cases, replays)
+    if record is not None:
+        out += _form_error_markdown(record)
     return "\n".join(out) + "\n"
 
 
-def write(folder: Path, cases: Sequence[Case], replays: Sequence[CaseReplay]) -> tuple[Path, Path]:
-    """``accuracy.md`` and ``accuracy.json`` in ``folder``."""
-    md, js = folder / "accuracy.md", folder / "accuracy.json"
+def write(folder: Path, cases: Sequence[Case], replays: Sequence[CaseReplay]) -> tuple[Path, ...]:
+    """``accuracy.md``, ``accuracy.json`` and ``model_form.json`` in ``folder``."""
+    md, js, mf = folder / "accuracy.md", folder / "accuracy.json", folder / MODEL_FORM_FILE
     md.write_text(markdown(cases, replays))
     js.write_text(json.dumps(record_of(replays), indent=1) + "\n")
-    return md, js
+    record = form_error(cases, replays)
+    if record is not None:
+        mf.write_text(json.dumps(record, indent=1) + "\n")
+    return (md, js, mf) if record is not None else (md, js)
 
 
 def read_record(path: Path) -> dict[str, Any]:

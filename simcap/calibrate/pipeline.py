@@ -240,6 +240,30 @@ def read_all(inputs: Sequence[str], recipe: Recipe, workload: dict[str, Any] | N
     return read_inputs(datasets, base_dir, recipe, workload, num_speculative_tokens, table)
 
 
+TABLE_KEYS = ("columns", "where", "gpus")
+
+
+def _table_of(dataset: dict[str, Any], path: Path) -> TableReading | None:
+    """A recipe dataset's ``table`` section (``columns``, ``where``, ``gpus``: what ``--column``,
+    ``--where`` and ``--gpus`` say on the command line), or None."""
+    spec = dataset.get("table")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or set(spec) - set(TABLE_KEYS):
+        bad = sorted(set(spec) - set(TABLE_KEYS)) if isinstance(spec, dict) else None
+        raise CalibrationError(f"{path}: dataset table: " + (f"unknown key {bad[0]!r}; " if bad else "a mapping; ")
+                               + f"allowed: {', '.join(TABLE_KEYS)}")
+    columns, where = spec.get("columns") or {}, spec.get("where") or []
+    if not isinstance(columns, dict) or not isinstance(where, list):
+        raise CalibrationError(f"{path}: dataset table: columns is a mapping NAME: KEY, where a list of "
+                               "conditions NAME OP VALUE")
+    try:
+        return TableReading.parse([f"{k}={v}" for k, v in columns.items()], [str(w) for w in where],
+                                  spec.get("gpus"))
+    except CalibrationError as exc:  # the option's message, said of the recipe's section
+        raise CalibrationError(f"{path}: dataset table: {exc}") from None
+
+
 def read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Recipe,
                  workload: dict[str, Any] | None, num_speculative_tokens: int,
                  table: TableReading | None = None) -> tuple[list, list]:
@@ -268,8 +292,8 @@ def read_inputs(datasets: Sequence[dict[str, Any]], base_dir: Path, recipe: Reci
             spec = None if own in (False, None) else {
                 **(recipe.speculative or {}), **(own if isinstance(own, dict) else {})}
         wl = {**(d.get("workload") or {}), **(workload or {})}  # the command line wins
-        points += read_benchmarks(path, selector, engine=recipe.engine, speculative=spec,
-                                  workload=wl, seed=recipe.seed, label=d.get("label"), table=table)
+        points += read_benchmarks(path, selector, engine=recipe.engine, speculative=spec, workload=wl,
+                                  seed=recipe.seed, label=d.get("label"), table=table or _table_of(d, path))
     return step_inputs, points
 
 

@@ -42,8 +42,10 @@ def accuracy(
         problems = report.ratchet(replays, report.read_record(corpus.parent / "accuracy.json")) if check else []
         written = report.write(corpus.parent, cases, replays) if write else None
     rows = report.summary_rows(replays)
+    form_error = report.form_error(cases, replays)
     if json_out:
         typer.echo(text_report.to_json({"cases": [r.to_dict() for r in replays], "summary": rows,
+                                        "model_form": form_error,
                                         "ratchet": problems if check else None,
                                         "written": [str(p) for p in written] if written else None}))
     else:
@@ -59,8 +61,14 @@ def accuracy(
                           "-" if row["max_abs_error"] is None else f"{row['max_abs_error'] * 100:.1f}%",
                           f"{hit} of {n}" if n else "-", f"{r.wall_s:.1f} s")
         text_report.wide_console(130).print(table)
+        if form_error is not None:
+            cov = form_error["coverage"]
+            typer.echo(f"model-form {form_error['level']:.0%} intervals, each case left out of their fit: "
+                       f"{cov['all']['inside']} of {cov['all']['figures']} held-out figures inside "
+                       f"(median width {cov['all']['median_width']:.2f} of the prediction); beyond the fit part "
+                       f"{cov['beyond_fit']['inside']} of {cov['beyond_fit']['figures']}")
         if written:
-            typer.echo(f"written: {written[0]}, {written[1]}")
+            typer.echo(f"written: {', '.join(str(p) for p in written)}")
         if check:
             typer.echo("ratchet: holds" if not problems else f"ratchet: {len(problems)} figure(s) departed from the record")
     for line in problems:

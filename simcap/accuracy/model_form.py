@@ -1,0 +1,209 @@
+"""The model-form error of simcap's predictions, learned from the accuracy corpus's held-out
+figures, and the intervals it gives a prediction.
+
+A bootstrap over the rows a profile was fitted on says how much the fit moves with its data; it
+cannot say how wrong the step-time form is where no row reached. That error is measured here,
+from every held-out figure of the corpus (each a prediction from a fit on other data):
+
+- its log error ``e = log(predicted / measured)``;
+- its metric's family (:func:`family`): TTFT, per-token latency (TPOT, ITL), end-to-end
+  latency, throughput; medians and means apart from tails (p90 and above);
+- its distance past the fit part, ``d = max(0, log2(load / fit_load))`` in requests in flight
+  (:mod:`simcap.accuracy.replay`): 0 inside the fitted range, 1 at twice its load.
+
+Per family, ``e`` is taken as ``N(0, s0^2 + (a d)^2)``: ``s0`` the error at the fitted load
+(noise of the measurement, host effects, what the form misses everywhere), ``a`` its growth per
+doubling of load past it. ``s0`` and ``a`` are fitted by maximum likelihood; the interval's
+half-width in log space is ``q sigma(d)``, with ``q`` the split-conformal quantile of the
+training figures' ``|e| / sigma(d)`` (the ``ceil((n + 1) level)``-th smallest of n), not a
+normal quantile: the errors have heavier tails than a normal. A family with fewer than
+:data:`MIN_FIGURES` figures takes the pooled fit of all families.
+
+:func:`coverage` checks the intervals the honest way: each case's figures get intervals from a
+fit on the other cases only (leave one case out), and the share of figures inside them is
+reported, with the intervals' median width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+LEVEL = 0.9
+MIN_FIGURES = 8
+FORMAT = "simcap model-form error 1"
+POOLED = "all"
+
+
+def family(metric: str) -> str | None:
+    """The metric's family (None: not a latency or throughput figure, e.g. a hit rate)."""
+    m = metric.lower()
+    if "throughput" in m or m.endswith("_tps"):
+        return "throughput"
+    tail = any(m.endswith(s) for s in ("_p90", "_p95", "_p99", "_max"))
+    for key, name in (("ttft", "ttft"), ("tpot", "token"), ("itl", "token"), ("e2e", "e2e")):
+        if key in m:
+            return f"{name} tail" if tail else name
+    return None
+
+
+def distance(load: float | None, fit_load: float | None) -> float:
+    """Doublings of load past the fit part (0 inside it, or where a load is unknown)."""
+    if not load or not fit_load or load <= fit_load:
+        return 0.0
+    return math.log2(load / fit_load)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One held-out figure as the model-form fit sees it."""
+
+    case: str
+    family: str
+    error: float  # log(predicted / measured)
+    distance: float
+    kind: str = ""  # the case's kind of data ("live", "table"), for reports
+
+    @classmethod
+    def of(cls, figure: Mapping[str, Any], kind: str = "") -> "Sample | None":
+        fam = family(str(figure["metric"]))
+        err = figure.get("error")
+        if fam is None or err is None or err <= -1.0:
+            return None
+        return cls(str(figure["case"]), fam, math.log1p(err),
+                   distance(figure.get("load"), figure.get("fit_load")), kind)
+
+
+def samples(figures: Iterable[Mapping[str, Any]], kinds: Mapping[str, str] | None = None) -> list[Sample]:
+    """The figures that have a family and an error, as samples (``kinds``: case -> kind)."""
+    out = []
+    for f in figures:
+        s = Sample.of(f, (kinds or {}).get(str(f["case"]), ""))
+        if s is not None:
+            out.append(s)
+    return out
+
+
+@dataclass(frozen=True)
+class Term:
+    """One family's fit: ``sigma(d) = sqrt(s0^2 + (a d)^2)``, interval half-width ``q sigma``."""
+
+    s0: float
+    a: float
+    q: float
+    figures: int
+
+    def sigma(self, d: float) -> float:
+        return math.sqrt(self.s0**2 + (self.a * d) ** 2)
+
+    def half_width(self, d: float) -> float:
+        """The interval's half-width in log space at distance ``d``."""
+        return self.q * self.sigma(d)
+
+
+@dataclass
+class FormError:
+    """The fitted model-form error: a :class:`Term` per family (and the pooled one)."""
+
+    terms: dict[str, Term]
+    level: float = LEVEL
+    cases: list[str] = field(default_factory=list)
+
+    def term(self, fam: str) -> Term:
+        return self.terms.get(fam) or self.terms[POOLED]
+
+    def interval(self, predicted: float, metric: str, load: float | None = None,
+                 fit_load: float | None = None) -> tuple[float, float] | None:
+        """Where the measurement of a prediction should fall, at this object's level (None:
+        the metric has no family)."""
+        fam = family(metric)
+        if fam is None:
+            return None
+        h = self.term(fam).half_width(distance(load, fit_load))
+        return predicted * math.exp(-h), predicted * math.exp(h)
+
+    def covers(self, s: Sample) -> bool:
+        return abs(s.error) <= self.term(s.family).half_width(s.distance)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "level": self.level, "cases": list(self.cases),
+                "terms": {k: {"s0": round(t.s0, 5), "a": round(t.a, 5), "q": round(t.q, 4), "figures": t.figures}
+                          for k, t in sorted(self.terms.items())}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "FormError":
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a model-form error record (format {FORMAT!r})")
+        terms = {k: Term(float(v["s0"]), float(v["a"]), float(v["q"]), int(v["figures"]))
+                 for k, v in data["terms"].items()}
+        return cls(terms, float(data["level"]), list(data.get("cases", [])))
+
+
+def _fit_term(errors: np.ndarray, dists: np.ndarray, level: float) -> Term:
+    """Maximum likelihood of ``e ~ N(0, s0^2 + (a d)^2)``, then the conformal quantile."""
+    from scipy.optimize import minimize
+
+    e2 = errors**2
+    d2 = dists**2
+
+    def nll(theta: np.ndarray) -> float:
+        var = math.exp(2 * theta[0]) + math.exp(2 * theta[1]) * d2
+        return float(np.sum(np.log(var) + e2 / var))
+
+    rms = math.sqrt(float(np.mean(e2))) or 1e-6
+    starts = [np.array([math.log(rms), math.log(rms)]), np.array([math.log(rms), math.log(1e-4)])]
+    best = min((minimize(nll, x0, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 4000})
+                for x0 in starts), key=lambda r: r.fun)
+    s0, a = (math.exp(v) for v in best.x)
+    a = a if d2.any() else 0.0  # no distance in the data: no growth to speak of
+    scores = np.sort(np.abs(errors) / np.sqrt(s0**2 + a**2 * d2))
+    n = len(scores)
+    k = min(n, math.ceil((n + 1) * level))
+    return Term(s0, a, float(scores[k - 1]), n)
+
+
+def fit(data: Sequence[Sample], level: float = LEVEL) -> FormError:
+    """The model-form error of ``data`` (at least :data:`MIN_FIGURES` samples)."""
+    if len(data) < MIN_FIGURES:
+        raise ValueError(f"a model-form fit needs at least {MIN_FIGURES} figures (got {len(data)})")
+    errors = np.array([s.error for s in data])
+    dists = np.array([s.distance for s in data])
+    terms = {POOLED: _fit_term(errors, dists, level)}
+    for fam in sorted({s.family for s in data}):
+        mask = np.array([s.family == fam for s in data])
+        if mask.sum() >= MIN_FIGURES:
+            terms[fam] = _fit_term(errors[mask], dists[mask], level)
+    return FormError(terms, level, sorted({s.case for s in data}))
+
+
+def coverage(data: Sequence[Sample], level: float = LEVEL) -> dict[str, Any]:
+    """Leave one case out: every case's samples against intervals fitted on the other cases.
+
+    Returns the share inside (overall, per kind of data, per family, per case), the median
+    interval width (``exp(h) - exp(-h)``, relative to the prediction) and each sample's
+    result (case, family, distance, error, half-width, inside)."""
+    rows = []
+    for case in sorted({s.case for s in data}):
+        train = [s for s in data if s.case != case]
+        model = fit(train, level)
+        for s in data:
+            if s.case == case:
+                h = model.term(s.family).half_width(s.distance)
+                rows.append({"case": s.case, "kind": s.kind, "family": s.family, "distance": s.distance,
+                             "error": s.error, "half_width": h, "inside": abs(s.error) <= h})
+
+    def share(sel: list[dict[str, Any]]) -> dict[str, Any]:
+        widths = [math.exp(r["half_width"]) - math.exp(-r["half_width"]) for r in sel]
+        return {"inside": sum(r["inside"] for r in sel), "figures": len(sel),
+                "share": sum(r["inside"] for r in sel) / len(sel) if sel else None,
+                "median_width": float(np.median(widths)) if widths else None}
+
+    def by(key: str) -> dict[str, Any]:
+        return {v: share([r for r in rows if r[key] == v]) for v in sorted({r[key] for r in rows})}
+
+    return {"level": level, "all": share(rows), "kind": by("kind"), "family": by("family"),
+            "case": by("case"), "beyond_fit": share([r for r in rows if r["distance"] > 0]),
+            "rows": rows}
