@@ -11,6 +11,10 @@
    and 2.8 (the vendor's SPEED-Bench figure).
 5. Coefficient uncertainty: the crossover under each of the profile's bootstrap coefficient
    sets (if it has them), as a 5-95% range.
+6. Model-form uncertainty: the throughput gain's 90% interval at each concurrency from the
+   corpus's model-form error (calibration/model_form.json, simcap.accuracy.model_form), each
+   arm at its distance past the rows that fitted it (requests in flight: no-spec rows up to
+   16 clients, EAGLE3 rows up to 4), and where each end of the interval crosses zero.
 
 Nothing here is tuned to anything: the scenario is the profile plus the field's load.
 """
@@ -30,6 +34,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
+from simcap.accuracy.model_form import FormError, crossover_band  # noqa: E402
+from simcap.accuracy.replay import rows_in_flight  # noqa: E402
+from simcap.calibrate import Recipe  # noqa: E402
 from simcap.config.profiles import load_profile  # noqa: E402
 from simcap.config.scenario import StepTimeConfig, load_scenario  # noqa: E402
 from simcap.studies.crossover import CrossoverResult, find_crossovers, locate_crossover  # noqa: E402
@@ -151,6 +158,20 @@ def bootstrap_crossovers(results: list[CrossoverResult], ignored: set[str]) -> d
     }
 
 
+MODEL_FORM = ROOT / "calibration" / "model_form.json"
+RECIPES = {"linear": ROOT / "calibration" / "recipes" / "a800-minimax-m3.yaml",
+           "roofline": ROOT / "calibration" / "recipes" / "a800-minimax-m3.roofline.yaml"}
+
+
+def model_form_band(result: CrossoverResult, scenario, form: str) -> dict:
+    """The gain's model-form interval per concurrency (step 6 of the module doc)."""
+    step_time = scenario.step_time.model_dump(mode="json", exclude_none=True)
+    loads = rows_in_flight(Recipe.load(RECIPES[form]), step_time)
+    fit = {arm: max(v for k, v in loads.items() if k.startswith(arm)) for arm in ("no-spec", "eagle3")}
+    band = crossover_band(FormError.read(MODEL_FORM), result, fit["eagle3"], fit["no-spec"])
+    return {"fit_load": fit, "record": str(MODEL_FORM.relative_to(ROOT)), **band}
+
+
 def f(x: float | None, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -209,6 +230,19 @@ def markdown(out: dict) -> str:
         lines += ["", f"Coefficient uncertainty (profile bootstrap, {b['sets_used']} sets, "
                   f"{b['found']} with a crossover in range): crossover 5-50-95% = "
                   f"{f(b['p05'], '.2f')} / {f(b['p50'], '.2f')} / {f(b['p95'], '.2f')} clients."]
+    mf = out.get("model_form")
+    if mf:
+        def cross(c: dict) -> str:
+            return f"{c['value']:.1f} clients" if c["value"] else "none in 1-128"
+
+        lines += ["", f"Model-form uncertainty ({mf['level']:.0%}, `{mf['record']}`; fitted at up to "
+                  f"{mf['fit_load']['no-spec']:.1f} requests in flight without speculation and "
+                  f"{mf['fit_load']['eagle3']:.1f} with EAGLE3): throughput gain % [interval] at "
+                  + ", ".join(f"{int(r['load'])}: {r['gain_pct']:+.0f} [{r['low_pct']:+.0f}, {r['high_pct']:+.0f}]"
+                              for r in mf["points"])
+                  + f". Crossover of the pessimistic end: {cross(mf['crossover_low'])}; of the optimistic "
+                  f"end: {cross(mf['crossover_high'])}; the gain's sign is undecided at "
+                  f"{', '.join(str(int(x)) for x in mf['undecided']) or 'no tested concurrency'}."]
     v = out["crossover_vs_published_no_spec"]
     g = v["gains"]
     lines += ["", "Against the PUBLISHED no-spec rows instead of the simulated ones (EAGLE3 published at "
@@ -301,6 +335,7 @@ def main() -> None:
             for label, r in sorted(sens.items(), key=lambda kv: kv[1].provenance["speculative"]["acceptance_length"])
         },
         "bootstrap": boot,
+        "model_form": model_form_band(main_run, scenario, args.form),
         "crossover_result": data,
     }
     out["crossover_vs_published_no_spec"] = crossover_vs_published(main_run, pub)

@@ -26,8 +26,10 @@ reported, with the intervals' median width.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -115,14 +117,20 @@ class FormError:
     def term(self, fam: str) -> Term:
         return self.terms.get(fam) or self.terms[POOLED]
 
+    def half_width(self, metric: str, load: float | None = None, fit_load: float | None = None) -> float:
+        """The log half-width of ``metric``'s interval at ``load`` past ``fit_load``."""
+        fam = family(metric)
+        if fam is None:
+            raise ValueError(f"{metric}: no model-form family (latency or throughput figures only)")
+        return self.term(fam).half_width(distance(load, fit_load))
+
     def interval(self, predicted: float, metric: str, load: float | None = None,
                  fit_load: float | None = None) -> tuple[float, float] | None:
         """Where the measurement of a prediction should fall, at this object's level (None:
         the metric has no family)."""
-        fam = family(metric)
-        if fam is None:
+        if family(metric) is None:
             return None
-        h = self.term(fam).half_width(distance(load, fit_load))
+        h = self.half_width(metric, load, fit_load)
         return predicted * math.exp(-h), predicted * math.exp(h)
 
     def covers(self, s: Sample) -> bool:
@@ -132,6 +140,11 @@ class FormError:
         return {"format": FORMAT, "level": self.level, "cases": list(self.cases),
                 "terms": {k: {"s0": round(t.s0, 5), "a": round(t.a, 5), "q": round(t.q, 4), "figures": t.figures}
                           for k, t in sorted(self.terms.items())}}
+
+    @classmethod
+    def read(cls, path: str | Path) -> "FormError":
+        """A record ``simcap accuracy --write`` wrote (``calibration/model_form.json``)."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "FormError":
@@ -207,3 +220,47 @@ def coverage(data: Sequence[Sample], level: float = LEVEL) -> dict[str, Any]:
     return {"level": level, "all": share(rows), "kind": by("kind"), "family": by("family"),
             "case": by("case"), "beyond_fit": share([r for r in rows if r["distance"] > 0]),
             "rows": rows}
+
+
+def crossover_band(model: FormError, result: Any, fit_load_spec: float | None,
+                   fit_load_baseline: float | None) -> dict[str, Any]:
+    """The model-form interval of a crossover study's throughput gain at each load, and the
+    crossovers of its two ends (:class:`simcap.studies.crossover.CrossoverResult`).
+
+    Each arm's throughput is off by its own model-form error, at its own distance past the
+    rows its terms were fitted on (``fit_load_spec``, ``fit_load_baseline``: requests in
+    flight); the two errors are taken as independent, so the gain's log half-width is
+    ``sqrt(h_spec^2 + h_baseline^2)``. ``crossover_low`` is where the pessimistic end of the
+    gain turns negative (speculation may stop paying from there), ``crossover_high`` where the
+    optimistic end does; ``undecided`` lists the loads whose interval holds zero."""
+    from simcap.studies.crossover import locate_crossover
+
+    rows = []
+    for p in result.points:
+        s, b = p.spec, p.baseline
+        hs = model.half_width("output_throughput", s.requests_per_s * (s.latency_mean_s or 0.0), fit_load_spec)
+        hb = model.half_width("output_throughput", b.requests_per_s * (b.latency_mean_s or 0.0), fit_load_baseline)
+        h = math.hypot(hs, hb)
+        r = s.output_tokens_per_s / b.output_tokens_per_s
+        rows.append({"load": p.load, "gain_pct": (r - 1) * 100, "low_pct": (r * math.exp(-h) - 1) * 100,
+                     "high_pct": (r * math.exp(h) - 1) * 100, "half_width": h})
+    loads = [r["load"] for r in rows]
+    axis = result.axis
+    return {"level": model.level, "points": rows,
+            "crossover_low": locate_crossover(loads, [r["low_pct"] for r in rows], axis=axis),
+            "crossover_high": locate_crossover(loads, [r["high_pct"] for r in rows], axis=axis),
+            "undecided": [r["load"] for r in rows if r["low_pct"] <= 0 < r["high_pct"]]}
+
+
+def capacity_slos(model: FormError, slo: Mapping[str, float], load: float | None,
+                  fit_load: float | None) -> tuple[dict[str, float], dict[str, float]]:
+    """The SLOs whose safe rates bound a capacity search's safe rate by the model-form error:
+    a latency the model predicts as x is measured between ``x exp(-h)`` and ``x exp(h)``, so
+    it holds an SLO limit L for sure only if ``x <= L exp(-h)`` and may hold it up to
+    ``x <= L exp(h)``. Returns (strict, loose), each limit moved by its metric's half-width at
+    ``load`` (requests in flight at the safe rate) past ``fit_load``."""
+    strict, loose = {}, {}
+    for metric, limit in slo.items():
+        h = model.half_width(metric, load, fit_load)
+        strict[metric], loose[metric] = limit * math.exp(-h), limit * math.exp(h)
+    return strict, loose

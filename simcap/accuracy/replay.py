@@ -196,7 +196,7 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
     def run(pt: Any) -> Any:
         return simulate(parse_scenario({**pt.scenario, "step_time": profile["step_time"]}))
 
-    fit_load = _most([in_flight(run(points[label]).summary) for label in case.fit_rows if label in points])
+    fit_load = _most(list(rows_in_flight(recipe, profile["step_time"], case.fit_rows).values()))
     figures: list[Figure] = []
     notes: list[str] = []
     for row in case.held_out:
@@ -212,6 +212,23 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
             figures.append(_figure(case.name, form, row.row, metric, float(pt.measured[metric]),
                                    float(value), None, 1, in_flight(result.summary), fit_load))
     return CaseReplay(case.name, form, figures, {"step_time": profile["step_time"]}, fit_load, notes)
+
+
+def rows_in_flight(recipe: Any, step_time: dict[str, Any], labels: Sequence[str] | None = None) -> dict[str, float]:
+    """Requests in flight at each benchmark row of ``recipe`` (``labels``: those rows only), as
+    its simulation with ``step_time`` gives them: the load a profile fitted on those rows has
+    seen (:mod:`simcap.accuracy.model_form`). A row without completed requests is left out."""
+    from simcap.calibrate.pipeline import benchmark_points
+    from simcap.config.scenario import parse_scenario
+    from simcap.fleet.run import simulate
+
+    out = {}
+    for pt in benchmark_points(recipe):
+        if labels is None or pt.label in labels:
+            load = in_flight(simulate(parse_scenario({**pt.scenario, "step_time": step_time})).summary)
+            if load is not None:
+                out[pt.label] = load
+    return out
 
 
 def _loader(case: LiveCase) -> Callable[[str], Any]:
