@@ -13,7 +13,7 @@
    sets (if it has them), as a 5-95% range.
 6. Model-form uncertainty: the throughput gain's 90% interval at each concurrency from the
    corpus's model-form error (calibration/model_form.json, simcap.accuracy.model_form), each
-   arm at its distance past the rows that fitted it (requests in flight: no-spec rows up to
+   arm at its distance past the rows that fitted it (requests running: no-spec rows up to
    16 clients, EAGLE3 rows up to 4), and where each end of the interval crosses zero.
 
 Nothing here is tuned to anything: the scenario is the profile plus the field's load.
@@ -236,7 +236,7 @@ def markdown(out: dict) -> str:
             return f"{c['value']:.1f} clients" if c["value"] else "none in 1-128"
 
         lines += ["", f"Model-form uncertainty ({mf['level']:.0%}, `{mf['record']}`; fitted at up to "
-                  f"{mf['fit_load']['no-spec']:.1f} requests in flight without speculation and "
+                  f"{mf['fit_load']['no-spec']:.1f} requests running without speculation and "
                   f"{mf['fit_load']['eagle3']:.1f} with EAGLE3): throughput gain % [interval] at "
                   + ", ".join(f"{int(r['load'])}: {r['gain_pct']:+.0f} [{r['low_pct']:+.0f}, {r['high_pct']:+.0f}]"
                               for r in mf["points"])

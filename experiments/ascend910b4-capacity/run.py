@@ -15,7 +15,11 @@ Two passes, both with 300 s of Poisson arrivals per run and two replicates (seed
    run completed; the main search's runs all complete, to report their p95s);
 2. the field's grid: nine requested rates evenly spaced from 0.2x to 1.2x the saturation
    rate found in pass 1, judged by the field's rule (highest rate that passed in both runs,
-   every lower rate passing too); every run completes, so the table shows all its p95s.
+   every lower rate passing too); every run completes, so the table shows all its p95s;
+3. the model-form interval (calibration/model_form.json, simcap.accuracy.model_form): the
+   safe rate searched again under the SLO limits moved by each metric's model-form error at
+   the safe rate's distance past the recipe's rows (requests running), strict and loose, and
+   the saturation rate times the throughput family's interval.
 
 Nothing here is tuned to a field figure: the field withheld the safe and saturation rates.
 """
@@ -32,13 +36,39 @@ from pathlib import Path
 import numpy as np
 
 import simcap
+from simcap.accuracy.model_form import FormError, capacity_slos
+from simcap.accuracy.replay import in_flight, rows_in_flight
+from simcap.calibrate import Recipe
 from simcap.metrics.report import write_generated_block
-from simcap.studies.capacity import find_capacity
+from simcap.studies.capacity import at_rate, find_capacity
 from simcap.studies.plots import plot_capacity
 
 HERE = Path(__file__).resolve().parent
 DURATION_S = 300.0
 REPLICATES = 2
+ROOT = HERE.parents[1]
+MODEL_FORM = ROOT / "calibration" / "model_form.json"
+RECIPES = {"linear": ROOT / "calibration" / "recipes" / "ascend910b4-minimax-m2.7.yaml",
+           "roofline": ROOT / "calibration" / "recipes" / "ascend910b4-minimax-m2.7.roofline.yaml"}
+
+
+def model_form_interval(scenario, search, slo: dict, form: str, workers: int) -> dict | None:
+    """Pass 3 of the module doc: the safe and saturation rates' model-form interval."""
+    if search.safe_rate is None or search.saturation_rate is None:
+        return None
+    model = FormError.read(MODEL_FORM)
+    step_time = scenario.step_time.model_dump(mode="json", exclude_none=True)
+    fit_load = max(rows_in_flight(Recipe.load(RECIPES[form]), step_time).values())
+    load = in_flight(simcap.simulate(at_rate(scenario, search.safe_rate, duration_s=DURATION_S, seed=0)).summary)
+    strict, loose = capacity_slos(model, slo, load, fit_load)
+    ends = [find_capacity(scenario, limits, auto=True, duration_s=DURATION_S, replicates=REPLICATES,
+                          workers=workers, probe_saturation=False, interval=False).safe_rate
+            for limits in (strict, loose)]
+    h = model.half_width("output_throughput", load, fit_load)
+    mu = search.saturation_rate
+    return {"record": str(MODEL_FORM.relative_to(ROOT)), "level": model.level, "fit_load": fit_load,
+            "load_at_safe_rate": load, "slo_strict": strict, "slo_loose": loose,
+            "safe_rate_interval": ends, "saturation_rate_interval": [mu * float(np.exp(-h)), mu * float(np.exp(h))]}
 
 
 def update_readme(markdown: str) -> None:
@@ -95,6 +125,16 @@ def results_markdown(res: dict) -> str:
             f"{'yes' if all(p['pass'] for p in runs) else 'NO'} | "
             f"{'yes' if not any(p['saturated'] for p in runs) else 'no'} |"
         )
+    mf = res.get("model_form")
+    if mf:
+        lo, hi = mf["safe_rate_interval"]
+        lines += ["", f"Model-form interval ({mf['level']:.0%}, `{mf['record']}`): at the safe rate "
+                  f"{mf['load_at_safe_rate']:.1f} requests run in the batch, against up to {mf['fit_load']:.1f} "
+                  "in the recipe's rows; the safe rate searched under the SLO limits moved by the "
+                  "model-form error ("
+                  + ", ".join(f"{k} {mf['slo_strict'][k] * 1e3:,.0f}-{mf['slo_loose'][k] * 1e3:,.0f} ms" for k in mf["slo_strict"])
+                  + f") is {_r(lo)}-{_r(hi)} req/s; the saturation rate's interval is "
+                  f"{_r(mf['saturation_rate_interval'][0])}-{_r(mf['saturation_rate_interval'][1])} req/s."]
     per_set = [r for r in search.get("safe_rate_interval_safe_rates") or [] if r is not None]
     if per_set:
         lines += ["", "Safe rate per bootstrap coefficient set (req/s, sorted): "
@@ -207,7 +247,11 @@ def main() -> None:
         title="910B4 MiniMax-M2.7, 512 in / 256 out, Poisson: bisection search "
               "(band: bootstrap interval)",
     )
+    t2 = time.perf_counter()
+    form_error = model_form_interval(scenario, search, slo, args.form, args.workers)
+    t_form = time.perf_counter() - t2
     results = {
+        "model_form": form_error,
         "prediction": {
             "safe_rate": search.safe_rate,
             "safe_rate_interval": search.safe_rate_interval,
@@ -226,7 +270,7 @@ def main() -> None:
             **search.provenance,
             "command": " ".join(["python experiments/ascend910b4-capacity/run.py", *sys.argv[1:]]),
         },
-        "wall_s": {"search_with_interval": t_search, "grid": t_grid,
+        "wall_s": {"search_with_interval": t_search, "grid": t_grid, "model_form": t_form,
                    "total": time.perf_counter() - t0},
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

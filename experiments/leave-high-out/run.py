@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
+from simcap.accuracy.model_form import FormError  # noqa: E402
+from simcap.accuracy.replay import in_flight  # noqa: E402
 from simcap.calibrate import Recipe  # noqa: E402
 from simcap.calibrate.metric_keys import metric_value  # noqa: E402
 from simcap.calibrate.readers import read_benchmarks  # noqa: E402
@@ -37,6 +41,10 @@ from simcap.config.scenario import parse_scenario  # noqa: E402
 from simcap.fleet.run import simulate  # noqa: E402
 
 RECIPES = ROOT / "calibration" / "recipes"
+MODEL_FORM = ROOT / "calibration" / "model_form.json"
+# The corpus's cases of these very splits: their errors must not size the intervals that
+# are checked on them.
+FIELD_CASES = ("field-a800-leave-high-out", "field-910b4-leave-high-out")
 A800_FIT = {"no-spec": {1, 2, 4}, "eagle3": {1, 2}}
 A800_HELD = {"no-spec": {8, 16}, "eagle3": {4}}
 
@@ -113,8 +121,21 @@ def predict(points, step_time: dict, metrics) -> list[dict]:
                 continue
             v = metric_value(m, res, steady_state=pt.steady_state)
             rows.append({"point": pt.label, "metric": m, "measured": pt.measured[m],
-                         "predicted": v, "error_pct": (v / pt.measured[m] - 1) * 100})
+                         "predicted": v, "error_pct": (v / pt.measured[m] - 1) * 100,
+                         "load": in_flight(res.summary)})
     return rows
+
+
+def add_model_form(rows: list[dict], fit_pts, step_time: dict) -> None:
+    """Each held-out figure's model-form interval (simcap.accuracy.model_form), learned from
+    the corpus without the field cases, at its distance past the fit rows (requests running)."""
+    model = FormError.read(MODEL_FORM, leave_out=FIELD_CASES)
+    fit_load = max(in_flight(simulate(parse_scenario({**p.scenario, "step_time": step_time})).summary)
+                   for p in fit_pts)
+    for r in rows:
+        lo, hi = model.interval(r["predicted"], r["metric"], r["load"], fit_load)
+        r["model_form_interval"] = [lo, hi]
+        r["model_form_covered"] = bool(lo <= r["measured"] <= hi)
 
 
 def fit_on(recipe: Recipe, fit_pts, bootstrap: int = 0):
@@ -156,6 +177,7 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, i
     st = fitted_step_time(fit, recipe)
     rows = predict(held, st, metrics)
     if intervals:
+        add_model_form(rows, fit_pts, st)
         add_intervals(rows, held, bootstrap_step_times(fit, recipe), metrics)
         if recipe.step_time.get("form") == "roofline":
             add_laplace(rows, recipe, fit_pts, held)
@@ -171,7 +193,11 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, i
     }
     if intervals:
         out["intervals"] = {"bootstrap": intervals, "level": 0.9,
-                            "covered": sum(r["covered"] for r in rows), "held_out": len(rows)}
+                            "covered": sum(r["covered"] for r in rows), "held_out": len(rows),
+                            "model_form_covered": sum(r["model_form_covered"] for r in rows),
+                            "model_form_median_width": float(np.median(
+                                [(r["model_form_interval"][1] - r["model_form_interval"][0]) / r["predicted"]
+                                 for r in rows]))}
         if rows and "laplace_covered" in rows[0]:
             out["intervals"]["laplace_covered"] = sum(r["laplace_covered"] for r in rows)
     return out
@@ -225,11 +251,15 @@ def main() -> None:
         for v, r in out[dep].items():
             cover = (f"  covered {r['intervals']['covered']}/{r['intervals']['held_out']}"
                      + (f" (Laplace {r['intervals']['laplace_covered']})" if "laplace_covered" in r["intervals"] else "")
+                     + f" (model form {r['intervals']['model_form_covered']},"
+                       f" median width {r['intervals']['model_form_median_width']:.2f})"
                      if "intervals" in r else "")
             print(dep, v, f"mean |err| {r['mean_abs_error_pct']:.1f}%  max {r['max_abs_error_pct']:.1f}%{cover}")
             for row in r["predictions"]:
                 band = (f"  90% [{row['interval'][0]:.4g}, {row['interval'][1]:.4g}]"
-                        f"{'' if row['covered'] else ' misses'}" if "interval" in row else "")
+                        f"{'' if row['covered'] else ' misses'}"
+                        f"  model form [{row['model_form_interval'][0]:.4g}, {row['model_form_interval'][1]:.4g}]"
+                        f"{'' if row['model_form_covered'] else ' misses'}" if "interval" in row else "")
                 print(f"   {row['point']:24s} {row['metric']:18s} {row['measured']:.4g} -> "
                       f"{row['predicted']:.4g} ({row['error_pct']:+.1f}%){band}")
         out_path.write_text(json.dumps(out, indent=2) + "\n")

@@ -8,7 +8,7 @@ from every held-out figure of the corpus (each a prediction from a fit on other 
 - its log error ``e = log(predicted / measured)``;
 - its metric's family (:func:`family`): TTFT, per-token latency (TPOT, ITL), end-to-end
   latency, throughput; medians and means apart from tails (p90 and above);
-- its distance past the fit part, ``d = max(0, log2(load / fit_load))`` in requests in flight
+- its distance past the fit part, ``d = max(0, log2(load / fit_load))`` in requests running
   (:mod:`simcap.accuracy.replay`): 0 inside the fitted range, 1 at twice its load.
 
 Per family, ``e`` is taken as ``N(0, s0^2 + (a d)^2)``: ``s0`` the error at the fitted load
@@ -68,6 +68,15 @@ class Sample:
     error: float  # log(predicted / measured)
     distance: float
     kind: str = ""  # the case's kind of data ("live", "table"), for reports
+
+    def to_row(self) -> list[Any]:
+        """As a record stores it: [case, kind, family, error, distance]."""
+        return [self.case, self.kind, self.family, round(self.error, 5), round(self.distance, 4)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> "Sample":
+        case, kind, fam, error, dist = row
+        return cls(str(case), str(fam), float(error), float(dist), str(kind))
 
     @classmethod
     def of(cls, figure: Mapping[str, Any], kind: str = "") -> "Sample | None":
@@ -142,9 +151,16 @@ class FormError:
                           for k, t in sorted(self.terms.items())}}
 
     @classmethod
-    def read(cls, path: str | Path) -> "FormError":
-        """A record ``simcap accuracy --write`` wrote (``calibration/model_form.json``)."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+    def read(cls, path: str | Path, leave_out: Iterable[str] = ()) -> "FormError":
+        """A record ``simcap accuracy --write`` wrote (``calibration/model_form.json``);
+        ``leave_out``: refit it on its samples without these cases (predictions of data those
+        cases hold then get intervals learned elsewhere)."""
+        data = json.loads(Path(path).read_text())
+        gone = set(leave_out)
+        if not gone:
+            return cls.from_dict(data)
+        return fit([s for s in map(Sample.from_row, data.get("samples", [])) if s.case not in gone],
+                   float(data.get("level", LEVEL)))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "FormError":
@@ -258,7 +274,7 @@ def capacity_slos(model: FormError, slo: Mapping[str, float], load: float | None
     a latency the model predicts as x is measured between ``x exp(-h)`` and ``x exp(h)``, so
     it holds an SLO limit L for sure only if ``x <= L exp(-h)`` and may hold it up to
     ``x <= L exp(h)``. Returns (strict, loose), each limit moved by its metric's half-width at
-    ``load`` (requests in flight at the safe rate) past ``fit_load``."""
+    ``load`` (requests running at the safe rate) past ``fit_load``."""
     strict, loose = {}, {}
     for metric, limit in slo.items():
         h = model.half_width(metric, load, fit_load)

@@ -20,8 +20,8 @@ Per figure: ``measured`` is the median over the point's runs (a table row: the p
 value), ``predicted`` the median over the runs' replays, ``error`` = predicted / measured - 1,
 and ``spread`` the range of the server instances' medians relative to ``measured`` (None with
 one instance or a table): the noise a prediction cannot be asked to beat. ``load`` is the
-point's requests in flight as predicted (Little's law on its simulation: completed requests x
-mean end-to-end latency / duration, the median over its runs) and ``fit_load`` the most any run
+point's requests in the engine's batch as predicted (Little's law on its simulation: completed
+requests x mean time from first scheduled to finished / duration, the median over its runs) and ``fit_load`` the most any run
 or row of the fit part had (a live case's as measured, a table's fit rows as simulated with the
 fitted profile): how far past its data the prediction reached (:mod:`simcap.accuracy.model_form`).
 """
@@ -48,7 +48,7 @@ class CaseReplay:
     form: str
     figures: list[Figure]
     fitted: dict[str, Any]  # the fitted step_time (speculative, frontend) sections
-    fit_load: float | None = None  # the fit part's most requests in flight (see the module doc)
+    fit_load: float | None = None  # the fit part's most requests running (see the module doc)
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -72,12 +72,14 @@ def _figure(case: str, form: str, point: str, metric: str, measured: float | Non
 
 
 def in_flight(summary: Any) -> float | None:
-    """Requests in flight on average over a run (Little's law: completed x mean end-to-end
-    latency / duration; None for a run without completed requests or duration)."""
+    """Requests in the engine's batch on average over a run (Little's law: completed x mean
+    time from first scheduled to finished / duration; a run that knows no queue time, a live
+    one, counts from arrival). None for a run without completed requests or duration."""
     mean = summary.e2e_s.mean
     if not summary.completed or mean is None or not summary.duration_s:
         return None
-    return float(summary.completed * mean / summary.duration_s)
+    queued = summary.queue_s.mean if summary.queue_s.count else None
+    return float(summary.completed * (mean - (queued or 0.0)) / summary.duration_s)
 
 
 def _most(values: Sequence[float | None]) -> float | None:
@@ -215,7 +217,7 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
 
 
 def rows_in_flight(recipe: Any, step_time: dict[str, Any], labels: Sequence[str] | None = None) -> dict[str, float]:
-    """Requests in flight at each benchmark row of ``recipe`` (``labels``: those rows only), as
+    """Requests running (in the batch) at each benchmark row of ``recipe`` (``labels``: those rows only), as
     its simulation with ``step_time`` gives them: the load a profile fitted on those rows has
     seen (:mod:`simcap.accuracy.model_form`). A row without completed requests is left out."""
     from simcap.calibrate.pipeline import benchmark_points

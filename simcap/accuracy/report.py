@@ -106,7 +106,8 @@ def form_error(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> dict[str
         return None
     cov = model_form.coverage(data)
     return {**model_form.fit(data).to_dict(),
-            "coverage": {k: v for k, v in cov.items() if k not in ("rows", "level")}}
+            "coverage": {k: v for k, v in cov.items() if k not in ("rows", "level")},
+            "samples": [s.to_row() for s in data]}
 
 
 def _share(row: dict[str, Any]) -> str:
@@ -119,7 +120,7 @@ def _form_error_markdown(record: dict[str, Any]) -> list[str]:
            f"How wrong the form is beyond what a fit's bootstrap sees, learned from the figures above "
            f"(`simcap.accuracy.model_form`; fitted on all of them in `calibration/model_form.json`): per "
            f"metric family, log(predicted / measured) ~ N(0, s0^2 + (a d)^2) with d the doublings of "
-           f"load (requests in flight) past the fit part, and the {record['level']:.0%} interval "
+           f"load (requests running in the batch) past the fit part, and the {record['level']:.0%} interval "
            f"+-q sigma(d) with q the conformal quantile. Coverage is counted leaving each case out: its "
            f"figures against intervals fitted on the other cases only. Width: the interval's length "
            f"relative to the prediction (exp(h) - exp(-h)), median.", "",
