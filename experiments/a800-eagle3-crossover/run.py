@@ -13,8 +13,9 @@
    sets (if it has them), as a 5-95% range.
 6. Model-form uncertainty: the throughput gain's 90% interval at each concurrency from the
    corpus's model-form error (calibration/model_form.json, simcap.accuracy.model_form), each
-   arm at its distance past the rows that fitted it (requests running: no-spec rows up to
-   16 clients, EAGLE3 rows up to 4), and where each end of the interval crosses zero.
+   arm at its distance past the rows that fitted it (the profile's provenance.fit_load,
+   requests running: no-spec rows up to 16 clients, EAGLE3 rows up to 4), and where each end
+   of the interval crosses zero (what ``simcap crossover --model-form`` prints).
 
 Nothing here is tuned to anything: the scenario is the profile plus the field's load.
 """
@@ -34,9 +35,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simcap.accuracy.model_form import FormError, crossover_band  # noqa: E402
-from simcap.accuracy.replay import rows_in_flight  # noqa: E402
-from simcap.calibrate import Recipe  # noqa: E402
+from simcap.accuracy.model_form import FormError, crossover_band, profile_fit_load  # noqa: E402
 from simcap.config.profiles import load_profile  # noqa: E402
 from simcap.config.scenario import StepTimeConfig, load_scenario  # noqa: E402
 from simcap.studies.crossover import CrossoverResult, find_crossovers, locate_crossover  # noqa: E402
@@ -159,15 +158,13 @@ def bootstrap_crossovers(results: list[CrossoverResult], ignored: set[str]) -> d
 
 
 MODEL_FORM = ROOT / "calibration" / "model_form.json"
-RECIPES = {"linear": ROOT / "calibration" / "recipes" / "a800-minimax-m3.yaml",
-           "roofline": ROOT / "calibration" / "recipes" / "a800-minimax-m3.roofline.yaml"}
 
 
-def model_form_band(result: CrossoverResult, scenario, form: str) -> dict:
-    """The gain's model-form interval per concurrency (step 6 of the module doc)."""
-    step_time = scenario.step_time.model_dump(mode="json", exclude_none=True)
-    loads = rows_in_flight(Recipe.load(RECIPES[form]), step_time)
-    fit = {arm: max(v for k, v in loads.items() if k.startswith(arm)) for arm in ("no-spec", "eagle3")}
+def model_form_band(result: CrossoverResult, scenario) -> dict:
+    """The gain's model-form interval per concurrency (step 6 of the module doc; what
+    ``simcap crossover --model-form`` prints)."""
+    fit = {"eagle3": profile_fit_load(scenario.profile_file, "speculative"),
+           "no-spec": profile_fit_load(scenario.profile_file, "plain")}
     band = crossover_band(FormError.read(MODEL_FORM), result, fit["eagle3"], fit["no-spec"])
     return {"fit_load": fit, "record": str(MODEL_FORM.relative_to(ROOT)), **band}
 
@@ -335,7 +332,7 @@ def main() -> None:
             for label, r in sorted(sens.items(), key=lambda kv: kv[1].provenance["speculative"]["acceptance_length"])
         },
         "bootstrap": boot,
-        "model_form": model_form_band(main_run, scenario, args.form),
+        "model_form": model_form_band(main_run, scenario),
         "crossover_result": data,
     }
     out["crossover_vs_published_no_spec"] = crossover_vs_published(main_run, pub)

@@ -18,8 +18,9 @@ Two passes, both with 300 s of Poisson arrivals per run and two replicates (seed
    every lower rate passing too); every run completes, so the table shows all its p95s;
 3. the model-form interval (calibration/model_form.json, simcap.accuracy.model_form): the
    safe rate searched again under the SLO limits moved by each metric's model-form error at
-   the safe rate's distance past the recipe's rows (requests running), strict and loose, and
-   the saturation rate times the throughput family's interval.
+   the safe rate's distance past the profile's fitted rows (requests running, its
+   provenance.fit_load), strict and loose, and the saturation rate times the throughput
+   family's interval (what `simcap capacity --model-form` prints).
 
 Nothing here is tuned to a field figure: the field withheld the safe and saturation rates.
 """
@@ -36,11 +37,9 @@ from pathlib import Path
 import numpy as np
 
 import simcap
-from simcap.accuracy.model_form import FormError, capacity_slos
-from simcap.accuracy.replay import in_flight, rows_in_flight
-from simcap.calibrate import Recipe
+from simcap.accuracy.model_form import FormError, capacity_interval, profile_fit_load
 from simcap.metrics.report import write_generated_block
-from simcap.studies.capacity import at_rate, find_capacity
+from simcap.studies.capacity import find_capacity
 from simcap.studies.plots import plot_capacity
 
 HERE = Path(__file__).resolve().parent
@@ -48,27 +47,13 @@ DURATION_S = 300.0
 REPLICATES = 2
 ROOT = HERE.parents[1]
 MODEL_FORM = ROOT / "calibration" / "model_form.json"
-RECIPES = {"linear": ROOT / "calibration" / "recipes" / "ascend910b4-minimax-m2.7.yaml",
-           "roofline": ROOT / "calibration" / "recipes" / "ascend910b4-minimax-m2.7.roofline.yaml"}
 
 
-def model_form_interval(scenario, search, slo: dict, form: str, workers: int) -> dict | None:
+def model_form_interval(scenario, search, workers: int) -> dict | None:
     """Pass 3 of the module doc: the safe and saturation rates' model-form interval."""
-    if search.safe_rate is None or search.saturation_rate is None:
-        return None
-    model = FormError.read(MODEL_FORM)
-    step_time = scenario.step_time.model_dump(mode="json", exclude_none=True)
-    fit_load = max(rows_in_flight(Recipe.load(RECIPES[form]), step_time).values())
-    load = in_flight(simcap.simulate(at_rate(scenario, search.safe_rate, duration_s=DURATION_S, seed=0)).summary)
-    strict, loose = capacity_slos(model, slo, load, fit_load)
-    ends = [find_capacity(scenario, limits, auto=True, duration_s=DURATION_S, replicates=REPLICATES,
-                          workers=workers, probe_saturation=False, interval=False).safe_rate
-            for limits in (strict, loose)]
-    h = model.half_width("output_throughput", load, fit_load)
-    mu = search.saturation_rate
-    return {"record": str(MODEL_FORM.relative_to(ROOT)), "level": model.level, "fit_load": fit_load,
-            "load_at_safe_rate": load, "slo_strict": strict, "slo_loose": loose,
-            "safe_rate_interval": ends, "saturation_rate_interval": [mu * float(np.exp(-h)), mu * float(np.exp(h))]}
+    band = capacity_interval(FormError.read(MODEL_FORM), scenario, search, profile_fit_load(scenario.profile_file),
+                             duration_s=DURATION_S, replicates=REPLICATES, workers=workers)
+    return None if band is None else {"record": str(MODEL_FORM.relative_to(ROOT)), **band}
 
 
 def update_readme(markdown: str) -> None:
@@ -248,7 +233,7 @@ def main() -> None:
               "(band: bootstrap interval)",
     )
     t2 = time.perf_counter()
-    form_error = model_form_interval(scenario, search, slo, args.form, args.workers)
+    form_error = model_form_interval(scenario, search, args.workers)
     t_form = time.perf_counter() - t2
     results = {
         "model_form": form_error,

@@ -33,7 +33,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simcap.accuracy.model_form import FormError  # noqa: E402
-from simcap.accuracy.replay import in_flight  # noqa: E402
+from simcap.metrics.summary import requests_running  # noqa: E402
 from simcap.calibrate import Recipe  # noqa: E402
 from simcap.calibrate.metric_keys import metric_value  # noqa: E402
 from simcap.calibrate.readers import read_benchmarks  # noqa: E402
@@ -122,7 +122,7 @@ def predict(points, step_time: dict, metrics) -> list[dict]:
             v = metric_value(m, res, steady_state=pt.steady_state)
             rows.append({"point": pt.label, "metric": m, "measured": pt.measured[m],
                          "predicted": v, "error_pct": (v / pt.measured[m] - 1) * 100,
-                         "load": in_flight(res.summary)})
+                         "load": requests_running(res.summary)})
     return rows
 
 
@@ -130,7 +130,7 @@ def add_model_form(rows: list[dict], fit_pts, step_time: dict) -> None:
     """Each held-out figure's model-form interval (simcap.accuracy.model_form), learned from
     the corpus without the field cases, at its distance past the fit rows (requests running)."""
     model = FormError.read(MODEL_FORM, leave_out=FIELD_CASES)
-    fit_load = max(in_flight(simulate(parse_scenario({**p.scenario, "step_time": step_time})).summary)
+    fit_load = max(requests_running(simulate(parse_scenario({**p.scenario, "step_time": step_time})).summary)
                    for p in fit_pts)
     for r in rows:
         lo, hi = model.interval(r["predicted"], r["metric"], r["load"], fit_load)

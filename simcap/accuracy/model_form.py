@@ -34,6 +34,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from simcap.errors import SimcapError
+
+class ModelFormError(SimcapError):
+    """A model-form record or a profile's fitted load that cannot be used (one line)."""
+
+
 LEVEL = 0.9
 MIN_FIGURES = 8
 FORMAT = "simcap model-form error 1"
@@ -155,7 +161,14 @@ class FormError:
         """A record ``simcap accuracy --write`` wrote (``calibration/model_form.json``);
         ``leave_out``: refit it on its samples without these cases (predictions of data those
         cases hold then get intervals learned elsewhere)."""
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError(f"not a model-form error record (format {FORMAT!r})")
+        except OSError as exc:
+            raise ModelFormError(f"--model-form {path}: cannot read: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ModelFormError(f"--model-form {path}: {exc}") from None
         gone = set(leave_out)
         if not gone:
             return cls.from_dict(data)
@@ -280,3 +293,47 @@ def capacity_slos(model: FormError, slo: Mapping[str, float], load: float | None
         h = model.half_width(metric, load, fit_load)
         strict[metric], loose[metric] = limit * math.exp(-h), limit * math.exp(h)
     return strict, loose
+
+
+def profile_fit_load(path: str | Path | None, which: str = "all") -> float:
+    """The requests running at the rows a profile was fitted on (its ``provenance.fit_load``,
+    written by ``simcap calibrate`` on benchmark rows): ``which`` is ``all``, ``speculative``
+    or ``plain`` (rows without speculation), falling back to ``all``."""
+    from simcap.config.profiles import load_profile
+
+    if path is None:
+        raise ModelFormError("--model-form: the scenario names no profile, so no fitted load to measure "
+                             "the distance from")
+    loads = load_profile(path)[0].provenance.get("fit_load") or {}
+    value = loads.get(which) or loads.get("all")
+    if not value:
+        raise ModelFormError(f"--model-form: profile {path} records no fitted load (provenance.fit_load); "
+                             "refit it with simcap calibrate on benchmark rows")
+    return float(value)
+
+
+def capacity_interval(model: FormError, scenario: Any, result: Any, fit_load: float,
+                      **search: Any) -> dict[str, Any] | None:
+    """The model-form interval of a capacity search's safe and saturation rates
+    (:func:`simcap.studies.capacity.find_capacity`'s result on ``scenario``): the safe rate
+    searched again under the strict and the loose SLO limits of :func:`capacity_slos`, at the
+    requests running at the safe rate (one simulation there); the saturation rate times the
+    throughput family's interval at the same distance. ``search``: ``find_capacity``'s options
+    (duration, replicates, workers). None when the search found no safe or saturation rate."""
+    from simcap.fleet.run import simulate
+    from simcap.metrics.summary import requests_running
+    from simcap.studies.capacity import at_rate, find_capacity
+
+    if result.safe_rate is None or result.saturation_rate is None:
+        return None
+    duration = search.get("duration_s", result.duration_s)
+    load = requests_running(simulate(at_rate(scenario, result.safe_rate, duration_s=duration,
+                                             seed=scenario.seed)).summary)
+    strict, loose = capacity_slos(model, result.slo, load, fit_load)
+    ends = [find_capacity(scenario, limits, auto=True, probe_saturation=False, interval=False, **search).safe_rate
+            for limits in (strict, loose)]
+    h = model.half_width("output_throughput", load, fit_load)
+    mu = result.saturation_rate
+    return {"level": model.level, "fit_load": fit_load, "load_at_safe_rate": load, "slo_strict": strict,
+            "slo_loose": loose, "safe_rate_interval": ends,
+            "saturation_rate_interval": [mu * math.exp(-h), mu * math.exp(h)]}

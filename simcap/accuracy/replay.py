@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from simcap.accuracy.corpus import LIVE_METRICS, Case, LiveCase, TableCase
+from simcap.metrics.summary import requests_running
 
 Figure = dict[str, Any]
 
@@ -69,17 +70,6 @@ def _figure(case: str, form: str, point: str, metric: str, measured: float | Non
             "metric": metric, "measured": measured, "predicted": predicted,
             "error": _rel(predicted, measured), "spread": spread, "runs": runs,
             "load": load, "fit_load": fit_load}
-
-
-def in_flight(summary: Any) -> float | None:
-    """Requests in the engine's batch on average over a run (Little's law: completed x mean
-    time from first scheduled to finished / duration; a run that knows no queue time, a live
-    one, counts from arrival). None for a run without completed requests or duration."""
-    mean = summary.e2e_s.mean
-    if not summary.completed or mean is None or not summary.duration_s:
-        return None
-    queued = summary.queue_s.mean if summary.queue_s.count else None
-    return float(summary.completed * (mean - (queued or 0.0)) / summary.duration_s)
 
 
 def _most(values: Sequence[float | None]) -> float | None:
@@ -126,7 +116,7 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
 
     notes: list[str] = []
     profile = fit_live(case, form, notes, load)
-    fit_load = _most([in_flight(load(f).run.summary()) for f in case.fit.runs])
+    fit_load = _most([requests_running(load(f).run.summary()) for f in case.fit.runs])
     figures: list[Figure] = []
     for point in case.points:
         data = dict(point.scenario)
@@ -148,7 +138,7 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
             pred.append(_values(sim.summary, sim.records, pc["hits"] / pc["queries"] if pc and pc["queries"] else None,
                                 float(sim.summary.preemptions)))
             instance.append(ref.instance)
-            loads.append(in_flight(sim.summary))
+            loads.append(requests_running(sim.summary))
         metrics = list(LIVE_METRICS)
         if scenario.workload.prefix is not None or scenario.workload.sessions is not None:
             metrics.append("prefix_hit_rate")
@@ -198,7 +188,7 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
     def run(pt: Any) -> Any:
         return simulate(parse_scenario({**pt.scenario, "step_time": profile["step_time"]}))
 
-    fit_load = _most(list(rows_in_flight(recipe, profile["step_time"], case.fit_rows).values()))
+    fit_load = _most(list(rows_running(recipe, profile["step_time"], case.fit_rows).values()))
     figures: list[Figure] = []
     notes: list[str] = []
     for row in case.held_out:
@@ -212,11 +202,11 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
                 continue
             value = metric_value(metric, result, steady_state=pt.steady_state)
             figures.append(_figure(case.name, form, row.row, metric, float(pt.measured[metric]),
-                                   float(value), None, 1, in_flight(result.summary), fit_load))
+                                   float(value), None, 1, requests_running(result.summary), fit_load))
     return CaseReplay(case.name, form, figures, {"step_time": profile["step_time"]}, fit_load, notes)
 
 
-def rows_in_flight(recipe: Any, step_time: dict[str, Any], labels: Sequence[str] | None = None) -> dict[str, float]:
+def rows_running(recipe: Any, step_time: dict[str, Any], labels: Sequence[str] | None = None) -> dict[str, float]:
     """Requests running (in the batch) at each benchmark row of ``recipe`` (``labels``: those rows only), as
     its simulation with ``step_time`` gives them: the load a profile fitted on those rows has
     seen (:mod:`simcap.accuracy.model_form`). A row without completed requests is left out."""
@@ -227,7 +217,7 @@ def rows_in_flight(recipe: Any, step_time: dict[str, Any], labels: Sequence[str]
     out = {}
     for pt in benchmark_points(recipe):
         if labels is None or pt.label in labels:
-            load = in_flight(simulate(parse_scenario({**pt.scenario, "step_time": step_time})).summary)
+            load = requests_running(simulate(parse_scenario({**pt.scenario, "step_time": step_time})).summary)
             if load is not None:
                 out[pt.label] = load
     return out

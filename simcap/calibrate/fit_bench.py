@@ -17,6 +17,7 @@ from simcap.config.scenario import StepTimeConfig, parse_scenario
 from simcap.engine.step_time import ROOFLINE_COEFFICIENTS, ROOFLINE_SECONDS, ROOFLINE_TERMS
 from simcap.errors import ScenarioError
 from simcap.fleet.run import simulate
+from simcap.metrics.summary import requests_running
 from simcap.simulation.simulator import SimulationError
 
 
@@ -57,7 +58,7 @@ class _Objective:
             except SimulationError as exc:
                 raise CalibrationError(f"{pt.label}: simulation failed at {coeffs}: {exc}") from None
             itl: list = []
-            values = {}
+            values = {RUNNING: requests_running(res.summary)}
             for m in pt.measured:
                 values[m] = metric_value(m, res, steady_state=pt.steady_state, _itl=itl)
                 if _is_fraction(m):
@@ -222,6 +223,7 @@ def fit_benchmarks(
                          f"(scaled by sqrt(n/(n-p))), {bootstrap} resamples, seed {seed}: {method}",
         level=level, residuals=rows,
         sources=_merge_sources(points), warnings=warnings, notes=notes, quality=quality,
+        extra={"fit_load": fit_loads(points, obj.simulate(x_hat))},
     )
 
 
@@ -613,6 +615,7 @@ def fit_benchmarks_roofline(
                           f"priors, {bootstrap} resamples, seed {seed}: {method}"),
         level=level, residuals=rows, sources=_merge_sources(points), warnings=warnings,
         notes=notes, quality=quality, step_time=st_out, identification=identification,
+        extra={"fit_load": fit_loads(points, obj.simulate(x_hat))},
     )
 
 
@@ -630,6 +633,23 @@ def _fitted_metrics(
             names.remove("request_throughput")
         metrics.append([(m, weights.get(m, 1.0)) for m in names if weights.get(m, 1.0) > 0])
     return metrics
+
+
+RUNNING = "@requests_running"  # a simulation's own figure beside the measured ones (not fitted)
+
+
+def fit_loads(points, sims) -> dict[str, float | None]:
+    """The most requests running (:func:`~simcap.metrics.summary.requests_running`) any fitted
+    row had at the fit, over all rows and over the rows with and without speculation: how far
+    the profile's data reached, for the model-form interval of a prediction past it."""
+    def most(sel: list[float | None]) -> float | None:
+        known = [v for v in sel if v is not None]
+        return round(max(known), 3) if known else None
+
+    spec = [bool(pt.scenario.get("speculative")) for pt in points]
+    loads = [sim.get(RUNNING) for sim in sims]
+    return {"all": most(loads), "speculative": most([v for v, s in zip(loads, spec) if s]),
+            "plain": most([v for v, s in zip(loads, spec) if not s])}
 
 
 def _residual_rows(points, sims, metrics) -> list[dict[str, Any]]:

@@ -68,6 +68,8 @@ def profile_dict(
     }
     if "roofline" in fit.extra:
         out["provenance"]["roofline"] = fit.extra["roofline"]
+    if "fit_load" in fit.extra:  # requests running at the fitted rows (simcap.accuracy.model_form)
+        out["provenance"]["fit_load"] = fit.extra["fit_load"]
     return out
 
 

@@ -15,6 +15,11 @@ from simcap.runtime import startup
 # Options shared by the commands that take a scenario.
 SET_OPTION = typer.Option(None, "--set", help="Override a scenario key: dotted.key=value (repeatable).")
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
+MODEL_FORM_OPTION = typer.Option(
+    None, "--model-form", metavar="FILE",
+    help="Add the model-form interval (a record simcap accuracy --write makes, e.g. calibration/model_form.json): "
+         "how wrong such predictions have been, at this one's distance past the load the profile was fitted at.",
+)
 
 
 # Options of the commands that read benchmark tables (calibrate, score).

@@ -10,7 +10,8 @@ from typer.core import TyperGroup
 
 from simcap._version import __version__
 from simcap.cli.common import (
-    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, SET_OPTION, WHERE_OPTION, fail, load_command_scenario, table_reading,
+    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, MODEL_FORM_OPTION, SET_OPTION, WHERE_OPTION, fail, load_command_scenario,
+    table_reading,
     user_errors, warn_when_done, with_replicas)
 from simcap.errors import SimcapError
 from simcap.metrics import report
@@ -59,17 +60,22 @@ app = typer.Typer(
 
 
 def _show(result: Any, render: Callable[[Any, Any], None], json_out: bool, plot: Optional[Path],
-          plotter: str) -> None:
-    """A study's result: its figure (``simcap.studies.plots.<plotter>``) when asked, then JSON or tables."""
+          plotter: str, extra: dict[str, Any] | None = None) -> None:
+    """A study's result: its figure (``simcap.studies.plots.<plotter>``) when asked, then JSON or
+    tables (``extra``: more keys for the JSON; ``extra["lines"]``: lines after the tables)."""
+    extra = dict(extra or {})
+    lines = extra.pop("lines", [])
     if plot is not None:
         from simcap.studies import plots
 
         with user_errors():
             getattr(plots, plotter)(result, plot)
     if json_out:
-        typer.echo(report.to_json(result.to_dict()))
+        typer.echo(report.to_json({**result.to_dict(), **extra}))
     else:
         render(result, report.wide_console(120))
+        for line in lines:
+            typer.echo(line)
     if plot is not None:
         typer.echo(f"figure: {plot}", err=json_out)
 
@@ -193,6 +199,7 @@ def crossover_cmd(
         help="Price the baseline arm with this profile (step time, KV pool), e.g. one calibrated on the "
              "server without speculation; default: the scenario's own, speculation removed.",
     ),
+    model_form: Optional[Path] = MODEL_FORM_OPTION,
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -209,6 +216,12 @@ def crossover_cmd(
         loaded = load_command_scenario(scenario, set_)
         baseline = None if baseline_profile is None else load_command_scenario(
             scenario, set_, profile=baseline_profile)
+        if model_form is not None:  # read first: a bad record or profile fails before the runs
+            from simcap.accuracy import model_form as mf
+
+            form_error = mf.FormError.read(model_form)
+            fit_loads = (mf.profile_fit_load(loaded.profile_file, "speculative"),
+                         mf.profile_fit_load((baseline or loaded).profile_file, "plain"))
         result = xo.find_crossover(
             loaded,
             concurrencies=None if concurrency is None else xo.parse_load_list(concurrency, "--concurrency", integer=True),
@@ -217,13 +230,16 @@ def crossover_cmd(
             workers=workers,
             baseline=baseline,
         )
+        band = None if model_form is None else mf.crossover_band(form_error, result, *fit_loads)
     if plot is not None:
         with user_errors():
             xo.plot_crossover(result, plot)
     if json_out:
-        typer.echo(report.to_json(result.to_dict()))
+        typer.echo(report.to_json({**result.to_dict(), **({"model_form": band} if band else {})}))
     else:
         xo.render_crossover(result, report.wide_console(130))
+        if band:
+            typer.echo(report.model_form_band_line(band))
         if plot is not None:
             typer.echo(f"figure: {plot}")
 
@@ -253,18 +269,26 @@ def capacity_cmd(
         None, "--replicas", help="The safe rate of a fleet of N replicas behind the scenario's router (or --router)."
     ),
     router: Optional[str] = typer.Option(None, "--router", help="With --replicas: the fleet's router."),
+    model_form: Optional[Path] = MODEL_FORM_OPTION,
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Highest arrival rate that keeps the SLO (safe rate) and where the queue diverges."""
     from simcap.studies import capacity as cap
 
+    if model_form is not None and replicas:
+        fail("--model-form: not with --replicas (a profile's fitted load is one replica's)")
     with user_errors():
         if plot is not None:
             from simcap.studies.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
         loaded = with_replicas(load_command_scenario(scenario, set_), replicas, router)
+        if model_form is not None:  # read first: a bad record or profile fails before the runs
+            from simcap.accuracy import model_form as mf
+
+            form_error = mf.FormError.read(model_form)
+            fit_load = mf.profile_fit_load(loaded.profile_file)
         result = cap.find_capacity(
             loaded,
             cap.parse_slo(slo) if slo else None,
@@ -277,7 +301,12 @@ def capacity_cmd(
             interval_max_sets=interval_sets,
             early_stop=early_stop,
         )
-    _show(result, cap.render_capacity, json_out, plot, "plot_capacity")
+        extra = None
+        if model_form is not None:
+            band = mf.capacity_interval(form_error, loaded, result, fit_load, duration_s=duration,
+                                        replicates=replicates, workers=workers)
+            extra = {"model_form": band, "lines": [report.model_form_capacity_line(band)]}
+    _show(result, cap.render_capacity, json_out, plot, "plot_capacity", extra)
 
 
 @app.command("fleet")

@@ -317,3 +317,31 @@ def render_kv_plan(plan: dict[str, Any], console: Console) -> None:
     for item, value in rows:
         table.add_row(item, value)
     console.print(table)
+
+
+def model_form_band_line(band: dict[str, Any]) -> str:
+    """A crossover's model-form interval (``simcap.accuracy.model_form.crossover_band``) in
+    one line."""
+    def cross(c: dict[str, Any]) -> str:
+        return f"at {c['value']:.3g}" if c.get("value") else "nowhere in the range"
+
+    points = ", ".join(f"{r['load']:g}: {r['gain_pct']:+.0f}% [{r['low_pct']:+.0f}, {r['high_pct']:+.0f}]"
+                       for r in band["points"])
+    undecided = ", ".join(f"{x:g}" for x in band["undecided"]) or "none"
+    return (f"model-form {band['level']:.0%} interval of the throughput gain: {points}; its pessimistic end "
+            f"crosses zero {cross(band['crossover_low'])}, its optimistic end {cross(band['crossover_high'])}; "
+            f"sign undecided at {undecided}")
+
+
+def model_form_capacity_line(band: dict[str, Any] | None) -> str:
+    """A capacity search's model-form interval (``simcap.accuracy.model_form.capacity_interval``)
+    in one line."""
+    if band is None:
+        return "model-form interval: none (the search found no safe or no saturation rate)"
+    lo, hi = band["safe_rate_interval"]
+    mu_lo, mu_hi = band["saturation_rate_interval"]
+    limits = ", ".join(f"{k} {v:.3g}-{band['slo_loose'][k]:.3g} s" for k, v in band["slo_strict"].items())
+    return (f"model-form {band['level']:.0%} interval: safe rate {'-' if lo is None else f'{lo:.3g}'}-"
+            f"{'-' if hi is None else f'{hi:.3g}'} req/s (SLO limits read as {limits}), saturation rate "
+            f"{mu_lo:.3g}-{mu_hi:.3g} req/s; {band['load_at_safe_rate']:.1f} requests running at the safe "
+            f"rate, {band['fit_load']:.1f} in the profile's fitted rows")

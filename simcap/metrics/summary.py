@@ -225,6 +225,19 @@ class Summary:
 KVUsage = tuple[Sequence[float], Sequence[float]] | dict[str, float | None]
 
 
+def requests_running(summary: Summary) -> float | None:
+    """Requests in the engine's batch on average over a run (Little's law: completed x mean
+    time from first scheduled to finished / duration; a run that knows no queue time, a live
+    one, counts from arrival). None for a run without completed requests or duration. How far
+    a prediction reaches past the load its profile was fitted at is counted in it
+    (``simcap.accuracy.model_form``)."""
+    mean = summary.e2e_s.mean
+    if not summary.completed or mean is None or not summary.duration_s:
+        return None
+    queued = summary.queue_s.mean if summary.queue_s.count else None
+    return float(summary.completed * (mean - (queued or 0.0)) / summary.duration_s)
+
+
 def _parse_slo(slo: dict[str, float]) -> list[tuple[str, str, str, float]]:
     parsed = []
     for key, target in slo.items():
