@@ -76,6 +76,7 @@ from simcap.calibrate.ngram import (
 from simcap.calibrate.pipeline import check_options
 from simcap.config.scenario import EngineConfig, SpeculativeConfig, parse_scenario
 from simcap.live.frontend_fit import FrontendFit, fit_frontend, max_in_flight
+from simcap.metrics.summary import requests_running
 from simcap.live.client import (
     LiveError, LiveRun, auth_headers, check_request_timeout, resolve_model, run_live,
 )
@@ -737,6 +738,11 @@ def fit_calibration_log(samples: StepSamples, lines: Sequence[str], records: Seq
     else:
         fit = fit_log_samples(samples, k, host["host_overhead_s"], bootstrap=bootstrap, seed=seed,
                               noise=noise)
+    if runs:  # how far the workload reached: its phases' requests running, as measured
+        loads = [v for v in (requests_running(run.summary()) for run, _ in runs) if v is not None]
+        if loads:
+            most = round(max(loads), 3)
+            fit.extra["fit_load"] = {"all": most, "speculative": most if k else None, "plain": None if k else most}
     fit.notes.append(
         f"host_overhead {host['host_overhead_s']:.4g} s per step: client decode step period "
         f"{_ms(host['step_period_s'])} minus the logged forward time {_ms(host['logged_elapsed_s'])} "
