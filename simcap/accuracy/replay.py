@@ -112,7 +112,7 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
 
 def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseReplay:
     from simcap.config.scenario import parse_scenario
-    from simcap.live.validate import instance_spread, replay_run
+    from simcap.live.validate import instance_spread, replay_run, speed_of
 
     notes: list[str] = []
     profile = fit_live(case, form, notes, load)
@@ -127,18 +127,21 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
             data["frontend"] = profile["frontend"]
         data.pop("profile", None)
         scenario = parse_scenario(data)
-        live, pred, instance, loads = [], [], [], []
+        live, pred, instance, loads, speeds, at_speed = [], [], [], [], [], []
+        one_server = not data.get("deployment")
         for ref in point.runs:
             recorded = load(ref.file)
-            sim = replay_run(scenario, recorded.run, point.replay)
+            sim = replay_run(scenario, recorded.run, point.replay, steps=one_server)
             delta = recorded.run.server_delta()
             live.append(_values(recorded.run.summary(), recorded.run.records, delta.get("prefix_cache_hit_rate"),
                                 delta.get("num_preemptions")))
-            pc = sim.prefix_cache
-            pred.append(_values(sim.summary, sim.records, pc["hits"] / pc["queries"] if pc and pc["queries"] else None,
-                                float(sim.summary.preemptions)))
+            pred.append(_sim_values(sim))
             instance.append(ref.instance)
             loads.append(requests_running(sim.summary))
+            speed, fast = speed_of(scenario, recorded.run, point.replay, recorded.iteration_lines, sim) \
+                if one_server else (None, None)
+            speeds.append(speed and speed["ratio"])
+            at_speed.append(fast and _sim_values(fast))
         metrics = list(LIVE_METRICS)
         if scenario.workload.prefix is not None or scenario.workload.sessions is not None:
             metrics.append("prefix_hit_rate")
@@ -155,10 +158,23 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
             for i, v in zip(instance, lv):
                 by.setdefault(i, []).append(v)
             known = [v for v in loads if v is not None]
-            figures.append(_figure(case.name, form, point.name, metric, float(np.median(lv)),
-                                   float(np.median(pv)), instance_spread(by)["between_instances"], len(lv),
-                                   float(np.median(known)) if known else None, fit_load))
+            figure = _figure(case.name, form, point.name, metric, float(np.median(lv)), float(np.median(pv)),
+                             instance_spread(by)["between_instances"], len(lv),
+                             float(np.median(known)) if known else None, fit_load)
+            if all(s is not None for s in speeds):  # the engine's speed, and the replays at it
+                at = [v[metric] for v in at_speed]
+                figure["engine_speed"] = float(np.median(speeds))
+                figure["predicted_at_speed"] = None if None in at else float(np.median(at))
+                figure["error_at_speed"] = _rel(figure["predicted_at_speed"], figure["measured"])
+            figures.append(figure)
     return CaseReplay(case.name, form, figures, profile, fit_load, notes)
+
+
+def _sim_values(sim: Any) -> dict[str, float | None]:
+    """A replay's figures, as :func:`_values` gives a live run's."""
+    pc = sim.prefix_cache
+    return _values(sim.summary, sim.records, pc["hits"] / pc["queries"] if pc and pc["queries"] else None,
+                   float(sim.summary.preemptions))
 
 
 def _values(summary: Any, records: Sequence[Any], prefix_hit_rate: float | None,

@@ -137,6 +137,38 @@ def _form_error_markdown(record: dict[str, Any]) -> list[str]:
     return out
 
 
+SPEED_METRICS = ("ttft_p50", "ttft_p95", "tpot_p50", "later_turns_ttft_p50")
+
+
+def _speed_markdown(replays: Sequence[CaseReplay]) -> list[str]:
+    """Per live point: the engine's speed during its runs and the errors at that speed."""
+    rows: dict[tuple[str, str, str], dict[str, Figure]] = {}
+    for r in replays:
+        for f in r.figures:
+            if f.get("engine_speed") is not None and f["metric"] in SPEED_METRICS:
+                rows.setdefault((f["case"], f["point"], f["metric"]), {})[r.form] = f
+    if not rows:
+        return []
+    out = ["", "## Engine speed", "",
+           "How fast the server's engine ran during each point's held-out runs, against the prediction's "
+           "own steps (`simcap.live.engine_speed`: the logged decode steps' time over the replay's at the "
+           "same batch sizes, median over the runs; above 1: slower than the fitted profile priced them), "
+           "and each error again with every run replayed at its measured speed (decode and prompt steps "
+           "each by their own ratio). The replay at the measured speed reads the held-out run's own step "
+           "log, so it is no prediction and no part of the record: it separates the engine's speed on the "
+           "day from what the model gets wrong. Where a point's batches are larger than the fit part's, "
+           "the ratio holds the step-time form's own miss at those batch sizes as well as the engine's "
+           "speed.", "",
+           "| case | point | metric | engine speed | " + " | ".join(f"{f} error -> at measured speed" for f in FORMS)
+           + " |", "|---|---|---|---:|" + "---:|" * len(FORMS)]
+    for (case, point, metric), by_form in rows.items():
+        speed = next(iter(by_form.values()))["engine_speed"]
+        cells = [f"{_pct(f['error'])} -> {_pct(f.get('error_at_speed'))}" if (f := by_form.get(form)) else "-"
+                 for form in FORMS]
+        out.append(f"| {case} | {point} | {metric} | {speed:.2f}x | " + " | ".join(cells) + " |")
+    return out
+
+
 def markdown(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> str:
     """The accuracy table: a summary per case and form, then every figure of every case."""
     out = [
@@ -196,6 +228,7 @@ def markdown(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> str:
     record = form_error(cases, replays)
     if record is not None:
         out += _form_error_markdown(record)
+    out += _speed_markdown(replays)
     return "\n".join(out) + "\n"
 
 

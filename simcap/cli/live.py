@@ -242,7 +242,7 @@ def validate_cmd(
     from simcap.live.client import ENDPOINTS
     from simcap.live.plot import plot_validation_ecdfs
     from simcap.live.validate import (
-        REPLAYS, fleet_table, ks_line, replay_line, sessions_table, spread_line, validate,
+        REPLAYS, fleet_table, ks_line, replay_line, sessions_table, speed_line, spread_line, validate,
         validation_table,
     )
     from simcap.studies.plots import check_figure_path
@@ -322,6 +322,9 @@ def validate_cmd(
     console.print(replay_line(data))
     console.print(spread_line(data))
     console.print(validation_table(data))
+    line = speed_line(data)
+    if line is not None:
+        console.print(line)
     table = sessions_table(data)
     if table is not None:
         console.print(table)

@@ -153,15 +153,31 @@ def default_replay(scenario: Scenario, fleet: bool = False) -> str:
     return "times"
 
 
-def replay_run(scenario: Scenario, run: LiveRun, replay: str) -> Any:
-    """The simulation of exactly ``run``'s trace on ``scenario`` (records kept): at its send
-    times (``"times"``), as its closed loop (``"closed"``) or as its sessions (``"sessions"``);
-    a scenario with a ``deployment`` simulates its fleet."""
+def replay_run(scenario: Scenario, run: LiveRun, replay: str, steps: bool = False) -> Any:
+    """The simulation of exactly ``run``'s trace on ``scenario`` (records kept; ``steps``: its
+    step rows too): at its send times (``"times"``), as its closed loop (``"closed"``) or as its
+    sessions (``"sessions"``); a scenario with a ``deployment`` simulates its fleet."""
     if replay not in REPLAYS:
         raise LiveError(f"replay: must be one of {', '.join(REPLAYS)} (got {replay!r})")
     trace: list[tuple[float, RequestSpec]] | ClosedLoopTrace
     trace = {"closed": closed_trace_of, "sessions": session_trace_of}.get(replay, trace_of)(run)
-    return simulate(scenario, trace=trace, records=True)
+    return simulate(scenario, trace=trace, records=True, steps=steps)
+
+
+def speed_of(scenario: Scenario, run: LiveRun, replay: str, lines: Sequence[str], sim: Any) -> tuple[Any, Any]:
+    """A run's engine speed against its replay ``sim`` (:mod:`simcap.live.engine_speed`; the
+    replay must keep its steps) and the replay at that speed: (speed, result), or (None,
+    None) without one server's step log or enough decode steps."""
+    from simcap.live.engine_speed import at_speed, engine_speed
+
+    if not lines or getattr(sim, "steps", None) is None or not len(sim.steps):
+        return None, None
+    k = scenario.speculative.num_speculative_tokens if scenario.speculative is not None else 0
+    speed = engine_speed(lines, sim.steps.as_arrays(), scenario.step_time.host_overhead,
+                         bool(scenario.engine.async_scheduling), k)
+    if speed is None:
+        return None, None
+    return speed, replay_run(at_speed(scenario, speed["ratio"], speed["prefill_ratio"]), run, replay)
 
 
 FLEET_KEYS = ("requests", "tokens", "ttft_p50_s", "e2e_p95_s")
@@ -248,6 +264,10 @@ class Repeat:
     sim_prefix_cache: dict[str, int] | None = None  # the simulated engine's queries / hits
     instance: int = 0  # which server instance it ran against (restarts)
     fleet: dict[str, Any] | None = None  # several servers: fleet_pair()
+    # The engine's speed during the run against the replay's, and the replay at that speed
+    # (simcap.live.engine_speed; None without the server's step log).
+    engine_speed: dict[str, Any] | None = None
+    speed_summary: Summary | None = None
 
     @property
     def live_prefix_hit_rate(self) -> float | None:
@@ -283,6 +303,9 @@ class Repeat:
                 k: v for k, v in self.live.server_delta().items() if k != "cache_config"
             },
             "notes": list(self.live.notes),
+            "engine_speed": self.engine_speed,
+            "predicted_at_measured_speed": None if self.speed_summary is None else {
+                k: metric_value(self.speed_summary, k) for k in METRICS},
             **({"sessions": {
                 **self.live.sessions,
                 "live_prefix_hit_rate": self.live_prefix_hit_rate,
@@ -375,6 +398,13 @@ def compare(repeats: Sequence[Repeat]) -> tuple[dict[str, dict[str, Any]], dict[
                     [metric_value(r.sim_summary, key) for r in repeats], used)
         for key in METRICS
     }
+    if any(r.speed_summary is not None for r in clean):  # the replays at each run's measured speed
+        for key, entry in metrics.items():
+            at = [metric_value(r.speed_summary, key) for r in clean if r.speed_summary is not None]
+            at = [v for v in at if v is not None]
+            p = float(np.median(at)) if at else None
+            entry["predicted_at_measured_speed"] = p
+            entry["rel_error_at_measured_speed"] = _rel(p, entry["live_median"])
     ks: dict[str, dict[str, Any]] = {}
     for name in ("ttft", "itl"):
         live_s = np.concatenate([samples(r.live.records)[name] for r in clean])
@@ -659,15 +689,16 @@ def validate(
         run = run_live(scenario, base_urls, model, endpoint=endpoint, out_path=out, progress=progress,
                        api_key=api_key, **live_kwargs)  # type: ignore[arg-type]
         cpu = watch.stop()
+        lines = [iteration_lines(read_log_window(p, o)) for p, o in zip(server_logs, offsets)]
         if on_run is not None:
-            lines = [iteration_lines(read_log_window(p, o)) for p, o in zip(server_logs, offsets)]
             on_run(RunDone(i, instance, run, cpu, lines))
         if i == 0 and adopt_server_cache_config:
             simulated = _adopt_server_config(scenario, run, notes)
         if not any(r.succeeded for r in run.records):
             raise LiveError(f"live run {i}: no request completed ({sorted({r.error for r in run.records if r.error})[:3]})")
         this = adopt_run_acceptance(simulated, run, i, notes) if adopt_spec_acceptance else simulated
-        sim = replay_run(this, run, replay)
+        sim = replay_run(this, run, replay, steps=len(lines) == 1)
+        speed, at_speed = speed_of(this, run, replay, lines[0], sim) if len(lines) == 1 else (None, None)
         if run.num_failed:
             notes.append(f"run {i}: {run.num_failed} failed request(s) left out of the simulated trace")
         if cpu.get("disturbed"):
@@ -682,7 +713,8 @@ def validate(
                          "their later turns are in neither run")
         results.append(Repeat(i, run, run.summary(), sim.summary, sim.records, cpu, reset,
                               sim_prefix_cache=sim.prefix_cache, instance=instance,
-                              fleet=fleet_pair(run, sim.records) if fleet else None))
+                              fleet=fleet_pair(run, sim.records) if fleet else None,
+                              engine_speed=speed, speed_summary=at_speed and at_speed.summary))
         return simulated
 
     if launch is None:
@@ -798,10 +830,12 @@ def validation_table(data: dict[str, Any]) -> Table:
     for r in data["repeats"]:
         mark = "" if not r["disturbed"] else " disturbed" if r["index"] in used else " disturbed, left out"
         table.add_column(f"live {r['index']}{mark}", justify="right")
-    for col in ("live range", "predicted", "error vs median", "in range"):
+    at_speed = any("rel_error_at_measured_speed" in m for m in data["metrics"].values())
+    for col in ("live range", "predicted", "error vs median", "in range", *(["at measured speed"] if at_speed else [])):
         table.add_column(col, justify="right", no_wrap=True)
     for key, m in data["metrics"].items():
         err = m["rel_error"]
+        at = m.get("rel_error_at_measured_speed")
         table.add_row(
             key,
             *(_fmt(key, v) for v in m["live"]),
@@ -809,8 +843,23 @@ def validation_table(data: dict[str, Any]) -> Table:
             _fmt(key, m["predicted"]),
             "-" if err is None else f"{err * 100:+.1f}%",
             {True: "yes", False: "NO", None: "-"}[m["in_range"]],
+            *([("-" if at is None else f"{at * 100:+.1f}%")] if at_speed else []),
         )
     return table
+
+
+def speed_line(data: dict[str, Any]) -> str | None:
+    """The runs' engine speed against the prediction's (:mod:`simcap.live.engine_speed`), one
+    line from ``to_dict()``; None when no run left a step log to measure it."""
+    speeds = [(r["index"], r["engine_speed"]) for r in data["repeats"] if r.get("engine_speed")]
+    if not speeds:
+        return None
+    runs = ", ".join(
+        f"run {i} {s['ratio']:.2f}x" + (f" (per second {s['per_second']['p10']:.2f}-{s['per_second']['p90']:.2f})"
+                                       if s["per_second"] else "") for i, s in speeds)
+    return (f"engine speed: the server's decode steps took {runs} the replay's at the same batch sizes "
+            "(above 1: slower than the profile priced them); 'at measured speed' is the replay with "
+            "each run's factor, a diagnosis from the run's own log, not a prediction")
 
 
 def _share(v: float | None) -> str:
