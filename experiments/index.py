@@ -64,6 +64,10 @@ def a800_eagle3_crossover(d: dict) -> tuple[str, str]:
               f"field published EAGLE3 up to {published_spec} clients and withheld "
               f"{_span(withheld)}: predicted, not yet checked. Fitted rows: mean abs. error "
               f"{sum(errors) / len(errors):.1f}% (max {max(errors):.1f}%)")
+    mf = d.get("model_form")
+    if mf:
+        result += (f"; model-form 90% interval: the gain's sign undecided from "
+                   f"{min(mf['undecided']):g} clients up" if mf["undecided"] else "")
     return question, result
 
 
@@ -74,6 +78,10 @@ def ascend910b4_capacity(d: dict) -> tuple[str, str]:
     result = (f"predicted safe rate **{pred['safe_rate']:.2f} req/s** ({lo:.2f}-{hi:.2f} over "
               f"{search['safe_rate_interval_sets']} bootstrap sets), saturation rate "
               f"**{pred['saturation_rate']:.2f} req/s**; the field withheld both")
+    mf = d.get("model_form")
+    if mf:
+        (lo, hi), (mlo, mhi) = mf["safe_rate_interval"], mf["saturation_rate_interval"]
+        result += f"; model-form 90% intervals {lo:.2f}-{hi:.2f} and {mlo:.2f}-{mhi:.2f} req/s"
     return question, result
 
 
@@ -186,6 +194,18 @@ def live_ngram_proposer(d: dict) -> tuple[str, str]:
     return question, result
 
 
+def live_engine_speed(d: dict) -> tuple[str, str]:
+    import statistics
+
+    by = {p: statistics.median(r["engine_speed"]["ratio"] for r in d["runs"] if r["point"] == p) for p in d["points"]}
+    ratios = [r["engine_speed"]["ratio"] for r in d["runs"]]
+    question = "Does open-loop load slow the real CPU server's engine, or does the machine?"
+    result = (f"one instance, closed and Poisson runs alternating: engine speed against the fitted price "
+              + ", ".join(f"{p} **{v:.2f}x**" for p, v in by.items())
+              + f" (median); runs range {min(ratios):.2f}-{max(ratios):.2f}x: the machine, not the load")
+    return question, result
+
+
 def live_eagle3_crossover(d: dict) -> tuple[str, str]:
     def where(c: dict) -> str:
         return f"{c['value']:.1f}" if c["status"] == "found" else "none"
@@ -218,6 +238,7 @@ STUDIES = [
     ("live-cpu-validation", "results.json", live_cpu_validation),
     ("live-ngram-proposer", "results.json", live_ngram_proposer),
     ("live-eagle3-crossover", "results.json", live_eagle3_crossover),
+    ("live-engine-speed", "results.json", live_engine_speed),
 ]
 
 
