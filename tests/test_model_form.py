@@ -210,3 +210,22 @@ def test_a_table_fit_records_the_load_its_rows_reached():
     # requests running are the clients (EAGLE3 at 4: its ramp-up and drain count too)
     assert loads["plain"] == pytest.approx(16.0, rel=0.01) and loads["all"] == loads["plain"]
     assert 3.5 < loads["speculative"] <= 4.0
+
+
+def test_simulate_prints_each_headline_with_its_model_form_interval():
+    import json
+
+    out = _cli("simulate", "experiments/a800-eagle3-crossover/scenario.yaml", "--set",
+               "workload.arrival.concurrency=32", "--set", "workload.num_requests=256", "--model-form",
+               "calibration/model_form.json", "--json")
+    assert out.returncode == 0, out.stderr
+    band = json.loads(out.stdout)["model_form"]
+    # an EAGLE3 scenario is measured from the profile's EAGLE3 rows (3.9 requests running)
+    assert band["fit_load"] == pytest.approx(3.888) and band["distance"] > 2.5
+    for metric in ("ttft_p50", "tpot_p50", "e2e_p95", "output_throughput"):
+        e = band["metrics"][metric]
+        assert e["low"] < e["predicted"] < e["high"]
+    plain = _cli("simulate", "experiments/a800-eagle3-crossover/scenario.yaml", "--set", "speculative=null",
+                 "--set", "workload.arrival.concurrency=8", "--model-form", "calibration/model_form.json", "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout)["model_form"]["distance"] == 0.0  # inside the 16 of the no-spec rows

@@ -295,6 +295,12 @@ def capacity_slos(model: FormError, slo: Mapping[str, float], load: float | None
     return strict, loose
 
 
+def arm(scenario: Any) -> str:
+    """Which of a profile's fitted loads a scenario's prediction is measured from: the rows
+    with speculation when it speculates, else those without."""
+    return "speculative" if scenario.speculative is not None else "plain"
+
+
 def profile_fit_load(path: str | Path | None, which: str = "all") -> float:
     """The requests running at the rows a profile was fitted on (its ``provenance.fit_load``,
     written by ``simcap calibrate`` on benchmark rows): ``which`` is ``all``, ``speculative``
@@ -337,3 +343,25 @@ def capacity_interval(model: FormError, scenario: Any, result: Any, fit_load: fl
     return {"level": model.level, "fit_load": fit_load, "load_at_safe_rate": load, "slo_strict": strict,
             "slo_loose": loose, "safe_rate_interval": ends,
             "saturation_rate_interval": [mu * math.exp(-h), mu * math.exp(h)]}
+
+
+SUMMARY_METRICS = ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "itl_p50", "e2e_p50", "e2e_p95",
+                   "output_throughput")
+
+
+def summary_intervals(model: FormError, summary: Any, fit_load: float) -> dict[str, Any]:
+    """A simulation's headline figures with their model-form interval, at the run's requests
+    running past ``fit_load``: per metric of :data:`SUMMARY_METRICS` the prediction and its
+    ends (None where the run has no such figure)."""
+    from simcap.live.validate import metric_value
+    from simcap.metrics.summary import requests_running
+
+    load = requests_running(summary)
+    out: dict[str, Any] = {"level": model.level, "fit_load": fit_load, "load": load,
+                           "distance": distance(load, fit_load), "metrics": {}}
+    for metric in SUMMARY_METRICS:
+        value = metric_value(summary, metric)
+        if value is not None:
+            lo, hi = model.interval(value, metric, load, fit_load)  # type: ignore[misc]
+            out["metrics"][metric] = {"predicted": value, "low": lo, "high": hi}
+    return out

@@ -107,6 +107,7 @@ def simulate_cmd(
     trace_requests: Optional[int] = typer.Option(
         None, "--trace-requests", help="Trace replay: send only the first N requests (workload.trace.num_requests)."
     ),
+    model_form: Optional[Path] = MODEL_FORM_OPTION,
 ) -> None:
     """Simulate a scenario and print its latency, throughput and SLO summary."""
     from simcap.config.traces import trace_overrides
@@ -121,6 +122,12 @@ def simulate_cmd(
 
             check_figure_path(plot, "--plot", directory=True)
         loaded = load_command_scenario(scenario, set_, collect=False)
+        if model_form is not None:  # read first: a bad record or profile fails before the run
+            from simcap.accuracy import model_form as mf
+
+            if loaded.deployment is not None:
+                fail("--model-form: not with a deployment (a profile's fitted load is one replica's)")
+            form_error, fit_load = mf.FormError.read(model_form), mf.profile_fit_load(loaded.profile_file, mf.arm(loaded))
         from simcap.fleet.run import simulate  # after the scenario's models (load_command_scenario)
 
         startup.end()
@@ -143,6 +150,8 @@ def simulate_cmd(
     data = result.to_dict()
     if intervals is not None:
         data["ci"] = {"level": 0.9, **{k: list(v) for k, v in intervals.items()}}
+    if model_form is not None:
+        data["model_form"] = mf.summary_intervals(form_error, result.summary, fit_load)
     if json_out:
         typer.echo(report.to_json(data))
     else:
@@ -151,6 +160,8 @@ def simulate_cmd(
             from simcap.calibrate import render_intervals
 
             render_intervals(data, intervals, report.wide_console(100))
+        if model_form is not None:
+            typer.echo(report.model_form_summary_line(data["model_form"]))
     if plot is not None:
         from simcap.studies.plots import write_simulation_plots
 
@@ -288,7 +299,7 @@ def capacity_cmd(
             from simcap.accuracy import model_form as mf
 
             form_error = mf.FormError.read(model_form)
-            fit_load = mf.profile_fit_load(loaded.profile_file)
+            fit_load = mf.profile_fit_load(loaded.profile_file, mf.arm(loaded))
         result = cap.find_capacity(
             loaded,
             cap.parse_slo(slo) if slo else None,

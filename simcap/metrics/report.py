@@ -345,3 +345,16 @@ def model_form_capacity_line(band: dict[str, Any] | None) -> str:
             f"{'-' if hi is None else f'{hi:.3g}'} req/s (SLO limits read as {limits}), saturation rate "
             f"{mu_lo:.3g}-{mu_hi:.3g} req/s; {band['load_at_safe_rate']:.1f} requests running at the safe "
             f"rate, {band['fit_load']:.1f} in the profile's fitted rows")
+
+
+def model_form_summary_line(band: dict[str, Any]) -> str:
+    """A simulation's model-form intervals (``simcap.accuracy.model_form.summary_intervals``)
+    in one line: latencies in ms, throughput in tok/s."""
+    def fmt(metric: str, v: float) -> str:
+        return f"{v:,.0f}" if metric == "output_throughput" else f"{v * 1e3:,.1f}"
+
+    parts = ", ".join(f"{m} {fmt(m, e['predicted'])} [{fmt(m, e['low'])}-{fmt(m, e['high'])}]"
+                      for m, e in band["metrics"].items())
+    return (f"model-form {band['level']:.0%} intervals (latencies ms, throughput tok/s; "
+            f"{band['load']:.1f} requests running, {band['distance']:.1f} doublings past the "
+            f"{band['fit_load']:.1f} of the profile's fitted rows): {parts}")
