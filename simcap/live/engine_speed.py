@@ -24,6 +24,11 @@ server's per-step log (``--enable-logging-iteration-details``) tells the two apa
   held-out run's own step log. It says how much of a miss the engine's speed explains, and
   what is left for the model. Where the run's batches are larger than the calibration's, the
   ratio holds the step-time form's own miss at those sizes as well as the engine's speed.
+  One factor per step kind for the whole run, not one per second: a replay that followed each
+  logged second's decode ratio overshot the corpus's near-saturation point (TTFT p95 +37%
+  linear, +49% roofline, against +8% and +7% with the run's factors); the log's whole-second
+  stamps place each second only to within a second, and a busy second's few decode-only steps
+  price it poorly.
 """
 
 from __future__ import annotations
