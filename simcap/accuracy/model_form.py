@@ -22,6 +22,12 @@ normal quantile: the errors have heavier tails than a normal. A family with fewe
 :func:`coverage` checks the intervals the honest way: each case's figures get intervals from a
 fit on the other cases only (leave one case out), and the share of figures inside them is
 reported, with the intervals' median width.
+
+What uses them: :func:`summary_intervals` (``simcap simulate --model-form``),
+:func:`crossover_band` (``simcap crossover --model-form``: the throughput gain's interval at
+each load), :func:`capacity_interval` (``simcap capacity --model-form``: the safe rate under
+the SLO read at each end of its interval, the saturation rate's), each at the distance past the
+profile's ``provenance.fit_load`` (:func:`profile_fit_load`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from simcap.errors import SimcapError
+
 
 class ModelFormError(SimcapError):
     """A model-form record or a profile's fitted load that cannot be used (one line)."""
@@ -147,9 +154,6 @@ class FormError:
             return None
         h = self.half_width(metric, load, fit_load)
         return predicted * math.exp(-h), predicted * math.exp(h)
-
-    def covers(self, s: Sample) -> bool:
-        return abs(s.error) <= self.term(s.family).half_width(s.distance)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "level": self.level, "cases": list(self.cases),
