@@ -192,6 +192,10 @@ def test_vllm_bench_result_becomes_a_closed_loop_point(tmp_path):
     assert pt.measured["output_throughput"] == 204.8 and "ttft_std" not in pt.measured
     assert metric_of_key("itl_fraction_over_1500ms") == ("itl_frac_gt_1.5", 1.0)
     assert metric_of_key("latency_p95") == ("e2e_p95", 1.0)
+    # the same keys in seconds (a harness that saves them so, as InferenceMAX's tables do)
+    assert metric_of_key("mean_tpot_s") == ("tpot_mean", 1.0)
+    assert metric_of_key("p99_e2el_s") == ("e2e_p99", 1.0) and metric_of_key("mean_tpot_ms") == ("tpot_mean", 1e-3)
+    assert metric_of_key("mean_tpot_min") is None
 
 
 # --------------------------------------------------------------------------- bad input

@@ -352,3 +352,19 @@ def test_a_recipe_table_section_is_refused_in_one_line(tmp_path, section, says):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], out.stderr
+
+
+def test_a_table_in_seconds_per_gpu_reads_as_the_harness_meant():
+    """InferenceMAX's rows (latencies in seconds, throughput per GPU) through the public case's
+    recipe: 2 x H100 vLLM rows at 4-64 clients, TPOT in seconds, throughput times the 2 GPUs."""
+    from simcap.calibrate import Recipe
+    from simcap.calibrate.pipeline import benchmark_points
+
+    points = {p.label: p for p in benchmark_points(Recipe.load(ROOT / "calibration" / "recipes"
+                                                               / "inferencemax-gptoss-h100.yaml"))}
+    assert sorted(points) == sorted(f"vllm tp2 c={c}" for c in (4, 8, 16, 32, 64))
+    row = json.loads((ROOT / "calibration" / "data" / "public" / "inferencemax-gpt-oss-120b"
+                      / "agg_gptoss_1k1k.json").read_text())
+    (c4,) = [r for r in row if r["hw"] == "h100" and r["framework"] == "vllm" and r["tp"] == 2 and r["conc"] == 4]
+    assert points["vllm tp2 c=4"].measured["tpot_mean"] == pytest.approx(c4["mean_tpot"])
+    assert points["vllm tp2 c=4"].measured["output_throughput"] == pytest.approx(2 * c4["output_tput_per_gpu"])

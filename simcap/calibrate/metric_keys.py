@@ -35,7 +35,7 @@ def metric_of_key(key: str) -> tuple[str, float] | None:
     """The simcap metric a measurement key stands for, and the factor to seconds; else None.
 
     Knows ``vllm bench`` keys (``mean_ttft_ms``, ``median_itl_ms``, ``p99_e2el_ms``,
-    ``output_throughput``), table keys (``throughput``, ``qps``, ``latency_p95`` = E2E,
+    ``output_throughput``; the same in seconds with ``_s``: ``mean_tpot_s``), table keys (``throughput``, ``qps``, ``latency_p95`` = E2E,
     ``itl_median_ms``) and ITL fractions (``itl_fraction_over_1500ms``,
     ``itl_fraction_100_to_1500ms``).
     """
@@ -49,13 +49,13 @@ def metric_of_key(key: str) -> tuple[str, float] | None:
     m = re.fullmatch(r"latency_(mean|median|p\d+)", key)
     if m and stat(m[1]):
         return f"e2e_{stat(m[1])}", 1.0
-    m = re.fullmatch(r"(mean|median|p\d+)_(ttft|tpot|itl|e2el)_ms", key) or re.fullmatch(
-        r"(ttft|tpot|itl|e2el)_(mean|median|p\d+)_ms", key
+    m = re.fullmatch(r"(mean|median|p\d+)_(ttft|tpot|itl|e2el)_(ms|s)", key) or re.fullmatch(
+        r"(ttft|tpot|itl|e2el)_(mean|median|p\d+)_(ms|s)", key
     )
     if m:
         s, what = (m[1], m[2]) if m[2] in ("ttft", "tpot", "itl", "e2el") else (m[2], m[1])
         if stat(s):
-            return f"{what.replace('e2el', 'e2e')}_{stat(s)}", 1e-3
+            return f"{what.replace('e2el', 'e2e')}_{stat(s)}", 1e-3 if m[3] == "ms" else 1.0
     m = re.fullmatch(r"itl_fraction_over_(\d+)ms", key)
     if m:
         return f"itl_frac_gt_{int(m[1]) / 1000:g}", 1.0
