@@ -4,6 +4,7 @@ the candidate point that narrows them most, on tables simcap measured on itself.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -96,3 +97,32 @@ def test_cli_prints_the_advice(tmp_path):
     assert data["advice"]["measure"] == "eagle3 c=32"
     (t,) = data["targets"]
     assert t["point"] == "eagle3 c=64" and t["interval"][0] < t["value"] < t["interval"][1]
+
+
+def test_the_model_form_interval_narrows_once_a_higher_load_is_fitted(low_rows):
+    """With a model-form error (simcap.accuracy.model_form), each target's interval grows with
+    its doublings past the fitted rows (4 clients here), and a candidate shrinks it by moving
+    the fitted load up: measuring 32 clients puts a 16-client target inside the fitted range."""
+    from simcap.accuracy.model_form import POOLED, FormError, Term
+
+    form_error = FormError({POOLED: Term(0.1, 0.0, 1.0, 10), "throughput": Term(0.05, 0.2, 1.5, 20)})
+    targets = [Query(point_at(low_rows, f"syn c={c}"), ("output_throughput",)) for c in (16, 64)]
+    candidates = [Query(point_at(low_rows, f"syn c={c}"), ("output_throughput",)) for c in (8, 32)]
+    rep = measure_next(low_rows, start(), "base,experts,compute", prior={"sigma": 0.7}, targets=targets,
+                       candidates=candidates, form_error=form_error)
+    t16, t64 = rep["targets"]
+    w16 = t16["model_form_interval"][1] / t16["model_form_interval"][0]
+    w64 = t64["model_form_interval"][1] / t64["model_form_interval"][0]
+    assert 1.0 < w16 < w64  # 64 clients lie further past the 4 fitted than 16 do
+    # about 2 doublings past: half-width 1.5 sqrt(0.05^2 + (0.2 x 2)^2); the batch is the clients
+    assert math.log(w16) / 2 == pytest.approx(1.5 * math.hypot(0.05, 0.2 * 2), rel=0.05)
+    c8, c32 = rep["candidates"]
+    assert c32["model_form_shrink"]["syn c=16 output_throughput"] < c8["model_form_shrink"]["syn c=16 output_throughput"] < 1
+    # measured at 32 clients, a 16-client prediction is inside the fitted range: s0 alone
+    inside = (math.exp(1.5 * 0.05) - math.exp(-1.5 * 0.05)) / (w16 ** 0.5 - w16 ** -0.5)
+    assert c32["model_form_shrink"]["syn c=16 output_throughput"] == pytest.approx(inside, rel=1e-6)
+    assert rep["advice"]["model_form"]["measure"] == "syn c=32"
+    # without a model-form error nothing of it appears
+    plain = measure_next(low_rows, start(), "base,experts,compute", prior={"sigma": 0.7}, targets=targets,
+                         candidates=candidates)
+    assert "model_form_interval" not in plain["targets"][0] and "model_form" not in plain["advice"]

@@ -192,6 +192,8 @@ def test_crossover_and_capacity_print_the_model_form_interval():
      "the scenario names no profile"),
     (["capacity", "experiments/ascend910b4-capacity/scenario.yaml", "--replicas", "2", "--model-form",
       "calibration/model_form.json"], "--model-form: not with --replicas"),
+    (["measure-next", "calibration/recipes/a800-minimax-m3.roofline.yaml", "--target", "eagle3 c=64",
+      "--candidate", "eagle3 c=32", "--model-form", "calibration/accuracy.json"], "not a model-form error record"),
 ])
 def test_model_form_refusals_are_one_line(args, says):
     out = _cli(*args)

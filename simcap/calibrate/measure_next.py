@@ -20,6 +20,11 @@ says which, and by how much, in the fit's own Laplace approximation:
   each target's interval then shrinks by ``sqrt(g (H + j^T j)^-1 g^T / g H^-1 g^T)``. The
   advice is the candidate that most lowers the targets' summed variance (A-optimal design).
 
+- **The model form** (``form_error``, ``simcap measure-next --model-form``): each target's
+  model-form interval (:mod:`simcap.accuracy.model_form`) at its distance past the fitted rows
+  of its arm, and each candidate's shrink of it once the candidate's load is among them: the
+  doubt a bootstrap and this approximation leave out, and the measurement that answers it.
+
 What it leaves out: a term held at its physical floor is treated as free on both sides (the
 truncation would narrow it further), and the approximation is linear around the fit, so it
 ranks candidates; it does not promise the width a new fit will have.
@@ -106,11 +111,19 @@ def measure_next(
     seed: int = 0,
     level: float = 0.9,
     step: float = 0.02,
+    form_error: Any = None,
 ) -> dict[str, Any]:
     """Fit the roofline form to ``points`` (as :func:`fit_benchmarks_roofline`, no
     bootstrap), then give each target its value and Laplace interval, and each candidate (none:
     the intervals alone) the factor by which measuring it would shrink every target's interval;
-    ``advice``: the best candidate (None without candidates). See the module docstring."""
+    ``advice``: the best candidate (None without candidates). See the module docstring.
+
+    ``form_error``: a model-form error (:class:`simcap.accuracy.model_form.FormError`): each
+    target also gets its model-form interval, at its distance past the fitted rows of its arm
+    (with or without speculation; requests running), and each candidate the factor by which
+    that interval would shrink once the candidate's load is among the fitted rows
+    (``advice["model_form"]``: the candidate that most lowers the targets' summed squared
+    half-widths)."""
     from scipy.stats import norm
 
     from simcap.calibrate.fit_bench import (
@@ -174,6 +187,10 @@ def measure_next(
                                "shrink": {t["point"] + " " + t["metric"]: float(s)
                                           for t, s in zip(out_targets, shrink)},
                                "summed_variance_ratio": float(var_k.sum() / var.sum()) if var.sum() > 0 else 1.0})
+    model_form = None
+    if form_error is not None:
+        model_form = _model_form(form_error, points, obj.simulate(x), targets, candidates, base,
+                                 out_targets, out_candidates)
     advice = None
     if candidates:
         best = out_candidates[min(range(len(candidates)),
@@ -182,6 +199,8 @@ def measure_next(
         key = widest["point"] + " " + widest["metric"]
         advice = {"measure": best["point"], "metrics": best["metrics"], "widest_target": key,
                   "its_interval_shrinks_to": best["shrink"][key]}
+        if model_form is not None:
+            advice["model_form"] = model_form
     return {
         "fit": {"coefficients": {t: fit.coefficients[t] for t in form.free},
                 "notes": [n for n in fit.notes if "floor" in n or "pinned" in n]},
@@ -193,6 +212,45 @@ def measure_next(
         "candidates": out_candidates,
         "advice": advice,
     }
+
+
+def _model_form(form_error: Any, points: Sequence[BenchmarkPoint], fitted_sims: list[dict[str, float]],
+                targets: Sequence[Query], candidates: Sequence[Query], sims: list[dict[str, float]],
+                out_targets: list[dict[str, Any]], out_candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The targets' model-form intervals and each candidate's shrink of them (in place), and
+    the candidate that most lowers their summed squared half-widths (None without candidates)."""
+    from simcap.calibrate.fit_bench import RUNNING, fit_loads
+
+    loads = fit_loads(points, fitted_sims)
+
+    def arm(q: Query) -> str:
+        return "speculative" if q.point.scenario.get("speculative") else "plain"
+
+    def fitted(fit: dict[str, float | None], q: Query) -> float | None:
+        return fit.get(arm(q)) or fit.get("all")
+
+    def width(h: float) -> float:
+        return math.exp(h) - math.exp(-h)
+
+    now = []
+    for i, (q, t) in enumerate(zip(targets, out_targets)):
+        h = form_error.half_width(q.metrics[0], sims[i][RUNNING], fitted(loads, q))
+        now.append(h)
+        t["model_form_interval"] = [t["value"] * math.exp(-h), t["value"] * math.exp(h)]
+    best = None
+    for k, (q, c) in enumerate(zip(candidates, out_candidates)):
+        load = sims[len(targets) + k][RUNNING]
+        grown = dict(loads)
+        for key in (arm(q), "all"):
+            grown[key] = max(v for v in (grown.get(key), load) if v is not None)
+        after = [form_error.half_width(t.metrics[0], sims[i][RUNNING], fitted(grown, t)) for i, t in enumerate(targets)]
+        c["model_form_shrink"] = {o["point"] + " " + o["metric"]: (width(a) / width(h) if h > 0 else 1.0)
+                                  for o, a, h in zip(out_targets, after, now)}
+        total = sum(a * a for a in after)
+        if best is None or total < best[0]:
+            best = (total, q.point.label)
+    return None if best is None else {"measure": best[1],
+                                      "summed_half_width_ratio": best[0] / sum(h * h for h in now) if any(now) else 1.0}
 
 
 def point_at(points: Sequence[BenchmarkPoint], label: str) -> BenchmarkPoint:
@@ -225,7 +283,7 @@ def point_at(points: Sequence[BenchmarkPoint], label: str) -> BenchmarkPoint:
 
 def measure_next_recipe(recipe_path: str | Any, targets: Sequence[str], candidates: Sequence[str],
                         metrics: Sequence[str] = ("output_throughput", "e2e_mean"),
-                        level: float = 0.9) -> dict[str, Any]:
+                        level: float = 0.9, form_error: Any = None) -> dict[str, Any]:
     """:func:`measure_next` on a roofline recipe's data: targets and candidates by label
     (:func:`point_at`), each target predicted in ``metrics[0]``, each candidate measuring all
     of ``metrics``."""
@@ -244,7 +302,7 @@ def measure_next_recipe(recipe_path: str | Any, targets: Sequence[str], candidat
     _, points = read_inputs(recipe.datasets, recipe.path.parent, recipe, None, 0)
     report = measure_next(
         points, recipe.step_time, recipe.form, prior=recipe.prior, fit_metrics=recipe.fit_metrics,
-        weights=recipe.weights, starts=recipe.starts, seed=recipe.seed, level=level,
+        weights=recipe.weights, starts=recipe.starts, seed=recipe.seed, level=level, form_error=form_error,
         targets=[Query(point_at(points, t), metrics[:1]) for t in targets],
         candidates=[Query(point_at(points, c), metrics) for c in candidates])
     report["recipe"] = str(recipe_path)

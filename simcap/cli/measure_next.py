@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import typer
 
-from simcap.cli.common import JSON_OPTION, user_errors
+from simcap.cli.common import JSON_OPTION, MODEL_FORM_OPTION, user_errors
 from simcap.metrics import report
 
 
@@ -25,6 +25,7 @@ def measure_next(
         "output_throughput,e2e_mean", "--metrics",
         help="Comma-separated: the targets' figure is the first; a candidate run measures them all.",
     ),
+    model_form: Optional[Path] = MODEL_FORM_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Fit the recipe, give each target its 90% interval (the prior's spread over terms the data
@@ -32,8 +33,13 @@ def measure_next(
     from simcap.calibrate.measure_next import measure_next_recipe
 
     with user_errors():
+        form_error = None
+        if model_form is not None:  # read first: a bad record fails before the fit
+            from simcap.accuracy.model_form import FormError
+
+            form_error = FormError.read(model_form)
         result = measure_next_recipe(recipe, target, candidate,
-                                     [m.strip() for m in metrics.split(",") if m.strip()])
+                                     [m.strip() for m in metrics.split(",") if m.strip()], form_error=form_error)
     if json_out:
         typer.echo(report.to_json(result))
         return
@@ -41,11 +47,13 @@ def measure_next(
     from rich.table import Table
 
     table = Table(title="targets (90% interval, Laplace at the fit)", title_justify="left")
-    for col in ("target", "figure", "predicted", "interval"):
+    form = form_error is not None
+    for col in ("target", "figure", "predicted", "interval", *(["model-form interval"] if form else [])):
         table.add_column(col, justify="left" if col in ("target", "figure") else "right")
     for t in result["targets"]:
         table.add_row(t["point"], t["metric"], f"{t['value']:.4g}",
-                      f"{t['interval'][0]:.4g} - {t['interval'][1]:.4g}")
+                      f"{t['interval'][0]:.4g} - {t['interval'][1]:.4g}",
+                      *([f"{t['model_form_interval'][0]:.4g} - {t['model_form_interval'][1]:.4g}"] if form else []))
     console.print(table)
     table = Table(title="candidates: each target's interval width if measured (x current)",
                   title_justify="left")
@@ -54,11 +62,16 @@ def measure_next(
         table.add_column(t["point"], justify="right")
     table.add_column("summed variance", justify="right")
     for c in result["candidates"]:
-        table.add_row(c["point"], *(f"{v:.2f}" for v in c["shrink"].values()),
+        table.add_row(c["point"], *(f"{v:.2f}" + (f" ({c['model_form_shrink'][k]:.2f})" if form else "")
+                                    for k, v in c["shrink"].items()),
                       f"{c['summed_variance_ratio']:.2f}")
     console.print(table)
     a = result["advice"]
     typer.echo(f"measure next: {a['measure']} ({', '.join(a['metrics'])}); the widest interval "
                f"({a['widest_target']}) shrinks to {a['its_interval_shrinks_to']:.2f} of its width")
+    if form:
+        typer.echo(f"model form: measuring {a['model_form']['measure']} narrows the targets' model-form "
+                   f"intervals most (in brackets above: each one's width x, once that load is among the "
+                   f"fitted rows)")
     for note in result["fit"]["notes"]:
         typer.echo(f"note: {note}")
