@@ -168,13 +168,15 @@ def speed_of(scenario: Scenario, run: LiveRun, replay: str, lines: Sequence[str]
     """A run's engine speed against its replay ``sim`` (:mod:`simcap.live.engine_speed`; the
     replay must keep its steps) and the replay at that speed: (speed, result), or (None,
     None) without one server's step log or enough decode steps."""
+    from simcap.engine.scheduler import resolve_async_scheduling
     from simcap.live.engine_speed import at_speed, engine_speed
 
     if not lines or getattr(sim, "steps", None) is None or not len(sim.steps):
         return None, None
-    k = scenario.speculative.num_speculative_tokens if scenario.speculative is not None else 0
-    speed = engine_speed(lines, sim.steps.as_arrays(), scenario.step_time.host_overhead,
-                         bool(scenario.engine.async_scheduling), k)
+    spec = scenario.speculative
+    k = spec.num_speculative_tokens if spec is not None else 0
+    asynchronous = resolve_async_scheduling(scenario.engine, spec.method if spec is not None else None)
+    speed = engine_speed(lines, sim.steps.as_arrays(), scenario.step_time.host_overhead, asynchronous, k)
     if speed is None:
         return None, None
     return speed, replay_run(at_speed(scenario, speed["ratio"], speed["prefill_ratio"]), run, replay)
