@@ -21,9 +21,10 @@ value), ``predicted`` the median over the runs' replays, ``error`` = predicted /
 and ``spread`` the range of the server instances' medians relative to ``measured`` (None with
 one instance or a table): the noise a prediction cannot be asked to beat. ``load`` is the
 point's requests in the engine's batch as predicted (Little's law on its simulation: completed
-requests x mean time from first scheduled to finished / duration, the median over its runs) and ``fit_load`` the most any run
-or row of the fit part had (a live case's as measured, a table's fit rows as simulated with the
-fitted profile): how far past its data the prediction reached (:mod:`simcap.accuracy.model_form`).
+requests x mean time from first scheduled to finished / duration, the median over its runs)
+and ``fit_load`` the most any run or row of the fit part had (a live case's as measured, a
+table's fit rows as simulated with the fitted profile, the fit's own ``fit_load``): how far past
+its data the prediction reached (:mod:`simcap.accuracy.model_form`).
 """
 
 from __future__ import annotations
@@ -201,10 +202,7 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
     profile = profile_dict(fit, recipe)
     points = {p.label: p for p in benchmark_points(recipe)}
 
-    def run(pt: Any) -> Any:
-        return simulate(parse_scenario({**pt.scenario, "step_time": profile["step_time"]}))
-
-    fit_load = _most(list(rows_running(recipe, profile["step_time"], case.fit_rows).values()))
+    fit_load = fit.extra["fit_load"]["all"]  # the fitted rows' most requests running, at the fit
     figures: list[Figure] = []
     notes: list[str] = []
     for row in case.held_out:
@@ -212,7 +210,7 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
         if pt is None:
             notes.append(f"{row.row}: not a row of {case.recipes[form]}")  # type: ignore[index]
             continue
-        result = run(pt)
+        result = simulate(parse_scenario({**pt.scenario, "step_time": profile["step_time"]}))
         for metric in row.metrics:
             if metric not in pt.measured:
                 continue
@@ -220,23 +218,6 @@ def _replay_table(case: TableCase, form: str) -> CaseReplay:
             figures.append(_figure(case.name, form, row.row, metric, float(pt.measured[metric]),
                                    float(value), None, 1, requests_running(result.summary), fit_load))
     return CaseReplay(case.name, form, figures, {"step_time": profile["step_time"]}, fit_load, notes)
-
-
-def rows_running(recipe: Any, step_time: dict[str, Any], labels: Sequence[str] | None = None) -> dict[str, float]:
-    """Requests running (in the batch) at each benchmark row of ``recipe`` (``labels``: those rows only), as
-    its simulation with ``step_time`` gives them: the load a profile fitted on those rows has
-    seen (:mod:`simcap.accuracy.model_form`). A row without completed requests is left out."""
-    from simcap.calibrate.pipeline import benchmark_points
-    from simcap.config.scenario import parse_scenario
-    from simcap.fleet.run import simulate
-
-    out = {}
-    for pt in benchmark_points(recipe):
-        if labels is None or pt.label in labels:
-            load = requests_running(simulate(parse_scenario({**pt.scenario, "step_time": step_time})).summary)
-            if load is not None:
-                out[pt.label] = load
-    return out
 
 
 def _loader(case: LiveCase) -> Callable[[str], Any]:
