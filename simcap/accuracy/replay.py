@@ -21,7 +21,8 @@ value), ``predicted`` the median over the runs' replays, ``error`` = predicted /
 and ``spread`` the range of the server instances' medians relative to ``measured`` (None with
 one instance or a table): the noise a prediction cannot be asked to beat. ``load`` is the
 point's requests in the engine's batch as predicted (Little's law on its simulation: completed
-requests x mean time from first scheduled to finished / duration, the median over its runs)
+requests x mean time from first scheduled to finished / duration, per replica for a fleet,
+the median over its runs)
 and ``fit_load`` the most any run or row of the fit part had (a live case's as measured, a
 table's fit rows as simulated with the fitted profile, the fit's own ``fit_load``): how far past
 its data the prediction reached (:mod:`simcap.accuracy.model_form`).
@@ -138,7 +139,8 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
                                 delta.get("num_preemptions")))
             pred.append(_sim_values(sim))
             instance.append(ref.instance)
-            loads.append(requests_running(sim.summary))
+            running = requests_running(sim.summary)  # a fleet's: per replica, each its own engine
+            loads.append(running if one_server or running is None else running / len(sim.replica_steps))
             speed, fast = speed_of(scenario, recorded.run, point.replay, recorded.iteration_lines, sim) \
                 if one_server else (None, None)
             speeds.append(speed and speed["ratio"])
