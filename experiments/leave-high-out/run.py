@@ -126,12 +126,11 @@ def predict(points, step_time: dict, metrics) -> list[dict]:
     return rows
 
 
-def add_model_form(rows: list[dict], fit_pts, step_time: dict) -> None:
+def add_model_form(rows: list[dict], fit_load: float) -> None:
     """Each held-out figure's model-form interval (simcap.accuracy.model_form), learned from
-    the corpus without the field cases, at its distance past the fit rows (requests running)."""
+    the corpus without the field cases, at its distance past the fit rows (``fit_load``: the
+    fit's own record of their most requests running)."""
     model = FormError.read(MODEL_FORM, leave_out=FIELD_CASES)
-    fit_load = max(requests_running(simulate(parse_scenario({**p.scenario, "step_time": step_time})).summary)
-                   for p in fit_pts)
     for r in rows:
         lo, hi = model.interval(r["predicted"], r["metric"], r["load"], fit_load)
         r["model_form_interval"] = [lo, hi]
@@ -177,7 +176,7 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, i
     st = fitted_step_time(fit, recipe)
     rows = predict(held, st, metrics)
     if intervals:
-        add_model_form(rows, fit_pts, st)
+        add_model_form(rows, fit.extra["fit_load"]["all"])
         add_intervals(rows, held, bootstrap_step_times(fit, recipe), metrics)
         if recipe.step_time.get("form") == "roofline":
             add_laplace(rows, recipe, fit_pts, held)

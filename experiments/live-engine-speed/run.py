@@ -32,23 +32,18 @@ sys.path.insert(0, str(REPO))
 
 from simcap.accuracy.corpus import load_case  # noqa: E402
 from simcap.accuracy.replay import fit_live  # noqa: E402
+from simcap.calibrate.readers import parse_iteration_log  # noqa: E402
 from simcap.config.scenario import parse_scenario  # noqa: E402
 from simcap.live.client import run_live  # noqa: E402
 from simcap.live.launch import launch_server  # noqa: E402
 from simcap.live.machine import describe_cpu  # noqa: E402
 from simcap.live.recording import iteration_lines, log_size, read_log_window  # noqa: E402
-from simcap.live.validate import replay_run, reset_prefix_cache, speed_of  # noqa: E402
+from simcap.live.validate import metric_value, replay_run, reset_prefix_cache, speed_of  # noqa: E402
 from simcap.metrics.report import write_generated_block  # noqa: E402
 
 CASE = REPO / "calibration" / "corpus" / "cpu-dense-frontend"
 POINTS = ("closed-8", "poisson-near-saturation")
 METRICS = ("ttft_p50", "ttft_p95", "tpot_p50")
-
-
-def _value(summary, metric: str) -> float | None:
-    from simcap.live.validate import metric_value
-
-    return metric_value(summary, metric)
 
 
 def scenario_of(point, profile: dict):
@@ -106,8 +101,6 @@ def main() -> None:
                 lines = iteration_lines(read_log_window(log, offset))
                 sim = replay_run(scenario, run, point.replay, steps=True)
                 speed, fast = speed_of(scenario, run, point.replay, lines, sim)
-                from simcap.calibrate.readers import parse_iteration_log
-
                 by: dict[int, list[float]] = {}
                 for row in parse_iteration_log(lines):
                     if not row["num_prefill_tokens"]:
@@ -116,9 +109,9 @@ def main() -> None:
                 runs.append({
                     "index": len(runs), "repeat": rep, "point": name, "engine_speed": speed,
                     "decode_median_ms": {str(b): float(np.median(v)) * 1e3 for b, v in sorted(by.items()) if len(v) >= 10},
-                    "live": {m: _value(live, m) for m in METRICS},
-                    "predicted": {m: _value(sim.summary, m) for m in METRICS},
-                    "at_speed": {m: None if fast is None else _value(fast.summary, m) for m in METRICS},
+                    "live": {m: metric_value(live, m) for m in METRICS},
+                    "predicted": {m: metric_value(sim.summary, m) for m in METRICS},
+                    "at_speed": {m: None if fast is None else metric_value(fast.summary, m) for m in METRICS},
                     "wall_s": run.wall_duration_s,
                 })
                 print(f"{len(runs) - 1} {name}: engine speed {speed and round(speed['ratio'], 3)}", flush=True)

@@ -322,6 +322,13 @@ def profile_fit_load(path: str | Path | None, which: str = "all") -> float:
     return float(value)
 
 
+def for_scenario(record: str | Path, scenario: Any) -> tuple[FormError, float]:
+    """The model-form record at ``record`` and the fitted load a prediction of ``scenario`` is
+    measured from (its profile's rows of the scenario's arm): what ``simcap simulate`` and
+    ``simcap capacity --model-form`` read before they run."""
+    return FormError.read(record), profile_fit_load(scenario.profile_file, arm(scenario))
+
+
 def capacity_interval(model: FormError, scenario: Any, result: Any, fit_load: float,
                       **search: Any) -> dict[str, Any] | None:
     """The model-form interval of a capacity search's safe and saturation rates

@@ -74,14 +74,10 @@ def _figure(case: str, form: str, point: str, metric: str, measured: float | Non
             "load": load, "fit_load": fit_load}
 
 
-def _most(values: Sequence[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return max(known) if known else None
-
-
 def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
              load: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """The profile (``engine``, ``step_time``, ``speculative``) a live case's fit part gives.
+    """The profile (``engine``, ``step_time``, ``speculative``, ``frontend``) a live case's fit
+    part gives, and the most requests running in its runs (``fit_load``, as the fit records it).
     ``load``: reads a run file of the case by its relative name (default: from disk)."""
     from simcap.calibrate import Recipe, log_step_samples, profile_dict
     from simcap.live.calibration import fit_calibration_log, speculative_section
@@ -109,7 +105,8 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
     frontend = fit_frontend([(r.run, r.iteration_lines) for r in runs])
     notes += frontend.notes
     return {"engine": profile["engine"], "step_time": profile["step_time"],
-            "speculative": profile.get("speculative"), "frontend": frontend.config}
+            "speculative": profile.get("speculative"), "frontend": frontend.config,
+            "fit_load": (fitted.fit.extra.get("fit_load") or {}).get("all")}
 
 
 def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseReplay:
@@ -118,7 +115,7 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
 
     notes: list[str] = []
     profile = fit_live(case, form, notes, load)
-    fit_load = _most([requests_running(load(f).run.summary()) for f in case.fit.runs])
+    fit_load = profile["fit_load"]
     figures: list[Figure] = []
     for point in case.points:
         data = dict(point.scenario)

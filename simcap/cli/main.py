@@ -127,7 +127,7 @@ def simulate_cmd(
 
             if loaded.deployment is not None:
                 fail("--model-form: not with a deployment (a profile's fitted load is one replica's)")
-            form_error, fit_load = mf.FormError.read(model_form), mf.profile_fit_load(loaded.profile_file, mf.arm(loaded))
+            form_error, fit_load = mf.for_scenario(model_form, loaded)
         from simcap.fleet.run import simulate  # after the scenario's models (load_command_scenario)
 
         startup.end()
@@ -298,8 +298,7 @@ def capacity_cmd(
         if model_form is not None:  # read first: a bad record or profile fails before the runs
             from simcap.accuracy import model_form as mf
 
-            form_error = mf.FormError.read(model_form)
-            fit_load = mf.profile_fit_load(loaded.profile_file, mf.arm(loaded))
+            form_error, fit_load = mf.for_scenario(model_form, loaded)
         result = cap.find_capacity(
             loaded,
             cap.parse_slo(slo) if slo else None,

@@ -46,18 +46,23 @@ MIN_SECOND_STEPS = 20  # decode steps of one logged second, for its own ratio
 _SECOND = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d)")
 
 
-def _decode_steps(lines: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Batch size, logged seconds and log second of each decode-only step."""
-    sizes, times, seconds = [], [], []
+def _logged_steps(lines: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray, list[str], list[float]]:
+    """Batch size, logged seconds and log second of each decode-only step, and the logged
+    seconds of each step with prompt tokens: the log read once."""
+    sizes, times, seconds, prefill = [], [], [], []
     for line in lines:
         rows = parse_iteration_log([line], k)
-        if not rows or rows[0]["num_prefill_tokens"] or not rows[0]["num_decode_reqs"]:
+        if not rows:
             continue
-        stamp = _SECOND.search(line)
-        sizes.append(rows[0]["num_decode_reqs"])
-        times.append(rows[0]["step_time_s"])
-        seconds.append(stamp.group(1) if stamp else "")
-    return np.asarray(sizes, dtype=np.int64), np.asarray(times, dtype=float), seconds
+        row = rows[0]
+        if row["num_prefill_tokens"]:
+            prefill.append(row["step_time_s"])
+        elif row["num_decode_reqs"]:
+            stamp = _SECOND.search(line)
+            sizes.append(row["num_decode_reqs"])
+            times.append(row["step_time_s"])
+            seconds.append(stamp.group(1) if stamp else "")
+    return np.asarray(sizes, dtype=np.int64), np.asarray(times, dtype=float), seconds, prefill
 
 
 def engine_speed(lines: Sequence[str], sim_steps: dict[str, np.ndarray], host_overhead_s: float,
@@ -68,7 +73,7 @@ def engine_speed(lines: Sequence[str], sim_steps: dict[str, np.ndarray], host_ov
     the ratio rests on, and per logged second its spread (``per_second``: p10, p50, p90 of the
     seconds with :data:`MIN_SECOND_STEPS` steps). None where no batch size has enough decode
     steps on both sides (no log, or no decode steps)."""
-    sizes, times, seconds = _decode_steps(lines, k)
+    sizes, times, seconds, live_prefill = _logged_steps(lines, k)
     host = 0.0 if asynchronous else host_overhead_s
     prefill = sim_steps["num_prefill_tokens"] > 0
     decode = ~prefill & (sim_steps["num_reqs"] > 0)
@@ -84,7 +89,6 @@ def engine_speed(lines: Sequence[str], sim_steps: dict[str, np.ndarray], host_ov
         return None
     priced = np.array([sim_mean[int(b)] for b in sizes[keep]])
     ratio = float(times[keep].sum() / priced.sum())
-    live_prefill = [r["step_time_s"] for r in parse_iteration_log(lines, k) if r["num_prefill_tokens"]]
     sim_prefill = sim_steps["duration"][prefill] - host
     prefill_ratio = (float(np.sum(live_prefill) / sim_prefill.sum())
                      if len(live_prefill) >= MIN_STEPS and sim_prefill.size >= MIN_STEPS else None)
