@@ -132,6 +132,23 @@ def leave_high_out(d: dict) -> tuple[str, str]:
     return question, result
 
 
+def hardware_transfer(d: dict) -> tuple[str, str]:
+    oss = d["gpt-oss"]
+    s = oss["summary"]
+
+    def part(variant: str) -> str:
+        v = s[variant]
+        return f"{v['median_max_abs_pct']:.1f}% ({v['pairs_within']} of {v['pairs']} within 15%)"
+
+    question = ("Does a roofline profile fitted on one accelerator predict another, and what must "
+                "be measured there?")
+    result = (f"gpt-oss-120b on {len(oss['gpus'])} GPUs, each moved to each other, largest held-out "
+              f"error per move, median: datasheet alone {part('datasheet')}; one row, experts' "
+              f"efficiency refitted {part('experts@high')}; two rows, that and the fixed cost "
+              f"**{part('base+experts@low+high')}**")
+    return question, result
+
+
 def cpu_extrapolation(d: dict) -> tuple[str, str]:
     results = d["results"]
 
@@ -234,6 +251,7 @@ STUDIES = [
     ("ascend910b4-multiturn", "results.json", ascend910b4_multiturn),
     ("chunked-prefill-itl", "results.json", chunked_prefill_itl),
     ("leave-high-out", "results.json", leave_high_out),
+    ("hardware-transfer", "results.json", hardware_transfer),
     ("cpu-extrapolation", "results-roofline.json", cpu_extrapolation),
     ("live-cpu-validation", "results.json", live_cpu_validation),
     ("live-ngram-proposer", "results.json", live_ngram_proposer),

@@ -140,6 +140,44 @@ def test_expert_parallel_reads_the_same_expected_bytes_per_rank():
     assert tp.experts(16) == pytest.approx(one.experts(16) / 2)
 
 
+def test_mxfp4_experts_cost_their_bytes_and_the_rest_its_own_dtype():
+    bf16 = model(model=MOE).physics
+    fp4 = model(model=MOE, expert_weight_dtype="mxfp4").physics
+    # 4.25 bits per weight (4-bit elements, one 8-bit scale per 32) against bf16's 16
+    assert fp4.experts_all == pytest.approx(bf16.experts_all * 4.25 / 16)
+    assert fp4.weights == pytest.approx(bf16.weights)
+    assert fp4.compute_per_token == pytest.approx(bf16.compute_per_token)
+
+
+def test_sliding_window_layers_read_their_window_per_request():
+    shape = {**DENSE, "sliding_window": 8, "num_sliding_layers": 1}
+    t = terms(model(model=shape), step(decode=3, context=300))
+    # one full layer reads every context token (2 KV heads x 16 x 2 bytes x K and V = 128 B);
+    # the sliding layer reads its 8-token window for each of the 3 requests
+    assert t["kv_read"] == pytest.approx((300 * 128 + 3 * 8 * 128) / 1e12)
+    m = model(model=shape, efficiency={"kv_read": 2.0})
+    full = model(efficiency={"kv_read": 2.0})
+    out = step(decode=3, context=300)
+    assert m.forward_time(out) == pytest.approx(full.forward_time(out) - 2 * (300 - 3 * 8) * 128 / 1e12)
+
+
+def test_hf_config_reads_sliding_layers():
+    base = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "hidden_size": 64, "torch_dtype": "bfloat16"}
+    gpt_oss = ModelShape.from_hf_config(
+        {**base, "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert (gpt_oss.sliding_window, gpt_oss.num_sliding_layers) == (128, 2)
+    mistral = ModelShape.from_hf_config({**base, "sliding_window": 4096})
+    assert mistral.num_sliding_layers == 4
+    qwen = ModelShape.from_hf_config({**base, "sliding_window": 4096, "use_sliding_window": False})
+    assert (qwen.sliding_window, qwen.num_sliding_layers) == (None, 0)
+    # the KV pool still counts every layer
+    assert gpt_oss.kv_bytes_per_token(1) == qwen.kv_bytes_per_token(1)
+    shape = resolve_model("gpt-oss-120b")
+    assert shape.total_weight_params() == pytest.approx(116.8e9, rel=1e-3)  # published 116.83B
+    assert shape.active_params_per_token() == pytest.approx(5.13e9, rel=1e-3)  # published 5.13B
+
+
 def test_tensor_parallel_terms_by_hand():
     m = model(tensor_parallel_size=2)
     t = terms(m, step(decode=4, context=40))
@@ -324,6 +362,9 @@ def test_catalog_names_resolve_in_a_scenario_config(hw, name):
     (dict(compute_dtype="int8"), "step_time.compute_dtype: the hardware has no peak_tflops.int8 "
      "(has: bf16, fp8)"),
     (dict(weight_dtype="fp4"), "step_time.weight_dtype: unknown dtype 'fp4'"),
+    (dict(weight_dtype="mxfp4"), "step_time.compute_dtype: the matmuls' dtype is required where the "
+     "weights are stored as mxfp4 (dequantised); allowed: bf16"),
+    (dict(kv_dtype="mxfp4"), "step_time.kv_dtype: mxfp4 is a weight format; allowed: bf16"),
     (dict(model={k: v for k, v in DENSE.items() if k != "vocab_size"}),
      "step_time.model: the roofline form needs vocab_size (not given)"),
     (dict(tensor_parallel_size=2, hardware={k: v for k, v in HW.items() if k != "interconnect"}),

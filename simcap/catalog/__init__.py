@@ -28,14 +28,18 @@ from simcap.errors import ScenarioError
 
 PEAK_KEYS = ("bf16", "fp16", "fp8", "int8", "fp32")
 
-# dtype name -> (bytes per element, the peak_tflops entry its matrix multiplies run at)
-DTYPES: dict[str, tuple[int, str]] = {
+# dtype name -> (bytes per element, the peak_tflops entry its matrix multiplies run at; None:
+# a storage format whose weights are dequantised for the matmuls, which run at compute_dtype).
+# MXFP4 (OCP Microscaling Formats v1.0): 4-bit E2M1 elements with one 8-bit E8M0 scale per
+# block of 32, 4.25 bits per weight.
+DTYPES: dict[str, tuple[float, str | None]] = {
     "bf16": (2, "bf16"), "bfloat16": (2, "bf16"),
     "fp16": (2, "fp16"), "float16": (2, "fp16"), "half": (2, "fp16"),
     "fp8": (1, "fp8"), "fp8_e4m3": (1, "fp8"), "fp8_e5m2": (1, "fp8"),
     "float8_e4m3fn": (1, "fp8"), "float8_e5m2": (1, "fp8"),
     "int8": (1, "int8"),
     "fp32": (4, "fp32"), "float32": (4, "fp32"), "float": (4, "fp32"),
+    "mxfp4": (4.25 / 8, None),
 }
 
 
@@ -184,8 +188,9 @@ def resolve_model(value: Any, *, kv_dtype: str | None = None,
         raise ScenarioError(f"{path}: {str(exc).removeprefix('model.config: ')}") from None
 
 
-def dtype_info(name: str, path: str) -> tuple[int, str]:
-    """(bytes per element, peak_tflops key) of a dtype name such as bf16, fp8, int8."""
+def dtype_info(name: str, path: str) -> tuple[float, str | None]:
+    """(bytes per element, peak_tflops key) of a dtype name such as bf16, fp8, int8, mxfp4
+    (key None: a storage format, see ``DTYPES``)."""
     key = name.lower().removeprefix("torch.")
     if key not in DTYPES:
         raise ScenarioError(f"{path}: unknown dtype {name!r}; allowed: {', '.join(DTYPES)}")

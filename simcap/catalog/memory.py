@@ -91,6 +91,7 @@ _SHAPE_EXTRAS = (
     "tie_word_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
     "num_shared_experts", "shared_expert_intermediate_size", "num_dense_layers",
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+    "sliding_window", "num_sliding_layers",
 )
 
 
@@ -138,6 +139,12 @@ class ModelShape(_Model):
     qk_rope_head_dim: int | None = Field(None, gt=0, description="MLA: rotary part of each query/key head.")
     qk_nope_head_dim: int | None = Field(None, gt=0, description="MLA: non-rotary part of each query/key head.")
     v_head_dim: int | None = Field(None, gt=0, description="MLA: width of each value head.")
+    # Sliding-window attention (gpt-oss, Gemma, Mistral): num_sliding_layers of the layers
+    # attend only the last sliding_window tokens. The KV pool here still counts every layer's
+    # tokens (an upper bound of what vLLM's hybrid allocator holds); the roofline form reads
+    # at most the window on those layers.
+    sliding_window: int | None = Field(None, gt=0, description="Tokens a sliding-window layer attends.")
+    num_sliding_layers: int = Field(0, ge=0, description="Layers with sliding-window attention.")
 
     @model_serializer(mode="wrap")
     def _drop_unset_extras(self, handler):
@@ -208,7 +215,7 @@ class ModelShape(_Model):
             dtype_bytes = _dtype_bytes(dtype, "model.config.torch_dtype")
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size,
                    dtype_bytes=dtype_bytes, draft_layers=draft_layers,
-                   **_compute_fields(config, top, num_layers), **mla)
+                   **_compute_fields(config, top, num_layers), **_sliding_fields(config), **mla)
 
     # ------------------------------------------------------------ weights (roofline form)
 
@@ -354,6 +361,15 @@ class ModelShape(_Model):
         heads = self.kv_heads_per_rank(tensor_parallel_size)
         return self._kv_tensors * heads * self.head_size * self.dtype_bytes * self.kv_layers
 
+    def kv_read_bytes(self, tensor_parallel_size: int) -> tuple[int, int]:
+        """What a decode step's attention reads on ONE card: (bytes per attended context token
+        on the layers that attend all of it, bytes per request on the sliding-window layers,
+        which read at most ``sliding_window`` tokens: the whole window once the context is
+        longer, as the roofline form takes it)."""
+        per_layer = self.kv_bytes_per_token(tensor_parallel_size) // self.kv_layers
+        sliding = min(self.num_sliding_layers, self.num_layers) if self.sliding_window else 0
+        return per_layer * (self.kv_layers - sliding), per_layer * sliding * (self.sliding_window or 0)
+
     @property
     def _kv_tensors(self) -> int:
         """K and V (2), or MLA's one latent (1)."""
@@ -413,6 +429,24 @@ def _compute_fields(config: dict[str, Any], top: dict[str, Any], num_layers: int
         if dense:
             out["num_dense_layers"] = min(dense, num_layers)
     return out
+
+
+def _sliding_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Sliding-window attention of a config.json: ``sliding_window`` with ``layer_types``
+    (entries ``"sliding_attention"``, as gpt-oss and Gemma write them), or with every layer
+    sliding when ``layer_types`` is absent (Mistral's ``sliding_window``); none where
+    ``use_sliding_window`` is false."""
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window") is False:  # Qwen2/3 write a window they do not use
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return {}
+    types = config.get("layer_types")
+    if isinstance(types, list):
+        sliding = sum(1 for t in types if t == "sliding_attention")
+    else:
+        sliding = config.get("num_hidden_layers") or 0
+    return {"sliding_window": window, "num_sliding_layers": sliding} if sliding else {}
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:

@@ -596,11 +596,13 @@ from simcap.cli.live import live_app  # noqa: E402  (the `simcap live` sub-comma
 from simcap.cli.measure_next import measure_next  # noqa: E402
 from simcap.cli.score import score  # noqa: E402
 from simcap.cli.serve import serve  # noqa: E402
+from simcap.cli.transfer import transfer  # noqa: E402
 
 app.command("accuracy")(accuracy)
 app.command("measure-next")(measure_next)
 app.command("score")(score)
 app.command("serve")(serve)
+app.command("transfer")(transfer)
 app.add_typer(live_app, name="live")
 
 

@@ -129,7 +129,8 @@ def _overridden(profile: Profile, data: dict[str, Any]) -> dict[str, dict[str, A
     dtypes or parallelism in ``step_time``, ``{key: {"profile": ..., "scenario": ...}}``."""
     mine = data.get("step_time") if isinstance(data.get("step_time"), dict) else {}
     out = {}
-    for key in ("hardware", "model", "tensor_parallel_size", "weight_dtype", "kv_dtype", "compute_dtype"):
+    for key in ("hardware", "model", "tensor_parallel_size", "weight_dtype", "expert_weight_dtype",
+                "kv_dtype", "compute_dtype"):
         if key in mine and mine[key] != profile.step_time.get(key):
             out[f"step_time.{key}"] = {"profile": profile.step_time.get(key), "scenario": mine[key]}
     return out

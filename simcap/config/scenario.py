@@ -161,7 +161,7 @@ class RooflineEfficiency(_Model):
 # Keys of the roofline form; a dump leaves them (and an absent noise) out at their defaults,
 # so a linear scenario prints and hashes as it did before either existed.
 ROOFLINE_KEYS = (
-    "form", "combine", "hardware", "model", "weight_dtype", "kv_dtype", "compute_dtype",
+    "form", "combine", "hardware", "model", "weight_dtype", "expert_weight_dtype", "kv_dtype", "compute_dtype",
     "tensor_parallel_size", "expert_parallel", "routing_skew", "draft_model", "efficiency",
     "per_request",
 )
@@ -259,6 +259,9 @@ class StepTimeConfig(_Model):
         None, description="roofline: a catalog model, {config: PATH} or an inline shape."
     )
     weight_dtype: str = Field("bf16", description="roofline: dtype of the weights.")
+    expert_weight_dtype: str | None = Field(
+        None, description="roofline: dtype of the routed experts (e.g. mxfp4); None: weight_dtype."
+    )
     kv_dtype: str | None = Field(None, description="roofline: KV dtype; None: the model's.")
     compute_dtype: str | None = Field(
         None, description="roofline: peak-FLOPs entry of the matmuls; None: weight_dtype's."

@@ -24,14 +24,16 @@ chunk of n after s computed tokens), k drafts::
     weights           dense (non-expert) weight bytes per rank / bandwidth: attention, dense
                       MLPs, routers, shared experts, LM head, read once per step
     experts           MoE layers x E_eff (1 - (1 - k_route/E_eff)^n) distinct experts x bytes
-                      per expert / tp / bandwidth; E_eff = max(k_route, E (1 - routing_skew)):
+                      per expert (expert_weight_dtype, e.g. mxfp4) / tp / bandwidth; E_eff = max(k_route, E (1 - routing_skew)):
                       skewed routing as if each token's top-k came from a smaller pool.
                       With expert parallelism a rank holds E/tp whole experts instead of a
                       1/tp slice of each: the same expected bytes per rank
     compute           2 x (active params per token x n + LM head x (R + V) logit rows)
                       / (peak FLOPs of compute_dtype x tp)
     attention_prefill 4 x layers x query heads x head_dim x Q / (peak x tp)
-    kv_read           C x KV bytes per token per rank / bandwidth
+    kv_read           C x KV bytes per token per rank / bandwidth; on sliding-window layers
+                      (gpt-oss: half of them) each request reads its whole window instead
+                      (contexts longer than the window, as a 1k-token prompt already is)
     tp_comm           tp > 1: 2 ring all-reduces per layer of n x hidden activations (bf16):
                       2 (tp-1)/tp x bytes / link bandwidth
     tp_latency        tp > 1: 2 x layers x link latency
@@ -289,6 +291,7 @@ class RooflinePhysics:
     compute_per_logit: float  # s: 2 x LM head params per row of logits
     attention_per_pair: float  # s: 4 x layers x heads x head_dim per (query, key) pair
     kv_per_token: float  # s: KV bytes of one attended token (this rank's heads)
+    kv_window_per_request: float  # s: one request's sliding-window layers (their whole window)
     tp_comm_per_token: float  # s: 2 ring all-reduces per layer of one token's activations
     tp_latency: float  # s: 2 x layers x link latency
     draft_weights: float  # the draft model's figures, one pass
@@ -302,18 +305,29 @@ class RooflinePhysics:
         """Resolve and check ``cfg`` (form roofline); every problem is one ScenarioError line."""
         hw = resolve_hardware(cfg.hardware, "step_time.hardware")
         weight_bytes, weight_key = dtype_info(cfg.weight_dtype, "step_time.weight_dtype")
+        expert_bytes = weight_bytes
+        if cfg.expert_weight_dtype is not None:
+            expert_bytes, _ = dtype_info(cfg.expert_weight_dtype, "step_time.expert_weight_dtype")
         if cfg.kv_dtype is not None:
-            kv_bytes, _ = dtype_info(cfg.kv_dtype, "step_time.kv_dtype")
+            kv_bytes, kv_key = dtype_info(cfg.kv_dtype, "step_time.kv_dtype")
+            if kv_key is None:
+                raise ScenarioError(f"step_time.kv_dtype: {cfg.kv_dtype} is a weight format; "
+                                    "allowed: bf16, fp16, fp8, int8, fp32")
         compute_key = weight_key
         if cfg.compute_dtype is not None:
             _, compute_key = dtype_info(cfg.compute_dtype, "step_time.compute_dtype")
+        if compute_key is None:
+            raise ScenarioError(
+                "step_time.compute_dtype: the matmuls' dtype is required where the weights are "
+                f"stored as {cfg.compute_dtype or cfg.weight_dtype} (dequantised); allowed: bf16, "
+                "fp16, fp8, int8, fp32")
         peak = hw.peak_flops(compute_key, "step_time.compute_dtype")
         tp = cfg.tensor_parallel_size
 
         def shape(value: Any, path: str) -> ModelShape:
             m = resolve_model(value, kv_dtype=cfg.kv_dtype, path=path)
             if cfg.kv_dtype is not None and m.dtype_bytes != kv_bytes:
-                m = m.model_copy(update={"dtype_bytes": kv_bytes})
+                m = m.model_copy(update={"dtype_bytes": int(kv_bytes)})
             if m.draft_layers:
                 m = m.model_copy(update={"draft_layers": 0})
             missing = m.missing_compute_field()
@@ -338,7 +352,8 @@ class RooflinePhysics:
         else:
             draft = default_draft_shape(model)
 
-        held = model.total_weight_params() * weight_bytes / tp
+        held = (model.total_weight_params() - model.expert_params()) * weight_bytes / tp
+        held += model.expert_params() * expert_bytes / tp
         if held > hw.memory_gb * GB:
             raise ScenarioError(
                 f"step_time.model: {held / GB:.1f} GB of weights per rank (tensor_parallel_size "
@@ -355,7 +370,7 @@ class RooflinePhysics:
             # Per rank: E_eff / tp whole experts (expert parallel) or a 1/tp slice of E_eff
             # experts (tensor parallel): the same expected bytes.
             experts_all = (model.num_moe_layers * e_eff * model.params_per_expert()
-                           * weight_bytes / tp / bandwidth)
+                           * expert_bytes / tp / bandwidth)
         else:
             experts_q, experts_all = 1.0, 0.0
 
@@ -377,6 +392,8 @@ class RooflinePhysics:
         def pair(m: ModelShape) -> float:
             return m.attention_flops_per_pair() / flops
 
+        kv_full, kv_window = model.kv_read_bytes(tp)
+
         return cls(
             hardware=hw, model=model, draft_model=draft, tensor_parallel_size=tp,
             weights=model.dense_weight_params() * weight_bytes / tp / bandwidth,
@@ -384,7 +401,7 @@ class RooflinePhysics:
             compute_per_token=2 * model.active_params_per_token(False) / flops,
             compute_per_logit=2 * model.lm_head_params() / flops,
             attention_per_pair=pair(model),
-            kv_per_token=model.kv_bytes_per_token(tp) / bandwidth,
+            kv_per_token=kv_full / bandwidth, kv_window_per_request=kv_window / bandwidth,
             tp_comm_per_token=tp_comm, tp_latency=tp_latency,
             draft_weights=draft.dense_weight_params() * weight_bytes / tp / bandwidth,
             draft_per_token=2 * draft.active_params_per_token(False) / flops,
@@ -472,6 +489,7 @@ class RooflineStepTimeModel:
         self._c_logit = e["compute"] * ph.compute_per_logit
         self._pair = e["attention_prefill"] * ph.attention_per_pair
         self._kv = e["kv_read"] * ph.kv_per_token
+        self._kv_req = e["kv_read"] * ph.kv_window_per_request
         self._comm = e["tp_comm"] * ph.tp_comm_per_token
         self._lat = e["tp_latency"] * ph.tp_latency
         # Draft: k passes over the requests' tokens (weights, compute, logits, KV each pass),
@@ -483,7 +501,7 @@ class RooflineStepTimeModel:
         self._d_ctx = ed * k * ph.draft_kv_per_token
         # The sum form's coefficients, grouped by the count they multiply.
         self._const = self.base + self._w + self._lat + self._d_const
-        self._per_req = self.per_request + self._d_req
+        self._per_req = self.per_request + self._d_req + self._kv_req
         self._per_tok = self._c_tok + self._comm
         self._per_pair = self._pair + self._d_pair
         self._per_ctx = self._kv + self._d_ctx
@@ -507,7 +525,7 @@ class RooflineStepTimeModel:
         self, n: int, reqs: int, logits: int, prefill: int, pairs: int, context: int, mixed: bool
     ) -> float:
         compute = self._c_tok * n + self._c_logit * logits + self._pair * pairs
-        memory = self._w + self._x * (1.0 - self._q**n) + self._kv * context
+        memory = self._w + self._x * (1.0 - self._q**n) + self._kv * context + self._kv_req * reqs
         t = self.base + self.per_request * reqs
         t += compute if compute > memory else memory
         t += self._comm * n + self._lat
@@ -646,7 +664,7 @@ def roofline_basis(
         np.ones(m), reqs, mixed, np.full(m, ph.weights),
         ph.experts_all * (1.0 - ph.experts_q**n),
         ph.compute_per_token * n + ph.compute_per_logit * logits,
-        ph.attention_per_pair * pairs, ph.kv_per_token * context,
+        ph.attention_per_pair * pairs, ph.kv_per_token * context + ph.kv_window_per_request * reqs,
         ph.tp_comm_per_token * n, np.full(m, ph.tp_latency), draft,
     ])
 

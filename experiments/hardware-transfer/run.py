@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Moving a fitted roofline profile to other hardware: what carries, and what one point fixes.
+
+    PYTHONPATH=. python experiments/hardware-transfer/run.py            # ~10 min on 2 cores
+    PYTHONPATH=. python experiments/hardware-transfer/run.py --only gpt-oss
+
+Two public tables hold one model served the same way on several kinds of accelerator:
+InferenceMAX's gpt-oss-120b rows (vLLM 0.11, tensor parallel 2, 1k in / 1k out, closed loops
+of 4 to 64 clients; H100, H200, B200, MI300X, MI325X) and dstack's DeepSeek-R1 rows (vLLM,
+8 GPUs, 3.2k in / 800 out, 4 to 128 clients; H200, MI300X). For each ordered pair of
+accelerators (source, target):
+
+1. the source profile is fitted on ALL of the source's rows (the recipe's free terms);
+2. it is moved to the target by the catalog alone (``step_time.hardware``): every byte and
+   FLOP term re-priced on the target's datasheet, every fitted efficiency and seconds term
+   kept (``datasheet``);
+3. or, with ONE measured row of the target (its lowest load, or its highest), one term is
+   refitted there and the rest kept (``base@c``, ``experts@c``, ...);
+
+and the target's OTHER rows are predicted. The errors are prediction errors: the target's
+figures used are one row at most, and that row is left out of the scoring. Results:
+``results.json``; the summary, per variant, is the median over pairs of each pair's largest
+error, and how many pairs stay within 15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+
+from simcap.calibrate import Recipe  # noqa: E402
+from simcap.calibrate.fit_bench import fit_benchmarks_roofline  # noqa: E402
+from simcap.calibrate.metric_keys import metric_value  # noqa: E402
+from simcap.calibrate.pipeline import benchmark_points  # noqa: E402
+from simcap.config.scenario import parse_scenario  # noqa: E402
+from simcap.fleet.run import simulate  # noqa: E402
+
+RECIPES = ROOT / "calibration" / "recipes"
+METRICS = ("tpot_mean", "output_throughput")
+WITHIN = 15.0  # the goal's band for a transfer, %
+
+# table name -> the table's hardware value -> (recipe, catalog hardware). A recipe of another
+# GPU is read on this GPU's rows (the table's hardware filter and the catalog entry changed).
+TABLES = {
+    "gpt-oss": {gpu: ("inferencemax-gptoss-h100.roofline.yaml", hw) for gpu, hw in (
+        ("h100", "h100-sxm"), ("h200", "h200-sxm"), ("b200", "b200"), ("mi300x", "mi300x"),
+        ("mi325x", "mi325x"))},
+    "deepseek-r1": {"h200": ("dstack-r1-h200.roofline.yaml", "h200-sxm"),
+                    "mi300x": ("dstack-r1-mi300x.roofline.yaml", "mi300x")},
+}
+# One term refitted on one target row: which, and where.
+REFITS = ("base", "efficiency.experts", "efficiency.weights")
+
+
+def recipe_on(table: str, gpu: str) -> Recipe:
+    """The roofline recipe of ``gpu``'s rows, priced on its catalog entry."""
+    name, hardware = TABLES[table][gpu]
+    r = copy.copy(Recipe.load(RECIPES / name))
+    r.name = f"{table}-{gpu}"
+    r.step_time = {**r.step_time, "hardware": hardware}
+    if table == "gpt-oss":  # the server's max_num_seqs was the client count (up to 128 on B200)
+        r.engine = {**r.engine, "max_num_seqs": 128}
+    datasets = []
+    for d in r.datasets:
+        d = copy.deepcopy(d)
+        key = "hw" if table == "gpt-oss" else "GPU"
+        d["table"]["where"] = [f"{key}=={gpu}" if w.startswith(f"{key}==") else w
+                               for w in d["table"]["where"]]
+        datasets.append(d)
+    r.datasets = datasets
+    return r
+
+
+def load_of(pt) -> int:
+    return pt.scenario["workload"]["arrival"]["concurrency"]
+
+
+def fit(recipe: Recipe, points, step_time: dict, form) -> dict:
+    f = fit_benchmarks_roofline(points, step_time, form, prior=recipe.prior, fit_metrics=list(METRICS),
+                                weights=recipe.weights, bootstrap=0, seed=recipe.seed,
+                                starts=recipe.starts)
+    return f.step_time
+
+
+def predict(points, step_time: dict) -> list[dict]:
+    rows = []
+    for pt in points:
+        res = simulate(parse_scenario({**pt.scenario, "step_time": step_time}))
+        for m in METRICS:
+            if m in pt.measured:
+                v = metric_value(m, res, steady_state=pt.steady_state)
+                rows.append({"point": pt.label, "load": load_of(pt), "metric": m,
+                             "measured": pt.measured[m], "predicted": v,
+                             "error_pct": (v / pt.measured[m] - 1) * 100})
+    return rows
+
+
+def worst(rows: list[dict]) -> float:
+    return max(abs(r["error_pct"]) for r in rows)
+
+
+def run_table(table: str) -> dict:
+    catalog = {gpu: hw for gpu, (_, hw) in TABLES[table].items()}
+    gpus = list(catalog)
+    recipes = {g: recipe_on(table, g) for g in gpus}
+    points = {g: sorted(benchmark_points(recipes[g]), key=load_of) for g in gpus}
+    sources = {}
+    for g in gpus:
+        t0 = time.perf_counter()
+        st = fit(recipes[g], points[g], recipes[g].step_time, recipes[g].form)
+        rows = predict(points[g], st)
+        sources[g] = {"step_time": st, "fit": rows, "fit_max_abs_pct": worst(rows),
+                      "loads": [load_of(p) for p in points[g]], "wall_s": time.perf_counter() - t0}
+        eff = st["efficiency"]
+        print(f"{table} {g}: fitted on {len(points[g])} rows, max |err| {worst(rows):.1f}%; "
+              f"base {st['base'] * 1e3:.2f} ms, experts {eff['experts']:.2f}, weights {eff['weights']:.2f}, "
+              f"compute {eff['compute']:.2f}, kv_read {eff['kv_read']:.2f}", flush=True)
+    pairs = []
+    for src in gpus:
+        for dst in gpus:
+            if src == dst:
+                continue
+            moved = {**sources[src]["step_time"], "hardware": catalog[dst]}
+            pts = points[dst]
+            entry = {"source": src, "target": dst, "variants": {}}
+            rows = predict(pts, moved)
+            entry["variants"]["datasheet"] = {"rows": rows, "max_abs_pct": worst(rows)}
+            for where, pt in (("low", pts[0]), ("high", pts[-1])):
+                rest = [p for p in pts if p is not pt]
+                for term in REFITS:
+                    st = fit(recipes[dst], [pt], moved, [term])
+                    rows = predict(rest, st)
+                    name = f"{term.removeprefix('efficiency.')}@{where}"
+                    entry["variants"][name] = {"rows": rows, "max_abs_pct": worst(rows),
+                                               "measured_row": pt.label, "refitted": {term: _value(st, term)}}
+            if len(pts) > 2:  # two rows, lowest and highest load: base and experts refitted
+                ends = [pts[0], pts[-1]]
+                st = fit(recipes[dst], ends, moved, ["base", "efficiency.experts"])
+                rows = predict(pts[1:-1], st)
+                entry["variants"]["base+experts@low+high"] = {
+                    "rows": rows, "max_abs_pct": worst(rows), "measured_row": [p.label for p in ends],
+                    "refitted": {t: _value(st, t) for t in ("base", "efficiency.experts")}}
+            pairs.append(entry)
+            print(f"{table} {src} -> {dst}: " + ", ".join(
+                f"{k} {v['max_abs_pct']:.0f}%" for k, v in entry["variants"].items()), flush=True)
+    summary = {}
+    for variant in pairs[0]["variants"]:
+        worsts = [p["variants"][variant]["max_abs_pct"] for p in pairs]
+        summary[variant] = {"median_max_abs_pct": statistics.median(worsts),
+                            "pairs_within": sum(w <= WITHIN for w in worsts), "pairs": len(worsts)}
+    return {"gpus": gpus, "sources": sources, "pairs": pairs, "summary": summary}
+
+
+def _value(step_time: dict, term: str) -> float:
+    if term.startswith("efficiency."):
+        return step_time["efficiency"][term.split(".", 1)[1]]
+    return step_time[term]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=tuple(TABLES))
+    args = ap.parse_args()
+    out_path = HERE / "results.json"
+    out = json.loads(out_path.read_text()) if out_path.exists() else {}
+    for table in TABLES:
+        if args.only and table != args.only:
+            continue
+        out[table] = run_table(table)
+        print(f"{table}: median over pairs of the largest error, pairs within {WITHIN:.0f}%")
+        for variant, s in out[table]["summary"].items():
+            print(f"   {variant:18s} {s['median_max_abs_pct']:6.1f}%   {s['pairs_within']}/{s['pairs']}")
+        out_path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Moving a roofline profile to other hardware (``simcap transfer``).
+
+Every byte and FLOP term is re-priced from the catalog entry of the target hardware (and, with
+``tensor_parallel_size``, re-split over its ranks); every fitted efficiency and seconds term is
+carried over, except the terms refitted on the target's own measured rows.
+
+Which terms to refit was decided on held-out data (``experiments/hardware-transfer``: a public
+table of one model served alike on five accelerators, each profile moved to each other
+accelerator and scored on rows it never saw):
+
+- By the datasheet alone, a move misses the target's figures by a median of 38% (the largest
+  error of each of 20 pairs; none within 15%): the efficiencies belong to a kernel class
+  (vendor, software stack, weight format), not to the model.
+- One measured row: refitting the fixed per-step cost (``base``) there helps little (median
+  26% from the lowest load, 64% from the highest); refitting the efficiency of the dominant
+  byte term (``efficiency.experts`` for an MoE, ``efficiency.weights`` for a dense model)
+  helps most (16% from either; 9 of 20 pairs within 15% from the highest load).
+- Two measured rows, the lowest and the highest load: ``base`` and that efficiency refitted,
+  median 11%, 16 of 20 pairs within 15% (the four others are moves to the B200, whose own fit
+  is the least physical).
+
+So the default refit is by the number of measured rows: none, the dominant byte term's
+efficiency (one row), or that and ``base`` (two or more). ``refit`` chooses otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Collection, Sequence
+
+from pydantic import ValidationError
+
+from simcap._version import __version__
+from simcap.calibrate.core import CalibrationError
+from simcap.calibrate.pipeline import calibrate
+from simcap.calibrate.profile_io import profile_dict
+from simcap.calibrate.readers import TableReading
+from simcap.calibrate.recipe import recipe_for
+from simcap.calibrate.result import Fit
+from simcap.config.profiles import load_profile
+from simcap.config.scenario import StepTimeConfig, format_validation_error
+from simcap.errors import ScenarioError
+
+EVIDENCE = "experiments/hardware-transfer (README): which terms carry across accelerators"
+
+
+@dataclass
+class Transfer:
+    """A moved profile: the YAML-ready dict, the fit on the target's rows (None: moved by the
+    catalog alone) and the terms refitted."""
+
+    profile: dict[str, Any]
+    fit: Fit | None
+    refitted: list[str]
+
+
+def main_byte_term(step_time: StepTimeConfig) -> str:
+    """The efficiency of the step's largest byte term: the experts for an MoE model, the dense
+    weights otherwise."""
+    return "efficiency.experts" if step_time.physics.model.is_moe else "efficiency.weights"
+
+
+def default_refit(step_time: StepTimeConfig, rows: int) -> list[str]:
+    """The terms refitted on ``rows`` measured rows of the target (see the module doc)."""
+    if rows <= 0:
+        return []
+    main = main_byte_term(step_time)
+    return [main] if rows == 1 else ["base", main]
+
+
+def transfer(
+    profile: str | Path, *, hardware: str, tensor_parallel_size: int | None = None,
+    overrides: Sequence[str] = (), inputs: Sequence[str] = (), table: TableReading | None = None,
+    rows: Collection[str] | None = None, refit: Sequence[str] | None = None,
+    fit_metrics: Sequence[str] | None = None, workload: dict[str, Any] | None = None,
+    bootstrap: int = 0, command: str | None = None,
+) -> Transfer:
+    """Move the roofline ``profile`` to ``hardware`` (a catalog name or a YAML file of one
+    entry), optionally to ``tensor_parallel_size`` ranks, with ``overrides`` (``--set``, e.g.
+    the target's ``engine.num_gpu_blocks``) applied first; refit ``refit`` (default:
+    :func:`default_refit`) on the benchmark ``inputs`` measured on the target."""
+    sets = [f"step_time.hardware={hardware}"]
+    if tensor_parallel_size is not None:
+        sets.append(f"step_time.tensor_parallel_size={tensor_parallel_size}")
+    sets += list(overrides)
+    try:
+        source, digest = load_profile(profile)
+        moved, _ = load_profile(profile, sets)
+    except ScenarioError as exc:
+        raise CalibrationError(str(exc)) from None
+    if source.step_time.get("form") != "roofline":
+        raise CalibrationError(f"{profile}: step_time.form: transfer moves a roofline profile (its "
+                               "bytes and FLOPs re-priced from the catalog); a linear profile has no "
+                               "hardware terms: refit it on the target with simcap calibrate")
+    recipe, files = recipe_for(list(inputs), profile, overrides=sets)
+    if not files and (rows or table is not None and table.where or fit_metrics):
+        raise CalibrationError("--rows, --where, --fit-metrics: choose among measured rows; give the "
+                               "target's measurements (tables) first")
+    try:
+        step_time = StepTimeConfig.model_validate(moved.step_time)
+    except ValidationError as exc:
+        raise CalibrationError(format_validation_error(exc)) from None
+    except ScenarioError as exc:
+        raise CalibrationError(str(exc)) from None
+    n_rows = None
+    if refit is None:
+        if files:
+            from simcap.calibrate.pipeline import pick_rows, read_all
+
+            points = pick_rows(read_all(files, recipe, workload, 0, table)[1], rows)
+            n_rows = len(points)
+        refit = default_refit(step_time, n_rows or 0)
+    refit = list(refit)
+    if refit and not files:
+        raise CalibrationError("--refit: refits terms on the target's measured rows; give them (tables)")
+    fit = None
+    if refit:
+        fit = calibrate(files, recipe, form=",".join(refit), rows=rows, table=table,
+                        fit_metrics=fit_metrics, workload=workload, bootstrap=bootstrap)
+        out = profile_dict(fit, recipe, command=command)
+    else:
+        out = _moved_dict(moved.model_dump(exclude_none=True), recipe, command)
+    if moved.frontend and "frontend" not in out:  # the server's front end, not the accelerator's
+        out["frontend"] = dict(moved.frontend)
+    out["name"] = f"{source.name}@{Path(hardware).stem}"
+    desc = step_time.physics.hardware.description or hardware
+    out["hardware"] = (f"{step_time.tensor_parallel_size}x {desc} (moved from: "
+                       f"{source.hardware or source.step_time.get('hardware')})")
+    carried = [t for t in _terms() if t not in refit]
+    out["provenance"]["transfer"] = {
+        "from": {"profile": str(profile), "name": source.name, "sha256": digest,
+                 "hardware": source.step_time.get("hardware"),
+                 "tensor_parallel_size": source.step_time.get("tensor_parallel_size", 1)},
+        "to": {"hardware": hardware,
+               "tensor_parallel_size": step_time.tensor_parallel_size},
+        "carried": carried, "refitted": refit, "evidence": EVIDENCE,
+    }
+    return Transfer(out, fit, refit)
+
+
+def _terms() -> list[str]:
+    """The fitted values a roofline section carries: its seconds terms and every efficiency."""
+    from simcap.config.scenario import RooflineEfficiency
+
+    secs = ["base", "per_request", "mixed_step", "host_overhead"]
+    return secs + [f"efficiency.{k}" for k in RooflineEfficiency.model_fields]
+
+
+def _moved_dict(data: dict[str, Any], recipe, command: str | None) -> dict[str, Any]:
+    """A profile moved by the catalog alone: the source's sections with the new step_time, no
+    fit (no intervals: the source's do not hold on other hardware)."""
+    out = {k: v for k, v in data.items() if k not in ("step_time_ci", "bootstrap", "provenance")}
+    out["provenance"] = {
+        "simcap_version": __version__,
+        "fit_method": "none: moved by the catalog, every fitted term carried",
+        "fitted_with": command,
+        "assumptions": list(recipe.assumptions),
+    }
+    return out
