@@ -90,6 +90,10 @@ def test_cli_writes_the_moved_profile_and_refuses_in_one_line(setup, tmp_path):
     assert re.search(r"refitted: efficiency.experts = 2\.[34]", out.stdout), out.stdout
     written = yaml.safe_load((tmp_path / "m.yaml").read_text())
     assert written["name"] == "src@mi300x" and written["provenance"]["transfer"]["refitted"] == ["efficiency.experts"]
+    assert "a second row, at the other end of the loads" in out.stderr, out.stderr
+    alone = run("transfer", profile, "--hardware", "mi300x", "--out", tmp_path / "alone.yaml")
+    assert alone.returncode == 0 and "refitted: none (the catalog alone)" in alone.stdout, alone.stderr
+    assert "note: moved by the catalog alone" in alone.stderr
     linear = tmp_path / "linear.yaml"
     linear.write_text(yaml.safe_dump({"name": "l", "engine": ENGINE, "step_time": {"base": 0.01}}))
     for args, message in (

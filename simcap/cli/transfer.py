@@ -69,6 +69,18 @@ def transfer(
                 typer.echo(f"  {r['point']} {r['metric']}: measured {r['measured']:.4g}, fitted "
                            f"{r['fitted']:.4g} ({r['rel_error']:+.1%})")
     typer.echo(f"profile: {out}")
+    if len(result.refitted) < 2:
+        typer.echo(ADVICE[len(result.refitted)], err=True)
+
+
+# What the held-out moves of experiments/hardware-transfer measured, by the rows refitted on.
+ADVICE = (
+    "note: moved by the catalog alone: such moves missed the target's figures by a median of 38% "
+    "(experiments/hardware-transfer); measure one row on the target, at the highest load of interest, "
+    "and give it to refit the dominant byte term (median 16%), or two, the lowest and highest (11%)",
+    "note: one row refitted: such moves missed by a median of 16% (experiments/hardware-transfer); a "
+    "second row, at the other end of the loads, refits the fixed step cost too (median 11%)",
+)
 
 
 def _value(step_time: dict, term: str) -> float:
