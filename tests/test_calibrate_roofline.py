@@ -178,3 +178,26 @@ def test_a_recipe_refuses_starts_that_are_not_a_count(tmp_path, value):
 
     with pytest.raises(CalibrationError, match=r"starts: a whole number from 1 to 64"):
         Recipe.load(path)
+
+
+def test_a_kernel_class_centres_the_priors_of_its_hardware_only():
+    from simcap.calibrate.fit_bench import _roofline_priors
+    from simcap.catalog import kernel_class_names, resolve_kernel_class
+
+    assert "hopper-vllm-mxfp4-moe" in kernel_class_names()
+    kc = resolve_kernel_class("hopper-vllm-mxfp4-moe")
+    form = RooflineForm.parse("base,efficiency.experts,efficiency.compute,efficiency.draft")
+    st = {"hardware": "h200-sxm", "expert_weight_dtype": "mxfp4"}
+    prior = {"kernel_class": "hopper-vllm-mxfp4-moe", "terms": {"efficiency.compute": {"value": 2.0}}}
+    priors, _ = _roofline_priors(form, prior, st)
+    assert priors["efficiency.experts"] == (kc.efficiency["experts"], kc.sigma)
+    assert priors["efficiency.compute"] == (2.0, 0.7)  # the recipe's own term wins, at its sigma
+    assert priors["efficiency.draft"] == (1.0, 0.7)  # a term the class does not name: the default
+    assert "base" not in priors
+    with pytest.raises(CalibrationError, match=r"prior.kernel_class: hopper-vllm-mxfp4-moe covers "
+                                                r"h100-sxm, h200-sxm; step_time.hardware is 'mi300x'"):
+        _roofline_priors(form, prior, {**st, "hardware": "mi300x"})
+    with pytest.raises(CalibrationError, match="is for expert_weight_dtype mxfp4; step_time has None"):
+        _roofline_priors(form, prior, {"hardware": "h100-sxm"})
+    with pytest.raises(CalibrationError, match=r"prior.kernel_class: unknown kernel class 'x'; known: "):
+        _roofline_priors(form, {"kernel_class": "x"}, st)

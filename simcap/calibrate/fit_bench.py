@@ -404,20 +404,26 @@ class _RooflineObjective(_Objective):
         return np.concatenate([data, np.asarray(prior, dtype=float)])
 
 
-def _roofline_priors(form: RooflineForm, prior: dict[str, Any] | None) -> tuple[dict, float]:
+def _roofline_priors(form: RooflineForm, prior: dict[str, Any] | None,
+                     step_time: dict[str, Any] | None = None) -> tuple[dict, float]:
     """{free term: (centre, sigma)} and the data sigma from a recipe's ``prior`` section:
     ``{sigma: 0.7, data_sigma: 0.05, terms: {efficiency.draft: {value: 1, sigma: 1.0},
-    mixed_step: {value: 0.0, sigma: 0.1}}, efficiency_floor: 1}`` (a multiplier's sigma is
-    log-space; a seconds term has no prior unless given one; the floor is read by
-    :func:`_floor_of`)."""
+    mixed_step: {value: 0.0, sigma: 0.1}}, efficiency_floor: 1, kernel_class: NAME}`` (a
+    multiplier's sigma is log-space; a seconds term has no prior unless given one; the floor is
+    read by :func:`_floor_of`; a catalog kernel class centres the efficiencies it names on what
+    its kernels achieved, with its sigma, where ``terms`` does not say otherwise, and must
+    cover ``step_time``'s hardware and expert weight dtype)."""
     prior = dict(prior or {})
-    unknown = sorted(set(prior) - {"sigma", "data_sigma", "terms", "efficiency_floor"})
+    unknown = sorted(set(prior) - {"sigma", "data_sigma", "terms", "efficiency_floor", "kernel_class"})
     if unknown:
         raise CalibrationError(f"prior: unknown key {unknown[0]!r}; allowed: sigma, data_sigma, "
-                               "terms, efficiency_floor")
+                               "terms, efficiency_floor, kernel_class")
     sigma = float(prior.get("sigma", PRIOR_SIGMA))
     data_sigma = float(prior.get("data_sigma", DATA_SIGMA))
     own = {_roofline_term(k): v for k, v in (prior.get("terms") or {}).items()}
+    if "kernel_class" in prior:
+        for t, spec in _kernel_class_priors(prior["kernel_class"], step_time or {}).items():
+            own.setdefault(t, spec)
     out = {}
     for t in form.free:
         spec = own.get(t)
@@ -432,6 +438,25 @@ def _roofline_priors(form: RooflineForm, prior: dict[str, Any] | None) -> tuple[
         if out[t][1] <= 0 or (t not in ROOFLINE_SECONDS and out[t][0] <= 0):
             raise CalibrationError(f"prior.terms.{t}: value > 0 (multipliers) and sigma > 0 required")
     return out, data_sigma
+
+
+def _kernel_class_priors(name: Any, step_time: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``{efficiency.term: {value, sigma}}`` of a catalog kernel class, checked against the
+    deployment it is to price."""
+    from simcap.catalog import resolve_kernel_class
+
+    try:
+        kc = resolve_kernel_class(name, "prior.kernel_class")
+    except ScenarioError as exc:
+        raise CalibrationError(str(exc)) from None
+    hw = step_time.get("hardware")
+    if hw not in kc.hardware:
+        raise CalibrationError(f"prior.kernel_class: {name} covers {', '.join(kc.hardware)}; "
+                               f"step_time.hardware is {hw!r}")
+    if kc.expert_weight_dtype and step_time.get("expert_weight_dtype") != kc.expert_weight_dtype:
+        raise CalibrationError(f"prior.kernel_class: {name} is for expert_weight_dtype "
+                               f"{kc.expert_weight_dtype}; step_time has {step_time.get('expert_weight_dtype')!r}")
+    return {f"efficiency.{t}": {"value": v, "sigma": kc.sigma} for t, v in kc.efficiency.items()}
 
 
 def _floor_of(prior: dict[str, Any] | None, hardware: Any) -> float:
@@ -485,7 +510,7 @@ def fit_benchmarks_roofline(
     if step_time.get("form") != "roofline":
         raise CalibrationError("step_time.form: the roofline fit needs form: roofline")
     form = form if isinstance(form, RooflineForm) else RooflineForm.parse(form)
-    priors, data_sigma = _roofline_priors(form, prior)
+    priors, data_sigma = _roofline_priors(form, prior, step_time)
     metrics = _fitted_metrics(points, fit_metrics, weights)
     n = sum(len(m) for m in metrics)
     p = len(form.free)

@@ -137,7 +137,7 @@ def measure_next(
     fit = fit_benchmarks_roofline(points, step_time, form, prior=prior, fit_metrics=fit_metrics,
                                   weights=weights, bootstrap=0, iterations=0, seed=seed, starts=starts)
     fitted = fit.step_time
-    priors, data_sigma = _roofline_priors(form, prior)
+    priors, data_sigma = _roofline_priors(form, prior, step_time)
     metrics = _fitted_metrics(points, fit_metrics, weights)
     obj = _RooflineObjective(points, form, fitted, metrics, 0.03, priors, data_sigma)
     x = obj.x0()

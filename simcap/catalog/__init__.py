@@ -7,6 +7,9 @@
   citation}}``.
 - ``models/NAME.json``: a Hugging Face ``config.json`` (plus ``_source`` / ``_assumption``
   notes), read by :meth:`simcap.catalog.memory.ModelShape.from_hf_config`.
+- ``kernel_classes.yaml``: name -> ``{description, hardware: [names], expert_weight_dtype,
+  efficiency: {term: value}, sigma, sources}``: efficiency priors of one software stack and
+  weight format on a class of hardware, for roofline fits (``prior: {kernel_class: NAME}``).
 
 The roofline step-time form (:mod:`simcap.engine.step_time`) names one of each, or gives either
 inline; every problem is a one-line :class:`ScenarioError` naming the field.
@@ -112,6 +115,52 @@ def _hardware_table() -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ScenarioError("catalog hardware.yaml: expected a mapping of names to entries")
     return data
+
+
+# Roofline efficiency terms a kernel class may give priors for (simcap.engine.step_time's).
+KERNEL_CLASS_TERMS = ("weights", "experts", "compute", "attention_prefill", "kv_read", "tp_comm",
+                      "tp_latency", "draft")
+
+
+class KernelClass(_Model):
+    """What the kernels of one software stack and weight format achieved on a class of
+    hardware: efficiency priors (``kernel_classes.yaml``)."""
+
+    description: str | None = None
+    hardware: list[str] = Field(min_length=1, description="Catalog hardware names of the class.")
+    expert_weight_dtype: str | None = None
+    efficiency: dict[str, float]
+    sigma: float = Field(gt=0.0, description="Log-space spread of each prior.")
+    sources: str
+
+
+@lru_cache(maxsize=1)
+def _kernel_table() -> dict[str, Any]:
+    entry = _root() / "kernel_classes.yaml"
+    data = yaml.safe_load(entry.read_text()) if entry.is_file() else {}
+    if not isinstance(data, dict):
+        raise ScenarioError("catalog kernel_classes.yaml: expected a mapping of names to entries")
+    return data or {}
+
+
+def kernel_class_names() -> list[str]:
+    return sorted(_kernel_table())
+
+
+def resolve_kernel_class(name: Any, path: str = "prior.kernel_class") -> KernelClass:
+    """A kernel class of the catalog by name; a ScenarioError naming ``path`` otherwise."""
+    table = _kernel_table()
+    if not isinstance(name, str) or name not in table:
+        raise ScenarioError(f"{path}: unknown kernel class {name!r}; known: {', '.join(sorted(table))}")
+    try:
+        kc = KernelClass.model_validate(table[name])
+    except ValidationError as exc:
+        raise ScenarioError(_format(exc, f"catalog kernel class {name}")) from None
+    for term, value in kc.efficiency.items():
+        if term not in KERNEL_CLASS_TERMS or not value > 0:
+            raise ScenarioError(f"catalog kernel class {name}: efficiency.{term}: a roofline term "
+                                f"({', '.join(KERNEL_CLASS_TERMS)}) with a value > 0")
+    return kc
 
 
 def hardware_names() -> list[str]:
