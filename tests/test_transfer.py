@@ -111,3 +111,26 @@ def _reading():
     from simcap.calibrate.readers import TableReading
 
     return TableReading.parse(["clients=concurrency", "tpot_ms=median_tpot_ms"])
+
+
+def test_a_kernel_class_covering_the_target_gives_its_efficiencies(tmp_path):
+    from simcap.calibrate.core import CalibrationError
+    from simcap.catalog import resolve_kernel_class
+
+    src = {"form": "roofline", "model": "gpt-oss-120b", "hardware": "h100-sxm", "weight_dtype": "bf16",
+           "expert_weight_dtype": "mxfp4", "compute_dtype": "bf16", "tensor_parallel_size": 2,
+           "base": 0.003, "efficiency": {"experts": 1.24, "compute": 1.34, "tp_comm": 1.1}}
+    profile = tmp_path / "oss.yaml"
+    profile.write_text(yaml.safe_dump({"name": "oss", "engine": ENGINE, "step_time": src}))
+    moved = transfer(profile, hardware="mi325x").profile
+    cdna3 = resolve_kernel_class("cdna3-vllm-mxfp4-moe")
+    eff = moved["step_time"]["efficiency"]
+    assert eff["experts"] == cdna3.efficiency["experts"] and eff["tp_comm"] == 1.1  # unnamed: carried
+    record = moved["provenance"]["transfer"]
+    assert record["kernel_class"]["name"] == "cdna3-vllm-mxfp4-moe"
+    assert "efficiency.experts" not in record["carried"] and "efficiency.tp_comm" in record["carried"]
+    kept = transfer(profile, hardware="mi325x", kernel_class="none").profile
+    assert kept["step_time"]["efficiency"]["experts"] == 1.24 and kept["provenance"]["transfer"]["kernel_class"] is None
+    assert transfer(profile, hardware="b200").profile["provenance"]["transfer"]["kernel_class"] is None  # none covers it
+    with pytest.raises(CalibrationError, match="--kernel-class: hopper-vllm-mxfp4-moe covers h100-sxm, h200-sxm"):
+        transfer(profile, hardware="mi300x", kernel_class="hopper-vllm-mxfp4-moe")

@@ -135,6 +135,14 @@ def run_table(table: str) -> dict:
             entry = {"source": src, "target": dst, "variants": {}}
             rows = predict(pts, moved)
             entry["variants"]["datasheet"] = {"rows": rows, "max_abs_pct": worst(rows)}
+            sibling = SIBLING.get(table, {}).get(dst)
+            if sibling and sibling != src:  # the target's kernel class, without its own rows
+                eff = sources[sibling]["step_time"]["efficiency"]
+                st = {**moved, "efficiency": {**moved["efficiency"],
+                                              **{t: max(eff[t], 1.0) for t in CLASS_TERMS}}}
+                rows = predict(pts, st)
+                entry["variants"]["class (sibling)"] = {"rows": rows, "max_abs_pct": worst(rows),
+                                                        "sibling": sibling}
             for where, pt in (("low", pts[0]), ("high", pts[-1])):
                 rest = [p for p in pts if p is not pt]
                 for term in REFITS:
@@ -154,8 +162,8 @@ def run_table(table: str) -> dict:
             print(f"{table} {src} -> {dst}: " + ", ".join(
                 f"{k} {v['max_abs_pct']:.0f}%" for k, v in entry["variants"].items()), flush=True)
     summary = {}
-    for variant in pairs[0]["variants"]:
-        worsts = [p["variants"][variant]["max_abs_pct"] for p in pairs]
+    for variant in dict.fromkeys(v for p in pairs for v in p["variants"]):
+        worsts = [p["variants"][variant]["max_abs_pct"] for p in pairs if variant in p["variants"]]
         summary[variant] = {"median_max_abs_pct": statistics.median(worsts),
                             "pairs_within": sum(w <= WITHIN for w in worsts), "pairs": len(worsts)}
     return {"gpus": gpus, "sources": sources, "pairs": pairs, "summary": summary}

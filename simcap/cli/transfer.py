@@ -37,6 +37,11 @@ def transfer(
     ),
     input_len: Optional[int] = typer.Option(None, "--input-len", help="Prompt tokens, where the table lacks them."),
     output_len: Optional[int] = typer.Option(None, "--output-len", help="Output tokens, where the table lacks them."),
+    kernel_class: str = typer.Option(
+        "auto", "--kernel-class",
+        help="Catalog kernel class whose efficiencies replace the carried ones: auto (the one covering the "
+             "target, if any), a name, or none.",
+    ),
     set_: Optional[List[str]] = SET_OPTION,
 ) -> None:
     """Move a roofline profile to other hardware: bytes and FLOPs re-priced from the catalog,
@@ -53,7 +58,7 @@ def transfer(
             inputs=tables or (), table=table_reading(column, where, gpus), rows=rows,
             refit=refit.split(",") if refit is not None else None,
             fit_metrics=fit_metrics.split(",") if fit_metrics is not None else None,
-            workload=workload or None,
+            workload=workload or None, kernel_class=kernel_class,
             command="simcap transfer " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         )
         write_profile(result.profile, out)
@@ -62,6 +67,9 @@ def transfer(
                f"{moved['to']['hardware']} (tp {moved['to']['tensor_parallel_size']})")
     typer.echo("refitted: " + (", ".join(
         f"{t} = {_value(result.profile['step_time'], t):.4g}" for t in result.refitted) or "none (the catalog alone)"))
+    if moved["kernel_class"]:
+        typer.echo(f"from the kernel class {moved['kernel_class']['name']}: "
+                   + ", ".join(moved["kernel_class"]["terms"]))
     typer.echo(f"carried: {', '.join(moved['carried'])}")
     if result.fit is not None:
         for r in result.fit.residuals:
@@ -69,7 +77,9 @@ def transfer(
                 typer.echo(f"  {r['point']} {r['metric']}: measured {r['measured']:.4g}, fitted "
                            f"{r['fitted']:.4g} ({r['rel_error']:+.1%})")
     typer.echo(f"profile: {out}")
-    if len(result.refitted) < 2:
+    if not result.refitted and moved["kernel_class"]:
+        typer.echo(ADVICE_CLASS, err=True)
+    elif len(result.refitted) < 2:
         typer.echo(ADVICE[len(result.refitted)], err=True)
 
 
@@ -80,6 +90,11 @@ ADVICE = (
     "and give it to refit the dominant byte term (median 16%), or two, the lowest and highest (11%)",
     "note: one row refitted: such moves missed by a median of 16% (experiments/hardware-transfer); a "
     "second row, at the other end of the loads, refits the fixed step cost too (median 11%)",
+)
+ADVICE_CLASS = (
+    "note: moved with the target's kernel class and no row: such moves missed by a median of 23% "
+    "(experiments/hardware-transfer); measure one row on the target, at the highest load of interest, "
+    "to refit the dominant byte term, or two, the lowest and highest"
 )
 
 
