@@ -41,7 +41,7 @@ from pydantic import ValidationError
 
 from simcap._version import __version__
 from simcap.calibrate.core import CalibrationError
-from simcap.calibrate.pipeline import calibrate
+from simcap.calibrate.pipeline import calibrate, pick_rows, read_all
 from simcap.calibrate.profile_io import profile_dict
 from simcap.calibrate.readers import TableReading
 from simcap.calibrate.recipe import recipe_for
@@ -122,8 +122,6 @@ def transfer(
     n_rows = None
     if refit is None:
         if files:
-            from simcap.calibrate.pipeline import pick_rows, read_all
-
             points = pick_rows(read_all(files, recipe, workload, 0, table)[1], rows)
             n_rows = len(points)
         refit = default_refit(step_time, n_rows or 0)
@@ -137,6 +135,8 @@ def transfer(
         out = profile_dict(fit, recipe, command=command)
     else:
         out = _moved_dict(moved.model_dump(exclude_none=True), recipe, command)
+        if "fit_load" in source.provenance:  # the loads its terms were fitted at (model-form distance)
+            out["provenance"]["fit_load"] = source.provenance["fit_load"]
     if moved.frontend and "frontend" not in out:  # the server's front end, not the accelerator's
         out["frontend"] = dict(moved.frontend)
     out["name"] = f"{source.name}@{Path(hardware).stem}"
@@ -195,7 +195,7 @@ def _moved_dict(data: dict[str, Any], recipe, command: str | None) -> dict[str, 
     out = {k: v for k, v in data.items() if k not in ("step_time_ci", "bootstrap", "provenance")}
     out["provenance"] = {
         "simcap_version": __version__,
-        "fit_method": "none: moved by the catalog, every fitted term carried",
+        "fit_method": "none: moved by the catalog (fitted terms carried, or the kernel class's)",
         "fitted_with": command,
         "assumptions": list(recipe.assumptions),
     }

@@ -24,8 +24,9 @@ chunk of n after s computed tokens), k drafts::
     weights           dense (non-expert) weight bytes per rank / bandwidth: attention, dense
                       MLPs, routers, shared experts, LM head, read once per step
     experts           MoE layers x E_eff (1 - (1 - k_route/E_eff)^n) distinct experts x bytes
-                      per expert (expert_weight_dtype, e.g. mxfp4) / tp / bandwidth; E_eff = max(k_route, E (1 - routing_skew)):
-                      skewed routing as if each token's top-k came from a smaller pool.
+                      per expert (expert_weight_dtype, e.g. mxfp4) / tp / bandwidth;
+                      E_eff = max(k_route, E (1 - routing_skew)): skewed routing as if each
+                      token's top-k came from a smaller pool.
                       With expert parallelism a rank holds E/tp whole experts instead of a
                       1/tp slice of each: the same expected bytes per rank
     compute           2 x (active params per token x n + LM head x (R + V) logit rows)
