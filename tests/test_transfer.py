@@ -100,6 +100,8 @@ def test_cli_writes_the_moved_profile_and_refuses_in_one_line(setup, tmp_path):
         ((linear,), "transfer moves a roofline profile"),
         ((profile, "--refit", "base"), "--refit: refits terms on the target's measured rows"),
         ((profile, "--tensor-parallel-size", "3"), "step_time.tensor_parallel_size: 3 and the model's 4 KV heads"),
+        ((profile, "--tensor-parallel-size", "0"), "step_time.tensor_parallel_size: input should be greater than 0"),
+        ((profile, "--kernel-class", "nope"), "--kernel-class: unknown kernel class 'nope'; known: "),
     ):
         bad = run("transfer", *args, "--hardware", "mi300x", "--out", tmp_path / "x.yaml")
         assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and message in bad.stderr, bad.stderr

@@ -116,7 +116,8 @@ def transfer(
     try:
         step_time = StepTimeConfig.model_validate(moved.step_time)
     except ValidationError as exc:
-        raise CalibrationError(format_validation_error(exc)) from None
+        msg = format_validation_error(exc, StepTimeConfig)
+        raise CalibrationError(msg if msg.startswith("step_time.") else f"step_time.{msg}") from None
     except ScenarioError as exc:
         raise CalibrationError(str(exc)) from None
     n_rows = None
