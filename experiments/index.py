@@ -163,14 +163,16 @@ def cpu_extrapolation(d: dict) -> tuple[str, str]:
     def pair(model: str, form: str) -> str:
         return " / ".join(mean_abs(run, form) for run in sorted(results) if run.startswith(model + "/"))
 
-    runs = sorted({run.split("/")[1] for run in results})
+    def runs(model: str) -> str:
+        return " / ".join(run.split("/")[1] for run in sorted(results) if run.startswith(model + "/"))
+
     levels = held_out(sorted(results)[0])
     question = ("Does a step-time model fitted at low concurrency predict a real vLLM CPU "
                 "server's decode step at high concurrency?")
     result = (f"fitted at {_span(CPU_FIT_LEVELS)} clients, median decode step at "
-              f"{levels[0]}-{levels[-1]}, mean abs. error ({' / '.join(runs)}): MoE roofline (max) "
-              f"**{pair('moe', 'roofline max')}**, linear {pair('moe', 'linear')}; dense roofline (max) "
-              f"{pair('dense', 'roofline max')}, linear {pair('dense', 'linear')}")
+              f"{levels[0]}-{levels[-1]}, mean abs. error per run: MoE ({runs('moe')}) roofline (max) "
+              f"**{pair('moe', 'roofline max')}**, linear {pair('moe', 'linear')}; dense ({runs('dense')}) "
+              f"roofline (max) {pair('dense', 'roofline max')}, linear {pair('dense', 'linear')}")
     return question, result
 
 

@@ -7,7 +7,8 @@ Per model and run (``data/<model>/run<k>/``):
 - **Fit** on every logged step of levels 1, 2 and 4 (one run): the linear form
   (``base, per_prefill_token, per_decode_token, mixed_step``: what ``simcap live calibrate``
   fits from an iteration log) with ``simcap.calibrate.fit_step_samples``, and the roofline form
-  on the catalog's measured CPU (``cpu-amd-epyc-zen4-2vcpu``) and the model's catalog shape with
+  on the catalog's measured CPU the run was collected on (``run.json``'s CPU:
+  ``cpu-amd-epyc-zen4-2vcpu`` or ``cpu-intel-xeon-avx512bf16-2vcpu``) and the model's catalog shape with
   ``simcap.calibrate.fit_roofline.fit_roofline_samples``: ``combine`` sum and max, routing skew
   0 and fitted (MoE). The iteration log has no attended context: each decoding request's is the
   mean over decode request-steps of prompt + tokens generated so far in the client records of
@@ -20,8 +21,8 @@ Per model and run (``data/<model>/run<k>/``):
   throughput by simulating the level's closed loop with the fitted profile (simcap's
   ``simulate``; concurrency, request count and the measured prompt and output lengths of the
   level's records as empirical distributions; the server's engine settings).
-- **Spread**: where two runs exist, the run-to-run difference of each measured figure
-  (``|run2 / run1 - 1|``), the bar a prediction cannot be asked to beat.
+- **Spread**: where two runs exist on one kind of machine, the run-to-run difference of each
+  measured figure (``|second / first - 1|``), the bar a prediction cannot be asked to beat.
 
 ``--write``: ``results-roofline.md`` and ``results-roofline.json`` here.
 """
@@ -50,7 +51,16 @@ from simcap.fleet.run import simulate  # noqa: E402
 from simcap.live.calibration import host_overhead_from_itl  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-HARDWARE = "cpu-amd-epyc-zen4-2vcpu"
+# run.json's cpu.model_name -> the catalog entry measured on that kind of machine
+HARDWARE = {"AMD EPYC": "cpu-amd-epyc-zen4-2vcpu", "Intel(R) Xeon(R) Processor": "cpu-intel-xeon-avx512bf16-2vcpu"}
+
+
+def machine_of(model: str, run: int) -> str:
+    """The CPU a run was collected on (``run.json``), as ``HARDWARE`` names it."""
+    name = json.loads((A.DATA / model / f"run{run}" / "run.json").read_text())["cpu"]["model_name"]
+    if name not in HARDWARE:
+        raise SystemExit(f"{model}/run{run}: no catalog entry for a {name!r} CPU; add it to HARDWARE")
+    return name
 SHAPES = {"dense": "tiny-llama-cpu", "moe": "tiny-qwen3-moe-cpu"}
 # 1 GiB of KV cache in blocks of 32 tokens: KV bytes per token 6 x 2 x 2 x 64 x 2 (dense),
 # 4 x 2 x 4 x 64 x 2 (MoE).
@@ -79,7 +89,8 @@ def fit_forms(model: str, run: int, bootstrap: int) -> dict[str, dict[str, Any]]
             st["host_overhead"] = host
             facts = {"coefficients_ms": {t: round(v * 1e3, 4) for t, v in st.items()}}
         else:
-            fit = fit_roofline_samples(list(fit_on.values()), HARDWARE, SHAPES[model], combine=combine,
+            fit = fit_roofline_samples(list(fit_on.values()), HARDWARE[machine_of(model, run)], SHAPES[model],
+                                       combine=combine,
                                        routing_skew=skew, context=ctx, host_overhead=host,
                                        bootstrap=bootstrap, seed=0)
             st = dict(fit.step_time)
@@ -158,10 +169,14 @@ def analyse(bootstrap: int) -> dict[str, Any]:
     # Run-to-run spread of the measured figures.
     spread: dict[str, Any] = {}
     for model in A.models():
-        rr = A.runs(model)
-        if len(rr) >= 2:
-            a, b = result[f"{model}/run{rr[0]}"]["measured"], result[f"{model}/run{rr[1]}"]["measured"]
-            spread[model] = {lv: {k: abs(b[lv][k] / a[lv][k] - 1) for k in a[lv]} for lv in A.LEVELS}
+        by_machine: dict[str, list[int]] = {}
+        for run in A.runs(model):
+            by_machine.setdefault(machine_of(model, run), []).append(run)
+        for machine, rr in by_machine.items():
+            if len(rr) >= 2:
+                a, b = result[f"{model}/run{rr[0]}"]["measured"], result[f"{model}/run{rr[1]}"]["measured"]
+                label = model if machine == "AMD EPYC" else f"{model} (runs {rr[0]}, {rr[1]}: Xeon)"
+                spread[label] = {lv: {k: abs(b[lv][k] / a[lv][k] - 1) for k in a[lv]} for lv in A.LEVELS}
     return {"results": result, "spread": spread}
 
 
