@@ -5,6 +5,7 @@ and at another on the target (another kernel class), everything else equal."""
 from __future__ import annotations
 
 import csv
+import json
 import re
 import subprocess
 import sys
@@ -91,6 +92,12 @@ def test_cli_writes_the_moved_profile_and_refuses_in_one_line(setup, tmp_path):
     written = yaml.safe_load((tmp_path / "m.yaml").read_text())
     assert written["name"] == "src@mi300x" and written["provenance"]["transfer"]["refitted"] == ["efficiency.experts"]
     assert "a second row, at the other end of the loads" in out.stderr, out.stderr
+    js = run("transfer", profile, table, *COLS, "--rows", "c=24", "--hardware", "mi300x", "--json",
+             "--out", tmp_path / "j.yaml")
+    record = json.loads(js.stdout)
+    assert js.returncode == 0 and record["refitted"] == ["efficiency.experts"], js.stderr
+    assert record["values"]["efficiency.experts"] == pytest.approx(2.4, rel=0.03)
+    assert [r["point"] for r in record["fitted_rows"]] == ["c=24"] and record["advice"].startswith("one row refitted")
     alone = run("transfer", profile, "--hardware", "mi300x", "--out", tmp_path / "alone.yaml")
     assert alone.returncode == 0 and "refitted: none (the catalog alone)" in alone.stdout, alone.stderr
     assert "note: moved by the catalog alone" in alone.stderr

@@ -42,6 +42,7 @@ from simcap.calibrate import Recipe  # noqa: E402
 from simcap.calibrate.fit_bench import fit_benchmarks_roofline  # noqa: E402
 from simcap.calibrate.metric_keys import metric_value  # noqa: E402
 from simcap.calibrate.pipeline import benchmark_points  # noqa: E402
+from simcap.calibrate.transfer import term_value  # noqa: E402
 from simcap.config.scenario import parse_scenario  # noqa: E402
 from simcap.fleet.run import simulate  # noqa: E402
 
@@ -150,14 +151,14 @@ def run_table(table: str) -> dict:
                     rows = predict(rest, st)
                     name = f"{term.removeprefix('efficiency.')}@{where}"
                     entry["variants"][name] = {"rows": rows, "max_abs_pct": worst(rows),
-                                               "measured_row": pt.label, "refitted": {term: _value(st, term)}}
+                                               "measured_row": pt.label, "refitted": {term: term_value(st, term)}}
             if len(pts) > 2:  # two rows, lowest and highest load: base and experts refitted
                 ends = [pts[0], pts[-1]]
                 st = fit(recipes[dst], ends, moved, ["base", "efficiency.experts"])
                 rows = predict(pts[1:-1], st)
                 entry["variants"]["base+experts@low+high"] = {
                     "rows": rows, "max_abs_pct": worst(rows), "measured_row": [p.label for p in ends],
-                    "refitted": {t: _value(st, t) for t in ("base", "efficiency.experts")}}
+                    "refitted": {t: term_value(st, t) for t in ("base", "efficiency.experts")}}
             pairs.append(entry)
             print(f"{table} {src} -> {dst}: " + ", ".join(
                 f"{k} {v['max_abs_pct']:.0f}%" for k, v in entry["variants"].items()), flush=True)
@@ -210,12 +211,6 @@ def leave_high_out(table: str, sources: dict | None = None) -> dict:
                                               if "third_row_from_two_max_abs_pct" in v else "")
             for k, v in entry.items()), flush=True)
     return out
-
-
-def _value(step_time: dict, term: str) -> float:
-    if term.startswith("efficiency."):
-        return step_time["efficiency"][term.split(".", 1)[1]]
-    return step_time[term]
 
 
 def main() -> None:

@@ -53,6 +53,20 @@ from simcap.errors import ScenarioError
 EVIDENCE = "experiments/hardware-transfer (README): which terms carry across accelerators"
 
 
+# What the held-out moves of experiments/hardware-transfer measured, by what the move used.
+ADVICE_NONE = (
+    "moved by the catalog alone: such moves missed the target's figures by a median of 38% "
+    "(experiments/hardware-transfer); measure one row on the target, at the highest load of interest, "
+    "and give it to refit the dominant byte term (median 16%), or two, the lowest and highest (11%)")
+ADVICE_CLASS = (
+    "moved with the target's kernel class and no row: such moves missed by a median of 23% "
+    "(experiments/hardware-transfer); measure one row on the target, at the highest load of interest, "
+    "to refit the dominant byte term, or two, the lowest and highest")
+ADVICE_ONE = (
+    "one row refitted: such moves missed by a median of 16% (experiments/hardware-transfer); a second "
+    "row, at the other end of the loads, refits the fixed step cost too (median 11%)")
+
+
 @dataclass
 class Transfer:
     """A moved profile: the YAML-ready dict, the fit on the target's rows (None: moved by the
@@ -61,6 +75,35 @@ class Transfer:
     profile: dict[str, Any]
     fit: Fit | None
     refitted: list[str]
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The move as the profile's provenance records it."""
+        return self.profile["provenance"]["transfer"]
+
+    def advice(self) -> str | None:
+        """What such moves missed by on held-out data, and what to measure next (None: two or
+        more rows refitted, the study's best)."""
+        if len(self.refitted) >= 2:
+            return None
+        if self.refitted:
+            return ADVICE_ONE
+        return ADVICE_CLASS if self.record["kernel_class"] else ADVICE_NONE
+
+    def to_dict(self) -> dict[str, Any]:
+        """The move, each refitted term's value and the fitted rows, for ``--json``."""
+        return {**self.record,
+                "values": {t: term_value(self.profile["step_time"], t) for t in self.refitted},
+                "fitted_rows": [r for r in (self.fit.residuals if self.fit else ())
+                                if r.get("fitted_in_objective")],
+                "advice": self.advice()}
+
+
+def term_value(step_time: dict[str, Any], term: str) -> float:
+    """A roofline section's value of ``term`` (``base``, ``efficiency.experts``, ...)."""
+    if term.startswith("efficiency."):
+        return step_time["efficiency"][term.split(".", 1)[1]]
+    return step_time[term]
 
 
 def main_byte_term(step_time: StepTimeConfig) -> str:

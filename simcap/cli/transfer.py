@@ -9,7 +9,10 @@ from typing import List, Optional
 
 import typer
 
-from simcap.cli.common import COLUMN_OPTION, GPUS_OPTION, SET_OPTION, WHERE_OPTION, table_reading, user_errors
+from simcap.cli.common import (
+    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, SET_OPTION, WHERE_OPTION, table_reading, user_errors,
+)
+from simcap.metrics import report
 
 
 def transfer(
@@ -43,12 +46,13 @@ def transfer(
              "target, if any), a name, or none.",
     ),
     set_: Optional[List[str]] = SET_OPTION,
+    json_out: bool = JSON_OPTION,
 ) -> None:
     """Move a roofline profile to other hardware: bytes and FLOPs re-priced from the catalog,
     fitted terms carried, and the terms that do not carry refitted on the target's rows."""
     from simcap.calibrate.pipeline import check_options
     from simcap.calibrate.profile_io import write_profile
-    from simcap.calibrate.transfer import transfer as move
+    from simcap.calibrate.transfer import term_value, transfer as move
 
     with user_errors():
         workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v is not None}
@@ -62,43 +66,22 @@ def transfer(
             command="simcap transfer " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         )
         write_profile(result.profile, out)
-    moved = result.profile["provenance"]["transfer"]
+    if json_out:
+        typer.echo(report.to_json({**result.to_dict(), "profile": str(out)}))
+        return
+    moved = result.record
     typer.echo(f"moved {moved['from']['hardware']} (tp {moved['from']['tensor_parallel_size']}) -> "
                f"{moved['to']['hardware']} (tp {moved['to']['tensor_parallel_size']})")
     typer.echo("refitted: " + (", ".join(
-        f"{t} = {_value(result.profile['step_time'], t):.4g}" for t in result.refitted) or "none (the catalog alone)"))
+        f"{t} = {term_value(result.profile['step_time'], t):.4g}" for t in result.refitted)
+        or "none (the catalog alone)"))
     if moved["kernel_class"]:
         typer.echo(f"from the kernel class {moved['kernel_class']['name']}: "
                    + ", ".join(moved["kernel_class"]["terms"]))
     typer.echo(f"carried: {', '.join(moved['carried'])}")
-    if result.fit is not None:
-        for r in result.fit.residuals:
-            if r.get("fitted_in_objective"):
-                typer.echo(f"  {r['point']} {r['metric']}: measured {r['measured']:.4g}, fitted "
-                           f"{r['fitted']:.4g} ({r['rel_error']:+.1%})")
+    for r in result.to_dict()["fitted_rows"]:
+        typer.echo(f"  {r['point']} {r['metric']}: measured {r['measured']:.4g}, fitted "
+                   f"{r['fitted']:.4g} ({r['rel_error']:+.1%})")
     typer.echo(f"profile: {out}")
-    if not result.refitted and moved["kernel_class"]:
-        typer.echo(ADVICE_CLASS, err=True)
-    elif len(result.refitted) < 2:
-        typer.echo(ADVICE[len(result.refitted)], err=True)
-
-
-# What the held-out moves of experiments/hardware-transfer measured, by the rows refitted on.
-ADVICE = (
-    "note: moved by the catalog alone: such moves missed the target's figures by a median of 38% "
-    "(experiments/hardware-transfer); measure one row on the target, at the highest load of interest, "
-    "and give it to refit the dominant byte term (median 16%), or two, the lowest and highest (11%)",
-    "note: one row refitted: such moves missed by a median of 16% (experiments/hardware-transfer); a "
-    "second row, at the other end of the loads, refits the fixed step cost too (median 11%)",
-)
-ADVICE_CLASS = (
-    "note: moved with the target's kernel class and no row: such moves missed by a median of 23% "
-    "(experiments/hardware-transfer); measure one row on the target, at the highest load of interest, "
-    "to refit the dominant byte term, or two, the lowest and highest"
-)
-
-
-def _value(step_time: dict, term: str) -> float:
-    if term.startswith("efficiency."):
-        return step_time["efficiency"][term.split(".", 1)[1]]
-    return step_time[term]
+    if result.advice():
+        typer.echo(f"note: {result.advice()}", err=True)
