@@ -16,7 +16,10 @@ accelerators (source, target):
    FLOP term re-priced on the target's datasheet, every fitted efficiency and seconds term
    kept (``datasheet``);
 3. or, with ONE measured row of the target (its lowest load, or its highest), one term is
-   refitted there and the rest kept (``base@c``, ``experts@c``, ...);
+   refitted there and the rest kept (``base@c``, ``experts@c``, ...), or with two (lowest and
+   highest) base and the experts' efficiency (``base+experts@low+high``);
+4. or, with no row, the efficiencies of the target's kernel class taken from the fit of the
+   class's other member alone (``class (sibling)``; the classes of two members only);
 
 and the target's OTHER rows are predicted. The errors are prediction errors: the target's
 figures used are one row at most, and that row is left out of the scoring. Results:
@@ -61,6 +64,13 @@ TABLES = {
 }
 # One term refitted on one target row: which, and where.
 REFITS = ("base", "efficiency.experts", "efficiency.weights")
+
+
+# The other member of each GPU's kernel class (simcap/catalog/kernel_classes.yaml), whose fit on
+# all its rows centres this GPU's priors when the class is judged without the GPU's own rows.
+SIBLING = {"gpt-oss": {"h100": "h200", "h200": "h100", "mi300x": "mi325x", "mi325x": "mi300x"}}
+CLASS_SIGMA = 0.3  # the catalog classes' sigma
+CLASS_TERMS = ("weights", "experts", "compute", "kv_read")
 
 
 def recipe_on(table: str, gpu: str) -> Recipe:
@@ -168,13 +178,6 @@ def run_table(table: str) -> dict:
         summary[variant] = {"median_max_abs_pct": statistics.median(worsts),
                             "pairs_within": sum(w <= WITHIN for w in worsts), "pairs": len(worsts)}
     return {"gpus": gpus, "sources": sources, "pairs": pairs, "summary": summary}
-
-
-# The other member of each GPU's kernel class (simcap/catalog/kernel_classes.yaml), whose fit on
-# all its rows centres this GPU's priors when the class is judged without the GPU's own rows.
-SIBLING = {"gpt-oss": {"h100": "h200", "h200": "h100", "mi300x": "mi325x", "mi325x": "mi300x"}}
-CLASS_SIGMA = 0.3  # the catalog classes' sigma
-CLASS_TERMS = ("weights", "experts", "compute", "kv_read")
 
 
 def leave_high_out(table: str, sources: dict | None = None) -> dict:
