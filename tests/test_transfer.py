@@ -143,3 +143,16 @@ def test_a_kernel_class_covering_the_target_gives_its_efficiencies(tmp_path):
     assert transfer(profile, hardware="b200").profile["provenance"]["transfer"]["kernel_class"] is None  # none covers it
     with pytest.raises(CalibrationError, match="--kernel-class: hopper-vllm-mxfp4-moe covers h100-sxm, h200-sxm"):
         transfer(profile, hardware="mi300x", kernel_class="hopper-vllm-mxfp4-moe")
+
+
+def test_a_move_to_more_ranks_splits_the_weights_and_keeps_the_efficiencies(setup, tmp_path):
+    folder, table, profile = setup
+    moved = transfer(profile, hardware="h100-sxm", tensor_parallel_size=2).profile
+    assert moved["step_time"]["tensor_parallel_size"] == 2
+    assert moved["step_time"]["efficiency"]["experts"] == 1.3  # same hardware: no class, carried
+    one = StepTimeConfig(**SOURCE).physics
+    two = StepTimeConfig(**moved["step_time"]).physics
+    assert two.weights == pytest.approx(one.weights / 2) and two.experts_all == pytest.approx(one.experts_all / 2)
+    assert two.tp_latency > 0 == one.tp_latency  # the all-reduces a single rank never paid
+    record = moved["provenance"]["transfer"]
+    assert (record["from"]["tensor_parallel_size"], record["to"]["tensor_parallel_size"]) == (1, 2)
