@@ -449,13 +449,12 @@ def _kernel_class_priors(name: Any, step_time: dict[str, Any]) -> dict[str, dict
         kc = resolve_kernel_class(name, "prior.kernel_class")
     except ScenarioError as exc:
         raise CalibrationError(str(exc)) from None
-    hw = step_time.get("hardware")
-    if hw not in kc.hardware:
-        raise CalibrationError(f"prior.kernel_class: {name} covers {', '.join(kc.hardware)}; "
-                               f"step_time.hardware is {hw!r}")
-    if kc.expert_weight_dtype and step_time.get("expert_weight_dtype") != kc.expert_weight_dtype:
-        raise CalibrationError(f"prior.kernel_class: {name} is for expert_weight_dtype "
-                               f"{kc.expert_weight_dtype}; step_time has {step_time.get('expert_weight_dtype')!r}")
+    hw, dtype = step_time.get("hardware"), step_time.get("expert_weight_dtype")
+    if not kc.covers(hw, dtype):
+        raise CalibrationError(
+            f"prior.kernel_class: {name} covers {', '.join(kc.hardware)}; step_time.hardware is {hw!r}"
+            if hw not in kc.hardware else
+            f"prior.kernel_class: {name} is for expert_weight_dtype {kc.expert_weight_dtype}; step_time has {dtype!r}")
     return {f"efficiency.{t}": {"value": v, "sigma": kc.sigma} for t, v in kc.efficiency.items()}
 
 

@@ -210,15 +210,14 @@ def _kernel_class(name: str | None, hardware: str, expert_dtype: str | None):
     if name in (None, "none"):
         return None, None
     if name == "auto":
-        found = [n for n in kernel_class_names()
-                 if hardware in (kc := resolve_kernel_class(n)).hardware
-                 and kc.expert_weight_dtype in (None, expert_dtype)]
-        return (found[0], resolve_kernel_class(found[0])) if len(found) == 1 else (None, None)
+        found = [(n, kc) for n in kernel_class_names()
+                 if (kc := resolve_kernel_class(n)).covers(hardware, expert_dtype)]
+        return found[0] if len(found) == 1 else (None, None)
     try:
         kc = resolve_kernel_class(name, "--kernel-class")
     except ScenarioError as exc:
         raise CalibrationError(str(exc)) from None
-    if hardware not in kc.hardware or kc.expert_weight_dtype not in (None, expert_dtype):
+    if not kc.covers(hardware, expert_dtype):
         raise CalibrationError(f"--kernel-class: {name} covers {', '.join(kc.hardware)} with "
                                f"expert_weight_dtype {kc.expert_weight_dtype}; the move is to {hardware} "
                                f"with {expert_dtype}")

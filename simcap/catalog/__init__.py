@@ -133,6 +133,11 @@ class KernelClass(_Model):
     sigma: float = Field(gt=0.0, description="Log-space spread of each prior.")
     sources: str
 
+    def covers(self, hardware: Any, expert_weight_dtype: str | None) -> bool:
+        """Whether the class's kernels are what a deployment on ``hardware`` with experts
+        stored as ``expert_weight_dtype`` runs."""
+        return hardware in self.hardware and self.expert_weight_dtype in (None, expert_weight_dtype)
+
 
 @lru_cache(maxsize=1)
 def _kernel_table() -> dict[str, Any]:

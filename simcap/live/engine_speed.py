@@ -84,7 +84,8 @@ def engine_speed(lines: Sequence[str], sim_steps: dict[str, np.ndarray], host_ov
         sel = sim_times[sim_sizes == b]
         if sel.size >= MIN_STEPS:
             sim_mean[int(b)] = float(sel.mean())
-    keep = np.array([int(b) in sim_mean and (sizes == b).sum() >= MIN_STEPS for b in sizes], dtype=bool)
+    values, counts = np.unique(sizes, return_counts=True)
+    keep = np.isin(sizes, [b for b, n in zip(values, counts) if n >= MIN_STEPS and int(b) in sim_mean])
     if not keep.any():
         return None
     priced = np.array([sim_mean[int(b)] for b in sizes[keep]])
@@ -93,11 +94,12 @@ def engine_speed(lines: Sequence[str], sim_steps: dict[str, np.ndarray], host_ov
     prefill_ratio = (float(np.sum(live_prefill) / sim_prefill.sum())
                      if len(live_prefill) >= MIN_STEPS and sim_prefill.size >= MIN_STEPS else None)
     per_second = []
-    kept_seconds = [s for s, ok in zip(seconds, keep) if ok]
+    kept_seconds = np.asarray(seconds, dtype=object)[keep]
+    kept_times = times[keep]
     for second in sorted(set(kept_seconds) - {""}):
-        sel = np.array([s == second for s in kept_seconds])
+        sel = kept_seconds == second
         if sel.sum() >= MIN_SECOND_STEPS:
-            per_second.append(float(times[keep][sel].sum() / priced[sel].sum()))
+            per_second.append(float(kept_times[sel].sum() / priced[sel].sum()))
     spread = ({"seconds": len(per_second), **{f"p{q}": float(np.percentile(per_second, q)) for q in (10, 50, 90)}}
               if per_second else None)
     return {"ratio": ratio, "prefill_ratio": prefill_ratio, "decode_steps": int(keep.sum()),
