@@ -149,6 +149,22 @@ def hardware_transfer(d: dict) -> tuple[str, str]:
     return question, result
 
 
+def workload_shapes(d: dict) -> tuple[str, str]:
+    gpus = d["gpus"]
+
+    def span(variant: str, key: str) -> str:
+        values = [gpus[g]["roofline"][variant]["max_abs_pct"][key] for g in gpus]
+        return f"{min(values):.1f}-{max(values):.1f}%"
+
+    question = ("Which low-load rows should a profile be fitted on: one workload shape, or three "
+                "(1k/1k, 1k/8k, 8k/1k)?")
+    result = (f"gpt-oss-120b on {len(gpus)} GPUs, roofline form, largest error above 16 clients per GPU: "
+              f"1k/1k rows from one shape {span('one shape, low load', '1k1k high')}, from three shapes "
+              f"**{span('three shapes, low load', '1k1k high')}** (every shape "
+              f"{span('three shapes, low load', 'all')}): the 8k prompts pin the compute efficiency")
+    return question, result
+
+
 def cpu_extrapolation(d: dict) -> tuple[str, str]:
     results = d["results"]
 
@@ -254,6 +270,7 @@ STUDIES = [
     ("chunked-prefill-itl", "results.json", chunked_prefill_itl),
     ("leave-high-out", "results.json", leave_high_out),
     ("hardware-transfer", "results.json", hardware_transfer),
+    ("workload-shapes", "results.json", workload_shapes),
     ("cpu-extrapolation", "results-roofline.json", cpu_extrapolation),
     ("live-cpu-validation", "results.json", live_cpu_validation),
     ("live-ngram-proposer", "results.json", live_ngram_proposer),

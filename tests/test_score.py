@@ -356,13 +356,17 @@ def test_a_recipe_table_section_is_refused_in_one_line(tmp_path, section, says):
 
 def test_a_table_in_seconds_per_gpu_reads_as_the_harness_meant():
     """InferenceMAX's rows (latencies in seconds, throughput per GPU) through the public case's
-    recipe: 2 x H100 vLLM rows at 4-64 clients, TPOT in seconds, throughput times the 2 GPUs."""
+    recipe: 2 x H100 vLLM rows at 4-64 clients in three shapes, TPOT in seconds, throughput times
+    the 2 GPUs, each shape's lengths as the recipe declares them."""
     from simcap.calibrate import Recipe
     from simcap.calibrate.pipeline import benchmark_points
 
     points = {p.label: p for p in benchmark_points(Recipe.load(ROOT / "calibration" / "recipes"
                                                                / "inferencemax-gptoss-h100.yaml"))}
-    assert sorted(points) == sorted(f"vllm tp2 c={c}" for c in (4, 8, 16, 32, 64))
+    assert sorted(points) == sorted(f"vllm tp2{shape} c={c}" for shape in ("", " 1k8k", " 8k1k")
+                                    for c in (4, 8, 16, 32, 64))
+    long_out = points["vllm tp2 1k8k c=4"].scenario["workload"]["output_len"]
+    assert (long_out["low"], long_out["high"]) == (6553, 8192)
     row = json.loads((ROOT / "calibration" / "data" / "public" / "inferencemax-gpt-oss-120b"
                       / "agg_gptoss_1k1k.json").read_text())
     (c4,) = [r for r in row if r["hw"] == "h100" and r["framework"] == "vllm" and r["tp"] == 2 and r["conc"] == 4]

@@ -62,6 +62,8 @@ TABLES = {
     "deepseek-r1": {"h200": ("dstack-r1-h200.roofline.yaml", "h200-sxm"),
                     "mi300x": ("dstack-r1-mi300x.roofline.yaml", "mi300x")},
 }
+# The gpt-oss recipes' 1k in / 1k out rows: the only shape this study reads.
+ONE_SHAPE = "vllm tp2"
 # One term refitted on one target row: which, and where.
 REFITS = ("base", "efficiency.experts", "efficiency.weights")
 
@@ -83,6 +85,8 @@ def recipe_on(table: str, gpu: str) -> Recipe:
         r.engine = {**r.engine, "max_num_seqs": 128}
     datasets = []
     for d in r.datasets:
+        if table == "gpt-oss" and d["label"] != ONE_SHAPE:
+            continue  # the study moves the 1k / 1k fit (the recipes hold two more shapes)
         d = copy.deepcopy(d)
         key = "hw" if table == "gpt-oss" else "GPU"
         d["table"]["where"] = [f"{key}=={gpu}" if w.startswith(f"{key}==") else w
