@@ -80,6 +80,17 @@ def test_an_efficiency_the_data_want_below_one_is_held_at_the_floor(tmp_path):
     assert free.coefficients["efficiency.experts"] == pytest.approx(0.6, rel=0.05)
 
 
+def test_one_efficiency_refitted_from_the_floor_leaves_it(tmp_path):
+    """A single efficiency started at the floor of 1 (log 0) is refitted where the data put it
+    (1.8), as a transfer refits one term on one row; from 1.3 it reaches the same value."""
+    pts = points(tmp_path)
+    for begin in (1.0, 1.3):
+        st = apply_coefficients(PHYSICS, {**TRUE, "efficiency.experts": begin})
+        fit = fit_benchmarks_roofline(pts, st, "experts", bootstrap=0)
+        assert fit.coefficients["efficiency.experts"] == pytest.approx(1.8, rel=0.02), begin
+        assert not fit.identification["efficiency.experts"].get("held_at_floor")
+
+
 @pytest.mark.parametrize("prior, message", [
     ({"sigma": 0.7, "floor": 1}, "prior: unknown key 'floor'; allowed: sigma, data_sigma, terms, efficiency_floor"),
     ({"efficiency_floor": 2}, "efficiency_floor: a number from 0 to 1"),

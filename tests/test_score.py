@@ -98,6 +98,28 @@ def test_rate_rows_are_poisson_arrivals(tmp_path):
     assert points[0].scenario["workload"]["num_requests"] == 150 and not points[0].steady_state
 
 
+def test_a_closed_loop_runs_the_requests_each_client_sent(table):
+    reading = TableReading.parse(DECLARED, ["concurrency<=4"], GPUS)
+    guessed = read_benchmarks(table, engine=ENGINE, speculative=None, table=reading)
+    counted = read_benchmarks(table, engine=ENGINE, speculative=None, table=reading,
+                              workload={"requests_per_client": 10})
+    # Without a count: whole rounds of 20-120 requests, throughput read in the steady state.
+    assert [p.scenario["workload"]["num_requests"] for p in guessed] == [60, 60, 60]
+    assert all(p.steady_state for p in guessed)
+    # With one: the benchmark's own run, 10 x C requests, throughput over the run as measured.
+    assert [p.scenario["workload"]["num_requests"] for p in counted] == [10, 20, 40]
+    assert not any(p.steady_state for p in counted)
+    assert "requests_per_client" not in counted[0].scenario["workload"]
+
+
+@pytest.mark.parametrize("value", [0, True, 2.5, "10", 1001])
+def test_requests_per_client_is_refused_in_one_line(table, value):
+    with pytest.raises(CalibrationError, match=r"requests_per_client: requests each client sent, a whole "
+                                               r"number in \[1, 1,000\]"):
+        read_benchmarks(table, engine=ENGINE, speculative=None, workload={"requests_per_client": value},
+                        table=TableReading.parse(DECLARED, gpus=GPUS))
+
+
 @pytest.mark.parametrize("columns, where, says", [
     (["TPOT=tpot_ms"], [], "--column 'TPOT=tpot_ms': 'tpot_ms' is no metric or shape key"),
     (["no key"], [], "--column 'no key': expected NAME=KEY"),
@@ -136,6 +158,7 @@ def test_fit_low_rows_score_high_rows_by_the_command_line(table, base, tmp_path)
     (["--fit-metrics", "ttft_mean"], "--fit-metrics: ttft_mean not measured in these rows"),
     (["--where", "concurrency>64"], "no row meets concurrency>64"),
     (["--where", "gpu==1"], "--where 'gpu==1'"),
+    (["--requests-per-client", "0"], "--requests-per-client: requests each client sent, a whole number in [1, 1,000]"),
 ])
 def test_calibrate_table_options_refused_in_one_line(table, base, tmp_path, extra, says):
     out = run("calibrate", table, "--base", base, "--out", tmp_path / "p.yaml", *COLUMNS, *extra)
@@ -203,7 +226,8 @@ def test_the_readme_journey(tmp_path):
 
 PUBLIC = ROOT / "calibration" / "data" / "public" / "dstack-deepseek-r1"
 PUBLIC_COLS = ("--column", "random_input_len=input_len", "--column", "random_output_len=output_len",
-               "--where", "backend==vllm", "--where", "dataset_name==random", "--where", "output_len==800")
+               "--column", "completed=num_prompts", "--where", "backend==vllm", "--where", "dataset_name==random",
+               "--where", "output_len==800")
 ROOFLINE_TERMS = "base,efficiency.weights,efficiency.experts,efficiency.compute,efficiency.kv_read"
 
 

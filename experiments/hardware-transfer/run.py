@@ -20,6 +20,10 @@ accelerators (source, target):
    highest) base and the experts' efficiency (``base+experts@low+high``);
 4. or, with no row, the efficiencies of the target's kernel class taken from the fit of the
    class's other member alone (``class (sibling)``; the classes of two members only);
+5. gpt-oss only: the source fitted on all three of its workload shapes (1k / 1k, 1k / 8k,
+   8k / 1k; ``experiments/workload-shapes``) instead, moved by the datasheet alone or with the
+   experts' efficiency refitted on the target's highest 1k / 1k row (``..., three-shape
+   source``);
 
 and the target's OTHER rows are predicted. The errors are prediction errors: the target's
 figures used are one row at most, and that row is left out of the scoring. Results:
@@ -48,6 +52,7 @@ from simcap.calibrate.pipeline import benchmark_points  # noqa: E402
 from simcap.calibrate.transfer import term_value  # noqa: E402
 from simcap.config.scenario import parse_scenario  # noqa: E402
 from simcap.fleet.run import simulate  # noqa: E402
+from simcap.metrics.report import write_generated_block  # noqa: E402
 
 RECIPES = ROOT / "calibration" / "recipes"
 METRICS = ("tpot_mean", "output_throughput")
@@ -75,8 +80,9 @@ CLASS_SIGMA = 0.3  # the catalog classes' sigma
 CLASS_TERMS = ("weights", "experts", "compute", "kv_read")
 
 
-def recipe_on(table: str, gpu: str) -> Recipe:
-    """The roofline recipe of ``gpu``'s rows, priced on its catalog entry."""
+def recipe_on(table: str, gpu: str, every_shape: bool = False) -> Recipe:
+    """The roofline recipe of ``gpu``'s rows, priced on its catalog entry (the gpt-oss
+    recipes: their 1k / 1k rows, or with ``every_shape`` all three shapes)."""
     name, hardware = TABLES[table][gpu]
     r = copy.copy(Recipe.load(RECIPES / name))
     r.name = f"{table}-{gpu}"
@@ -85,7 +91,7 @@ def recipe_on(table: str, gpu: str) -> Recipe:
         r.engine = {**r.engine, "max_num_seqs": 128}
     datasets = []
     for d in r.datasets:
-        if table == "gpt-oss" and d["label"] != ONE_SHAPE:
+        if table == "gpt-oss" and d["label"] != ONE_SHAPE and not every_shape:
             continue  # the study moves the 1k / 1k fit (the recipes hold two more shapes)
         d = copy.deepcopy(d)
         key = "hw" if table == "gpt-oss" else "GPU"
@@ -140,6 +146,13 @@ def run_table(table: str) -> dict:
         print(f"{table} {g}: fitted on {len(points[g])} rows, max |err| {worst(rows):.1f}%; "
               f"base {st['base'] * 1e3:.2f} ms, experts {eff['experts']:.2f}, weights {eff['weights']:.2f}, "
               f"compute {eff['compute']:.2f}, kv_read {eff['kv_read']:.2f}", flush=True)
+    # The gpt-oss sources fitted on all three of their shapes too (experiments/workload-shapes):
+    # moved the same ways, and scored on the target's 1k / 1k rows like the others.
+    shaped = {}
+    if table == "gpt-oss":
+        for g in gpus:
+            r3 = recipe_on(table, g, every_shape=True)
+            shaped[g] = fit(r3, benchmark_points(r3), r3.step_time, r3.form)
     pairs = []
     for src in gpus:
         for dst in gpus:
@@ -150,6 +163,15 @@ def run_table(table: str) -> dict:
             entry = {"source": src, "target": dst, "variants": {}}
             rows = predict(pts, moved)
             entry["variants"]["datasheet"] = {"rows": rows, "max_abs_pct": worst(rows)}
+            if shaped:
+                moved3 = {**shaped[src], "hardware": catalog[dst]}
+                rows = predict(pts, moved3)
+                entry["variants"]["datasheet, three-shape source"] = {"rows": rows, "max_abs_pct": worst(rows)}
+                st = fit(recipes[dst], [pts[-1]], moved3, ["efficiency.experts"])
+                rows = predict(pts[:-1], st)
+                entry["variants"]["experts@high, three-shape source"] = {
+                    "rows": rows, "max_abs_pct": worst(rows), "measured_row": pts[-1].label,
+                    "refitted": {"efficiency.experts": term_value(st, "efficiency.experts")}}
             sibling = SIBLING.get(table, {}).get(dst)
             if sibling and sibling != src:  # the target's kernel class, without its own rows
                 eff = sources[sibling]["step_time"]["efficiency"]
@@ -181,7 +203,8 @@ def run_table(table: str) -> dict:
         worsts = [p["variants"][variant]["max_abs_pct"] for p in pairs if variant in p["variants"]]
         summary[variant] = {"median_max_abs_pct": statistics.median(worsts),
                             "pairs_within": sum(w <= WITHIN for w in worsts), "pairs": len(worsts)}
-    return {"gpus": gpus, "sources": sources, "pairs": pairs, "summary": summary}
+    return {"gpus": gpus, "sources": sources, "pairs": pairs, "summary": summary,
+            **({"three_shape_sources": shaped} if shaped else {})}
 
 
 def leave_high_out(table: str, sources: dict | None = None) -> dict:
@@ -220,6 +243,71 @@ def leave_high_out(table: str, sources: dict | None = None) -> dict:
     return out
 
 
+GPU_NAMES = {"h100": "H100", "h200": "H200", "b200": "B200", "mi300x": "MI300X", "mi325x": "MI325X"}
+# The moves table's columns: (variant, header).
+MOVE_COLUMNS = (("datasheet", "datasheet alone"),
+                ("class (sibling)", "the target's kernel class (its other member's fit)"),
+                ("base@low", "base @ lowest"), ("experts@low", "experts @ lowest"),
+                ("experts@high", "experts @ highest"),
+                ("base+experts@low+high", "base + experts @ lowest + highest"),
+                ("datasheet, three-shape source", "three-shape source: datasheet alone"),
+                ("experts@high, three-shape source", "three-shape source: experts @ highest"))
+
+
+def _pct(entry: dict | None) -> str:
+    return "-" if entry is None else f"{entry['max_abs_pct']:.1f}%"
+
+
+def markdown(out: dict) -> str:
+    """The README's tables, from ``results.json``: each gpt-oss source fit, every move, the
+    summary per variant, and (after ``--leave-high-out``) each GPU fitted low and predicted high."""
+    oss = out["gpt-oss"]
+    lines = ["Each accelerator's own fit (gpt-oss, TP2, all its 1k / 1k rows; with all three "
+             "shapes in brackets):", "",
+             "| GPU | max error of the fit | base | experts | compute | kv_read |", "|---|---:|---:|---:|---:|---:|"]
+    shaped = oss.get("three_shape_sources", {})
+    for g in oss["gpus"]:
+        s = oss["sources"][g]
+        e, e3 = s["step_time"]["efficiency"], shaped.get(g, {}).get("efficiency", {})
+
+        def both(term: str) -> str:
+            return f"{e[term]:.2f}" + (f" ({e3[term]:.2f})" if term in e3 else "")
+        lines.append(f"| {GPU_NAMES[g]} | {s['fit_max_abs_pct']:.1f}% | {s['step_time']['base'] * 1e3:.2f} ms | "
+                     f"{both('experts')} | {both('compute')} | {both('kv_read')} |")
+    lines += ["", "Moves, largest error over the target's other 1k / 1k rows (TPOT mean and output throughput):", "",
+              "| source -> target | " + " | ".join(h for _, h in MOVE_COLUMNS) + " |",
+              "|---|" + "---:|" * len(MOVE_COLUMNS)]
+    for p in oss["pairs"]:
+        v = p["variants"]
+        lines.append(f"| {GPU_NAMES[p['source']]} -> {GPU_NAMES[p['target']]} | "
+                     + " | ".join(_pct(v.get(k)) for k, _ in MOVE_COLUMNS) + " |")
+    lines += ["", "Summary over the moves (median of each move's largest error; moves within 15%):", "",
+              "| table | variant | median | within 15% |", "|---|---|---:|---:|"]
+    for table in TABLES:
+        for variant, s in out.get(table, {}).get("summary", {}).items():
+            lines.append(f"| {table} | {variant} | {s['median_max_abs_pct']:.1f}% | "
+                         f"{s['pairs_within']} of {s['pairs']} |")
+    lho = out.get("leave_high_out")
+    if lho:
+        lines += ["", "Each GPU fitted at 16 clients or fewer, its higher loads predicted (largest error over TPOT "
+                  "mean and output throughput):", "",
+                  "| table, GPU | recipe form | with per_request (fitted, us per request per step) | "
+                  "the choice from the fit rows alone | kernel-class prior, from the sibling's fit |",
+                  "|---|---:|---:|---|---:|"]
+        for table, gpus in lho.items():
+            for g, e in gpus.items():
+                rf, pr = e["recipe form"], e["with per_request"]
+                pick = ("recipe form" if rf["third_row_from_two_max_abs_pct"] <= pr["third_row_from_two_max_abs_pct"]
+                        else "per_request")
+                cls = e.get("class prior (sibling)")
+                lines.append(
+                    f"| {table}, {GPU_NAMES[g]} | {rf['max_abs_pct']:.1f}% | {pr['max_abs_pct']:.1f}% "
+                    f"({pr['per_request'] * 1e6:,.0f}) | {pick} ({rf['third_row_from_two_max_abs_pct']:.1f}% vs "
+                    f"{pr['third_row_from_two_max_abs_pct']:.1f}%) | "
+                    + (f"{cls['max_abs_pct']:.1f}% ({GPU_NAMES[cls['sibling']]}'s)" if cls else "-") + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=tuple(TABLES))
@@ -233,6 +321,7 @@ def main() -> None:
         out["leave_high_out"] = {t: leave_high_out(t, (out.get(t) or {}).get("sources"))
                                  for t in TABLES if not args.only or t == args.only}
         out_path.write_text(json.dumps(out, indent=2) + "\n")
+        write_generated_block(HERE / "README.md", markdown(out))
         return
     for table in TABLES:
         if args.only and table != args.only:
@@ -242,6 +331,8 @@ def main() -> None:
         for variant, s in out[table]["summary"].items():
             print(f"   {variant:18s} {s['median_max_abs_pct']:6.1f}%   {s['pairs_within']}/{s['pairs']}")
         out_path.write_text(json.dumps(out, indent=2) + "\n")
+    if "gpt-oss" in out:
+        write_generated_block(HERE / "README.md", markdown(out))
 
 
 if __name__ == "__main__":

@@ -345,6 +345,9 @@ def _starts(x0, obj, form, priors, starts, seed, lower, upper):
         yield np.clip(x, lower, np.where(np.isfinite(upper), upper, 1e9))
 
 
+FD_STEP = 0.02  # the roofline fit's finite-difference step (:meth:`_RooflineObjective.jacobian`)
+
+
 class _RooflineObjective(_Objective):
     """Data residuals as :class:`_Objective`, then one prior row per free multiplier:
     ``(DATA_SIGMA / prior_sigma) x log(e / prior)``, and per seconds term with a prior
@@ -402,6 +405,23 @@ class _RooflineObjective(_Objective):
         data = super().residuals(x)
         prior = [w * (x[j] - c) for j, c, w, _ in self.prior_rows()]
         return np.concatenate([data, np.asarray(prior, dtype=float)])
+
+    def jacobian(self, x: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        """Forward differences, each variable's step FD_STEP in log(e) (an efficiency moved by
+        2%) or FD_STEP of a seconds term's value (at least of a tenth of its scale), backward
+        where the step would pass ``upper``. A step relative to the variable, as
+        ``least_squares``' own, vanishes at log(1) = 0: an efficiency started at the floor of 1
+        would read as flat there and never leave it."""
+        f0 = self.residuals(x)
+        jac = np.empty((f0.size, x.size))
+        for j in range(x.size):
+            h = FD_STEP if self.is_log[j] else FD_STEP * max(abs(x[j]), 0.1)
+            if x[j] + h > upper[j]:
+                h = -h
+            xj = x.copy()
+            xj[j] += h
+            jac[:, j] = (self.residuals(xj) - f0) / h
+        return jac
 
 
 def _roofline_priors(form: RooflineForm, prior: dict[str, Any] | None,
@@ -526,10 +546,15 @@ def fit_benchmarks_roofline(
     lower = np.where(obj.is_log, math.log(floor) if floor > math.exp(-8.0) else -8.0, 0.0)
     upper = np.where(obj.is_log, 8.0, np.inf)
     x0 = np.clip(obj.x0(), lower, np.where(np.isfinite(upper), upper, 1e9))
+    # The optimizer sees log(e) + 1: its first trust region is as wide as the start vector, which
+    # is 0 for efficiencies started at the floor of 1 (a one-term refit there would not move).
+    shift = np.where(obj.is_log, 1.0, 0.0)
     fits = []
     for x_start in _starts(x0, obj, form, priors, starts, seed, lower, upper):
-        res = least_squares(obj.residuals, x_start, bounds=(lower, upper), method="trf", diff_step=0.02,
-                            x_scale=1.0, xtol=1e-4, ftol=1e-5, max_nfev=max_nfev or 30 * p)
+        res = least_squares(lambda z: obj.residuals(z - shift), x_start + shift,
+                            jac=lambda z: obj.jacobian(z - shift, upper), bounds=(lower + shift, upper + shift),
+                            method="trf", x_scale=1.0, xtol=1e-4, ftol=1e-5, max_nfev=max_nfev or 30 * p)
+        res.x = res.x - shift
         fits.append(res)
         if res.status < 0 or not np.all(np.isfinite(res.x)):
             raise CalibrationError(f"calibrate: the fit failed: {res.message}")

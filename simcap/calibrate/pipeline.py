@@ -14,7 +14,8 @@ from simcap.calibrate.fit_bench import fit_benchmarks, fit_benchmarks_roofline
 from simcap.calibrate.fit_steps import fit_step_samples
 from simcap.calibrate.metric_keys import metric_of_key
 from simcap.calibrate.readers import (
-    TableReading, _is_step_input, ignored_keys, read_benchmarks, read_step_samples, split_input,
+    MAX_REQUESTS_PER_CLIENT, TableReading, _is_step_input, ignored_keys, read_benchmarks, read_step_samples,
+    split_input,
 )
 from simcap.calibrate.recipe import Recipe
 from simcap.calibrate.result import Fit
@@ -67,6 +68,11 @@ def check_options(
     if not is_whole(seed, 0, MAX_INT64):
         raise CalibrationError(f"{name('seed')}: a whole number in [0, 2^63) (got {seed!r})")
     for key, value in (workload or {}).items():
+        if key == "requests_per_client":
+            if not is_whole(value, 1, MAX_REQUESTS_PER_CLIENT):
+                raise CalibrationError(f"{name(key)}: requests each client sent, a whole number in "
+                                       f"[1, {MAX_REQUESTS_PER_CLIENT:,}] (got {value!r})")
+            continue
         if not is_whole(value, 1, MAX_TOKENS):
             raise CalibrationError(
                 f"{name(key)}: tokens, a whole number in [1, {MAX_TOKENS:,}] (got {value!r})"

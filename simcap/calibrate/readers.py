@@ -192,6 +192,10 @@ def _parse_json(path: Path, text: str) -> Any:
         raise CalibrationError(f"{path}: malformed JSON at line {exc.lineno}: {exc.msg}") from None
 
 
+# The most requests per client a closed-loop row may declare (``workload.requests_per_client``).
+MAX_REQUESTS_PER_CLIENT = 1_000
+
+
 @dataclass
 class BenchmarkPoint:
     """One measured benchmark run: the scenario that reproduces it and what was measured."""
@@ -421,7 +425,9 @@ def read_benchmarks(
     lengths and request counts come from the row (``input_len``, ``actual_prompt_len``,
     ``output_len``, ``num_prompts``), the enclosing ``load`` section
     (``max_tokens``, ``hold_seconds``: requests = hold x measured QPS) or ``workload``
-    (which overrides both; e.g. an assumed ``input_len``).
+    (which overrides both; e.g. an assumed ``input_len``; ``requests_per_client: R``: a closed
+    loop of C clients sent R x C requests). A closed-loop row whose request count none of these
+    gives runs whole rounds of 20-120 requests and reads its throughput in the steady state.
     """
     path = Path(path)
     text = _read_text(path)
@@ -492,6 +498,14 @@ def read_benchmarks(
         if out_len is None:
             raise CalibrationError(f"{rw}: the output length is not in the data; give --output-len")
         n = workload.get("num_requests", row.get("num_prompts"))
+        per_client = workload.get("requests_per_client")
+        if per_client is not None and (isinstance(per_client, bool) or not isinstance(per_client, int)
+                                       or not 1 <= per_client <= MAX_REQUESTS_PER_CLIENT):
+            raise CalibrationError(f"{rw}: requests_per_client: requests each client sent, a whole number in "
+                                   f"[1, {MAX_REQUESTS_PER_CLIENT:,}] (got {per_client!r})")
+        if n is None and per_client is not None and c is not None:
+            n = c * per_client  # the benchmark's count: each client sends this many (10 x C in InferenceMAX)
+        counted = n is not None  # the run's request count is the benchmark's, not a guess
         if n is None and rate is not None:
             n = int(min(max(round(60 * rate), 40), 400))  # a minute of arrivals, 40 to 400 requests
         elif n is None:
@@ -514,7 +528,7 @@ def read_benchmarks(
             measured_note = ""
         name = row.get("scenario") or (f"c={c}" if rate is None else f"rate={rate:g}")
         name = (label or name) if len(rows) == 1 else f"{label + ' ' if label else ''}{name}"
-        steady = rate is None and workload.get("num_requests", row.get("num_prompts")) is None
+        steady = rate is None and not counted
         points.append(BenchmarkPoint(
             f"{name}{measured_note}", scen, measured,
             {**source, "row": i}, steady_state=steady,

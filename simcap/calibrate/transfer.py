@@ -8,15 +8,15 @@ Which terms to refit was decided on held-out data (``experiments/hardware-transf
 table of one model served alike on five accelerators, each profile moved to each other
 accelerator and scored on rows it never saw):
 
-- By the datasheet alone, a move misses the target's figures by a median of 38% (the largest
+- By the datasheet alone, a move misses the target's figures by a median of 36% (the largest
   error of each of 20 pairs; none within 15%): the efficiencies belong to a kernel class
   (vendor, software stack, weight format), not to the model.
 - One measured row: refitting the fixed per-step cost (``base``) there helps little (median
-  26% from the lowest load, 64% from the highest); refitting the efficiency of the dominant
+  25% from the lowest load, 61% from the highest); refitting the efficiency of the dominant
   byte term (``efficiency.experts`` for an MoE, ``efficiency.weights`` for a dense model)
-  helps most (16% from either; 9 of 20 pairs within 15% from the highest load).
+  helps most (20% from the lowest load, 14% from the highest; 11 of 20 pairs within 15%).
 - Two measured rows, the lowest and the highest load: ``base`` and that efficiency refitted,
-  median 11%, 16 of 20 pairs within 15% (the four others are moves to the B200, whose own fit
+  median 10%, 16 of 20 pairs within 15% (the four others are moves to the B200, whose own fit
   is the least physical).
 
 So the default refit is by the number of measured rows: none, the dominant byte term's
@@ -26,9 +26,9 @@ Before any refit, the efficiencies a catalog kernel class names (``kernel_classe
 replace the carried ones where the class covers the target (its hardware and expert weight
 format; ``kernel_class="auto"``, the default, finds it): what those kernels achieved there. On
 the same held-out moves, the 12 moves into a class of two with no row measured, the
-efficiencies taken from the class's other member alone, missed by a median of 22.7% against
-51.5% by the datasheet alone (H100 to MI325X 8.5% against 59.6%, H100 to MI300X 17.1% against
-71.0%).
+efficiencies taken from the class's other member alone, missed by a median of 21.3% against
+49.2% by the datasheet alone (H100 to MI325X 7.5% against 57.2%, H100 to MI300X 16.8% against
+68.5%).
 """
 
 from __future__ import annotations
@@ -55,16 +55,16 @@ EVIDENCE = "experiments/hardware-transfer (README): which terms carry across acc
 
 # What the held-out moves of experiments/hardware-transfer measured, by what the move used.
 ADVICE_NONE = (
-    "moved by the catalog alone: such moves missed the target's figures by a median of 38% "
+    "moved by the catalog alone: such moves missed the target's figures by a median of 36% "
     "(experiments/hardware-transfer); measure one row on the target, at the highest load of interest, "
-    "and give it to refit the dominant byte term (median 16%), or two, the lowest and highest (11%)")
+    "and give it to refit the dominant byte term (median 14%), or two, the lowest and highest (10%)")
 ADVICE_CLASS = (
-    "moved with the target's kernel class and no row: such moves missed by a median of 23% "
+    "moved with the target's kernel class and no row: such moves missed by a median of 21% "
     "(experiments/hardware-transfer); measure one row on the target, at the highest load of interest, "
     "to refit the dominant byte term, or two, the lowest and highest")
 ADVICE_ONE = (
-    "one row refitted: such moves missed by a median of 16% (experiments/hardware-transfer); a second "
-    "row, at the other end of the loads, refits the fixed step cost too (median 11%)")
+    "one row refitted: such moves missed by a median of 14% (experiments/hardware-transfer); a second "
+    "row, at the other end of the loads, refits the fixed step cost too (median 10%)")
 
 
 @dataclass

@@ -39,6 +39,23 @@ GPUS_OPTION = typer.Option(
 )
 
 
+INPUT_LEN_OPTION = typer.Option(None, "--input-len", help="Prompt tokens, where the table lacks them.")
+OUTPUT_LEN_OPTION = typer.Option(None, "--output-len", help="Output tokens, where the table lacks them.")
+REQUESTS_PER_CLIENT_OPTION = typer.Option(
+    None, "--requests-per-client",
+    help="Requests each client of a closed-loop row sent (a benchmark's --num-prompts / concurrency), where "
+         "the table lacks the count: the rows run that many, first wave and drain included (default: whole "
+         "rounds of 20-120 requests, throughput read in the steady state).",
+)
+
+
+def table_workload(input_len: Optional[int], output_len: Optional[int],
+                   requests_per_client: Optional[int]) -> dict[str, int]:
+    """What a table's rows lack, from the options that give it (``workload`` of a dataset)."""
+    return {k: v for k, v in (("input_len", input_len), ("output_len", output_len),
+                              ("requests_per_client", requests_per_client)) if v is not None}
+
+
 def table_reading(columns: Optional[List[str]], where: Optional[List[str]], gpus: Optional[int]) -> Any:
     """The :class:`~simcap.calibrate.readers.TableReading` of those options; None when none is given."""
     if not columns and not where and gpus is None:

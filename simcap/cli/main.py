@@ -10,8 +10,8 @@ from typer.core import TyperGroup
 
 from simcap._version import __version__
 from simcap.cli.common import (
-    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, MODEL_FORM_OPTION, SET_OPTION, WHERE_OPTION, fail, load_command_scenario,
-    table_reading,
+    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, MODEL_FORM_OPTION, REQUESTS_PER_CLIENT_OPTION, SET_OPTION, WHERE_OPTION,
+    fail, load_command_scenario, table_reading, table_workload,
     user_errors, warn_when_done, with_replicas)
 from simcap.errors import SimcapError
 from simcap.metrics import report
@@ -488,6 +488,7 @@ def calibrate_cmd(
     ),
     input_len: Optional[int] = typer.Option(None, "--input-len", help="Prompt tokens, where the data lacks them."),
     output_len: Optional[int] = typer.Option(None, "--output-len", help="Output tokens, where the data lacks them."),
+    requests_per_client: Optional[int] = REQUESTS_PER_CLIENT_OPTION,
     num_speculative_tokens: int = typer.Option(
         0, "--num-speculative-tokens", help="k of the logged run (iteration logs: generation tokens include drafts)."
     ),
@@ -533,8 +534,7 @@ def calibrate_cmd(
             check_figure_path(residual_plot, "--residual-plot")
         fixed = cal.parse_fix(fix or [])
         recipe, inputs = cal.recipe_for(inputs, base, name=name, default_name=out.stem, overrides=set_ or ())
-        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len))
-                    if v is not None}
+        workload = table_workload(input_len, output_len, requests_per_client)
         family = cal.noise_family(noise)
         roofline = None
         if form == "roofline":

@@ -8,7 +8,8 @@ from typing import List, Optional
 import typer
 
 from simcap.cli.common import (
-    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, SET_OPTION, WHERE_OPTION, table_reading, user_errors,
+    COLUMN_OPTION, GPUS_OPTION, INPUT_LEN_OPTION, JSON_OPTION, OUTPUT_LEN_OPTION, REQUESTS_PER_CLIENT_OPTION, SET_OPTION,
+    WHERE_OPTION, table_reading, table_workload, user_errors,
 )
 from simcap.metrics import report
 
@@ -30,8 +31,9 @@ def score(
         help="Whether the rows ran with the profile's speculative decoding (default: a fitted row as the fit "
              "ran it, the others with it).",
     ),
-    input_len: Optional[int] = typer.Option(None, "--input-len", help="Prompt tokens, where the table lacks them."),
-    output_len: Optional[int] = typer.Option(None, "--output-len", help="Output tokens, where the table lacks them."),
+    input_len: Optional[int] = INPUT_LEN_OPTION,
+    output_len: Optional[int] = OUTPUT_LEN_OPTION,
+    requests_per_client: Optional[int] = REQUESTS_PER_CLIENT_OPTION,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write predicted vs measured to FILE (PNG/SVG/PDF)."),
     set_: Optional[List[str]] = SET_OPTION,
     json_out: bool = JSON_OPTION,
@@ -46,7 +48,7 @@ def score(
             from simcap.studies.plots import check_figure_path
 
             check_figure_path(plot, "--plot")
-        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v is not None}
+        workload = table_workload(input_len, output_len, requests_per_client)
         check_options(workload=workload)
         result = score_profile(
             profile, tables, table=table_reading(column, where, gpus), workload=workload or None, rows=rows,

@@ -10,7 +10,8 @@ from typing import List, Optional
 import typer
 
 from simcap.cli.common import (
-    COLUMN_OPTION, GPUS_OPTION, JSON_OPTION, SET_OPTION, WHERE_OPTION, table_reading, user_errors,
+    COLUMN_OPTION, GPUS_OPTION, INPUT_LEN_OPTION, JSON_OPTION, OUTPUT_LEN_OPTION, REQUESTS_PER_CLIENT_OPTION, SET_OPTION,
+    WHERE_OPTION, table_reading, table_workload, user_errors,
 )
 from simcap.metrics import report
 
@@ -38,8 +39,9 @@ def transfer(
     fit_metrics: Optional[str] = typer.Option(
         None, "--fit-metrics", help="The figures to fit, comma-separated (default: every one measured)."
     ),
-    input_len: Optional[int] = typer.Option(None, "--input-len", help="Prompt tokens, where the table lacks them."),
-    output_len: Optional[int] = typer.Option(None, "--output-len", help="Output tokens, where the table lacks them."),
+    input_len: Optional[int] = INPUT_LEN_OPTION,
+    output_len: Optional[int] = OUTPUT_LEN_OPTION,
+    requests_per_client: Optional[int] = REQUESTS_PER_CLIENT_OPTION,
     kernel_class: str = typer.Option(
         "auto", "--kernel-class",
         help="Catalog kernel class whose efficiencies replace the carried ones: auto (the one covering the "
@@ -55,7 +57,7 @@ def transfer(
     from simcap.calibrate.transfer import term_value, transfer as move
 
     with user_errors():
-        workload = {k: v for k, v in (("input_len", input_len), ("output_len", output_len)) if v is not None}
+        workload = table_workload(input_len, output_len, requests_per_client)
         check_options(workload=workload)
         result = move(
             profile, hardware=hardware, tensor_parallel_size=tensor_parallel_size, overrides=set_ or (),
