@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Which low-load rows to calibrate on: one workload shape, or three?
 
-    PYTHONPATH=. python experiments/workload-shapes/run.py     # ~4 min on 2 cores
+    PYTHONPATH=. python experiments/workload-shapes/run.py     # ~3.5 min on 2 cores
 
 InferenceMAX's gpt-oss-120b rows hold three workload shapes served by the same deployment on
 each GPU (vLLM 0.11 or 0.10.1, tensor parallel 2, closed loops of 4 to 64 clients, 128 on
