@@ -85,8 +85,10 @@ def _plant(name: str, *cases: str) -> list[str]:
 PLANTED_CASES = ("cpu-dense-open-loop", "cpu-dense-preemption", "cpu-moe-closed")
 
 
+@pytest.mark.build  # the whole corpus, interpreted: 3-4 min, run in .ci/run's build step
 def test_the_interpreted_engine_holds_the_record_too():
-    # The plants below patch the interpreted engine: unpatched, it must hold the whole record.
+    # The engine a machine without a compiler runs, and the one the plants below patch:
+    # unpatched, it must hold the whole record.
     assert _plant("none", *sorted(c.name for c in load_corpus(CORPUS))) == []
 
 
