@@ -126,6 +126,16 @@ def predict(points, step_time: dict) -> list[dict]:
     return rows
 
 
+def refit(recipe: Recipe, measured: list, others: list, step_time: dict, terms: list[str]) -> dict:
+    """One variant of a move: ``terms`` refitted on the target's ``measured`` rows, its
+    ``others`` predicted."""
+    st = fit(recipe, measured, step_time, terms)
+    rows = predict(others, st)
+    labels = [p.label for p in measured]
+    return {"rows": rows, "max_abs_pct": worst(rows), "measured_row": labels[0] if len(labels) == 1 else labels,
+            "refitted": {t: term_value(st, t) for t in terms}}
+
+
 def worst(rows: list[dict]) -> float:
     return max(abs(r["error_pct"]) for r in rows)
 
@@ -167,11 +177,8 @@ def run_table(table: str) -> dict:
                 moved3 = {**shaped[src], "hardware": catalog[dst]}
                 rows = predict(pts, moved3)
                 entry["variants"]["datasheet, three-shape source"] = {"rows": rows, "max_abs_pct": worst(rows)}
-                st = fit(recipes[dst], [pts[-1]], moved3, ["efficiency.experts"])
-                rows = predict(pts[:-1], st)
-                entry["variants"]["experts@high, three-shape source"] = {
-                    "rows": rows, "max_abs_pct": worst(rows), "measured_row": pts[-1].label,
-                    "refitted": {"efficiency.experts": term_value(st, "efficiency.experts")}}
+                entry["variants"]["experts@high, three-shape source"] = refit(
+                    recipes[dst], [pts[-1]], pts[:-1], moved3, ["efficiency.experts"])
             sibling = SIBLING.get(table, {}).get(dst)
             if sibling and sibling != src:  # the target's kernel class, without its own rows
                 eff = sources[sibling]["step_time"]["efficiency"]
@@ -183,18 +190,11 @@ def run_table(table: str) -> dict:
             for where, pt in (("low", pts[0]), ("high", pts[-1])):
                 rest = [p for p in pts if p is not pt]
                 for term in REFITS:
-                    st = fit(recipes[dst], [pt], moved, [term])
-                    rows = predict(rest, st)
                     name = f"{term.removeprefix('efficiency.')}@{where}"
-                    entry["variants"][name] = {"rows": rows, "max_abs_pct": worst(rows),
-                                               "measured_row": pt.label, "refitted": {term: term_value(st, term)}}
+                    entry["variants"][name] = refit(recipes[dst], [pt], rest, moved, [term])
             if len(pts) > 2:  # two rows, lowest and highest load: base and experts refitted
-                ends = [pts[0], pts[-1]]
-                st = fit(recipes[dst], ends, moved, ["base", "efficiency.experts"])
-                rows = predict(pts[1:-1], st)
-                entry["variants"]["base+experts@low+high"] = {
-                    "rows": rows, "max_abs_pct": worst(rows), "measured_row": [p.label for p in ends],
-                    "refitted": {t: term_value(st, t) for t in ("base", "efficiency.experts")}}
+                entry["variants"]["base+experts@low+high"] = refit(
+                    recipes[dst], [pts[0], pts[-1]], pts[1:-1], moved, ["base", "efficiency.experts"])
             pairs.append(entry)
             print(f"{table} {src} -> {dst}: " + ", ".join(
                 f"{k} {v['max_abs_pct']:.0f}%" for k, v in entry["variants"].items()), flush=True)

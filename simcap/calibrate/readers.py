@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from simcap.calibrate.core import TERMS, CalibrationError
+from simcap.calibrate.core import TERMS, CalibrationError, is_whole
 from simcap.calibrate.metric_keys import metric_of_key
 
 
@@ -444,6 +444,10 @@ def read_benchmarks(
     if guidellm:
         node = _guidellm_rows(node, where)
     workload = dict(workload or {})
+    per_client = workload.get("requests_per_client")
+    if per_client is not None and not is_whole(per_client, 1, MAX_REQUESTS_PER_CLIENT):
+        raise CalibrationError(f"{where}: requests_per_client: requests each client sent, a whole number in "
+                               f"[1, {MAX_REQUESTS_PER_CLIENT:,}] (got {per_client!r})")
     source = {"file": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
               "select": selector, **({"format": "guidellm"} if guidellm else {})}
     base = {"engine": engine, "speculative": speculative, "seed": seed}
@@ -498,11 +502,6 @@ def read_benchmarks(
         if out_len is None:
             raise CalibrationError(f"{rw}: the output length is not in the data; give --output-len")
         n = workload.get("num_requests", row.get("num_prompts"))
-        per_client = workload.get("requests_per_client")
-        if per_client is not None and (isinstance(per_client, bool) or not isinstance(per_client, int)
-                                       or not 1 <= per_client <= MAX_REQUESTS_PER_CLIENT):
-            raise CalibrationError(f"{rw}: requests_per_client: requests each client sent, a whole number in "
-                                   f"[1, {MAX_REQUESTS_PER_CLIENT:,}] (got {per_client!r})")
         if n is None and per_client is not None and c is not None:
             n = c * per_client  # the benchmark's count: each client sends this many (10 x C in InferenceMAX)
         counted = n is not None  # the run's request count is the benchmark's, not a guess

@@ -81,6 +81,11 @@ class Transfer:
         """The move as the profile's provenance records it."""
         return self.profile["provenance"]["transfer"]
 
+    @property
+    def fitted_rows(self) -> list[dict[str, Any]]:
+        """The target's rows the refit read, each with its measured and fitted figure."""
+        return [r for r in (self.fit.residuals if self.fit else ()) if r.get("fitted_in_objective")]
+
     def advice(self) -> str | None:
         """What such moves missed by on held-out data, and what to measure next (None: two or
         more rows refitted, the study's best)."""
@@ -94,8 +99,7 @@ class Transfer:
         """The move, each refitted term's value and the fitted rows, for ``--json``."""
         return {**self.record,
                 "values": {t: term_value(self.profile["step_time"], t) for t in self.refitted},
-                "fitted_rows": [r for r in (self.fit.residuals if self.fit else ())
-                                if r.get("fitted_in_objective")],
+                "fitted_rows": self.fitted_rows,
                 "advice": self.advice()}
 
 

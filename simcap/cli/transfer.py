@@ -81,9 +81,10 @@ def transfer(
         typer.echo(f"from the kernel class {moved['kernel_class']['name']}: "
                    + ", ".join(moved["kernel_class"]["terms"]))
     typer.echo(f"carried: {', '.join(moved['carried'])}")
-    for r in result.to_dict()["fitted_rows"]:
+    for r in result.fitted_rows:
         typer.echo(f"  {r['point']} {r['metric']}: measured {r['measured']:.4g}, fitted "
                    f"{r['fitted']:.4g} ({r['rel_error']:+.1%})")
     typer.echo(f"profile: {out}")
-    if result.advice():
-        typer.echo(f"note: {result.advice()}", err=True)
+    advice = result.advice()
+    if advice:
+        typer.echo(f"note: {advice}", err=True)
