@@ -34,6 +34,13 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
 - With ``out_path``, each record is appended to that JSONL file as its request completes
   (one ``RequestRecord.to_dict()`` per line, flushed), so an interrupted run keeps every
   finished request.
+- The load generator watches its own event loop while it drives the workload: a task wakes
+  every :data:`PAUSE_PROBE_S` and notes each time it woke :data:`PAUSE_MIN_S` or more late
+  (``LiveRun.client_pauses``: start and length on the run's clock). While the loop is held
+  (its process descheduled on a busy machine, a long collection, a blocking call) no chunk is
+  timestamped and no closed-loop request is sent, so the latencies of the requests in flight
+  grow by the pause whatever the server did. :func:`pause_spans` names the requests whose
+  time to first token spans a pause; the run's notes say how many.
 - ``api_key``: sent as ``Authorization: Bearer KEY`` on every request; it is kept out of every
   record, result and message (any echo of it in a server's error text is masked).
 - ``request_timeout_s``: a request that has not completed within that many seconds of its
@@ -72,6 +79,9 @@ from simcap.metrics.records import RequestRecord
 from simcap.metrics.summary import Summary, summarize
 from simcap.workloads.requests import RequestSpec, Workload
 from simcap.workloads.sessions import Conversation, SessionWorkload
+
+PAUSE_PROBE_S = 0.01  # how often the pause watch wakes
+PAUSE_MIN_S = 0.05  # a wake-up this late or later is a pause of the load generator
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS = ("completions", "chat")
@@ -134,6 +144,14 @@ class LiveRun:
     base_urls: list[str] = field(default_factory=list)
     router: str | None = None
     server_metrics: list[tuple[ServerMetrics | None, ServerMetrics | None]] = field(default_factory=list)
+    # The load generator's own pauses (module doc): [start_s, length_s] on the run's clock,
+    # each PAUSE_MIN_S or longer; None where not watched (runs recorded before the watch).
+    client_pauses: list[list[float]] | None = None
+
+    @property
+    def longest_pause_s(self) -> float:
+        """The load generator's longest pause during the run (0: none, or not watched)."""
+        return max((length for _, length in self.client_pauses or ()), default=0.0)
 
     @property
     def is_fleet(self) -> bool:
@@ -202,6 +220,7 @@ class LiveRun:
                 "scheduled_rate": self.scheduled_rate,
                 "achieved_rate": self.achieved_rate,
                 "max_send_lag_s": self.max_send_lag_s,
+                "client_pauses": self.client_pauses,
                 "wall_duration_s": self.wall_duration_s,
                 "interrupted": self.interrupted,
                 "out_path": self.out_path,
@@ -611,6 +630,8 @@ class _Run:
         self.n_total: int | None = None
         self.times: np.ndarray | None = None
         self.wall = 0.0
+        self.pauses: list[tuple[float, float]] = []  # (perf_counter at the late wake-up's due time, lateness)
+        self.t0: float | None = None
         self.befores: list[ServerMetrics | None] = []
         self.afters: list[ServerMetrics | None] = []
 
@@ -790,6 +811,7 @@ class _Run:
         requests are kept."""
         sessions, router = self.sessions, self.router
         scraper = None
+        watch = asyncio.create_task(_watch_pauses(self.pauses))
         if router is not None and router.reads_gauges:
             scraper = asyncio.create_task(_scrape_every(self.client, self.base_urls, router))
         try:
@@ -815,10 +837,12 @@ class _Run:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             raise
         finally:
-            if scraper is not None:
-                scraper.cancel()
-                await asyncio.gather(scraper, return_exceptions=True)
+            for task in (scraper, watch):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
         self.wall = time.perf_counter() - t0
+        self.t0 = t0
 
     def result(self, out_path: str | Path | None) -> LiveRun:
         recs = [self.records[i] for i in sorted(self.records)]
@@ -837,6 +861,16 @@ class _Run:
             lag = max(self.sched_lag) if self.sched_lag else None
         if self.fixups:
             notes.append(f"{len(self.fixups)} request(s): chunk token counts differed from usage; usage used")
+        pauses = None
+        if self.t0 is not None:
+            pauses = [[round(due - self.t0, 6), round(late, 6)] for due, late in self.pauses if due + late > self.t0]
+            if pauses:
+                spans = pause_spans(recs, pauses)
+                notes.append(
+                    f"the load generator paused {len(pauses)} time(s) for {PAUSE_MIN_S * 1e3:.0f} ms or more "
+                    f"(longest {max(p[1] for p in pauses) * 1e3:.0f} ms, {sum(p[1] for p in pauses):.2f} s in all): "
+                    f"{len(spans)} request(s)' time to first token spans one and times the pause as the server's"
+                )
         if sessions is not None:
             if self.session_counts["ended_by_error"]:
                 notes.append(f"{self.session_counts['ended_by_error']} session(s) ended at an errored turn")
@@ -869,7 +903,26 @@ class _Run:
             base_urls=self.base_urls if fleet else [],
             router=self.scenario.deployment.router if fleet and self.scenario.deployment else None,
             server_metrics=list(zip(self.befores, self.afters)) if fleet else [],
+            client_pauses=pauses,
         )
+
+
+async def _watch_pauses(pauses: list[tuple[float, float]]) -> None:
+    """Wake every :data:`PAUSE_PROBE_S`; each wake-up :data:`PAUSE_MIN_S` or more late is a
+    pause of this event loop: ``(its due time, lateness)`` on ``time.perf_counter``."""
+    while True:
+        due = time.perf_counter() + PAUSE_PROBE_S
+        await asyncio.sleep(PAUSE_PROBE_S)
+        late = time.perf_counter() - due
+        if late >= PAUSE_MIN_S:
+            pauses.append((due, late))
+
+
+def pause_spans(records: Sequence[RequestRecord], pauses: Sequence[Sequence[float]]) -> set[int]:
+    """The ids of the requests whose time to first token (send to first chunk) overlaps one of
+    ``pauses`` (``[start_s, length_s]`` on the run's clock)."""
+    return {r.request_id for r in records if r.chunk_times
+            and any(start < r.chunk_times[0] and start + length > r.arrival_time for start, length in pauses)}
 
 
 async def _scrape_every(client: httpx.AsyncClient, base_urls: Sequence[str], router: LiveRouter) -> None:

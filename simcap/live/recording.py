@@ -30,7 +30,7 @@ FORMAT = "simcap recorded live run 1"
 SUFFIX = ".run.json.gz"
 _RUN_FACTS = ("base_url", "model", "endpoint", "closed_loop", "requested_rate", "scheduled_rate",
               "achieved_rate", "wall_duration_s", "max_send_lag_s", "token_fixups", "notes",
-              "interrupted", "sessions", "cached_tokens_reported", "base_urls", "router")
+              "interrupted", "sessions", "cached_tokens_reported", "base_urls", "router", "client_pauses")
 
 
 @dataclass

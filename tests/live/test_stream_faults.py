@@ -498,3 +498,75 @@ def test_no_cancellation_is_seen_where_none_was_asked():
         return cancel_requested()
 
     assert asyncio.run(scene()) is False
+
+
+# --------------------------------------------------------------------------- the load generator's own pauses
+
+HELD = 3
+
+
+class HoldingFakeVllm(GuardedFakeVllm):
+    """Answers every request plainly, but request HELD holds the client's event loop for
+    ``hold_s`` before its stream starts (a blocking call where an await should be), as a
+    descheduled or collecting load generator would."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__(key=None)
+        self.hold_s = hold_s
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/completions":
+            return FakeVllm.__call__(self, request)
+        i, self.calls = self.calls, self.calls + 1
+        if i == HELD:
+            import time
+
+            time.sleep(self.hold_s)  # (the transport runs on the client's event loop)
+        return self._plain(json.loads(request.content))
+
+
+def test_a_pause_of_the_load_generator_is_measured_recorded_and_named(tmp_path):
+    from simcap.live.client import PAUSE_MIN_S, pause_spans
+    from simcap.live.recording import load_run, save_run
+    from simcap.live.validate import PAUSE_DISTURBS_S, Repeat
+
+    run = run_live(_scenario(), "http://fake:8000", transport=httpx.MockTransport(HoldingFakeVllm(0.3)),
+                   progress=False)
+    pauses = run.client_pauses
+    assert pauses is not None
+    # The 0.3 s hold is one pause (the watch woke at most one probe period into it), within the run.
+    held = [p for p in pauses if p[1] >= 0.25]
+    assert len(held) == 1 and held[0][1] < 0.3 + 0.2 and 0 <= held[0][0] <= run.wall_duration_s
+    assert all(p[1] >= PAUSE_MIN_S for p in pauses)
+    # Request HELD was sent before the hold and got its first chunk after it.
+    assert HELD in pause_spans(run.records, pauses)
+    assert run.longest_pause_s >= 0.25
+    assert any("the load generator paused" in note for note in run.notes)
+    # Kept by a recording, and a run recorded before the watch existed has none (None, not []).
+    back = load_run(save_run(tmp_path / "r.run.json.gz", run)).run
+    assert back.client_pauses == pauses
+    from pathlib import Path
+
+    old = load_run(Path(__file__).parents[2] / "calibration/corpus/cpu-dense-frontend/closed-2/i0r0.run.json.gz").run
+    assert old.client_pauses is None and old.longest_pause_s == 0.0
+    # A validation leaves such a run out, as it does a run disturbed by foreign CPU use.
+    summary = run.summary()
+    rep = Repeat(0, run, summary, summary, run.records, {"disturbed": False}, "ok")
+    assert rep.disturbed and rep.to_dict()["client_pauses"] == pauses
+    run.client_pauses = [[1.0, PAUSE_DISTURBS_S / 2]]
+    assert not rep.disturbed
+
+
+def test_pause_spans_hand_computed():
+    from simcap.live.client import pause_spans
+
+    def rec(i, sent, first):
+        return RequestRecord(i, sent, 10, 2, chunk_times=[first, first + 0.01], chunk_tokens=[1, 1],
+                             finish_time=first + 0.01)
+
+    records = [rec(0, 0.0, 0.05), rec(1, 0.2, 0.35), rec(2, 0.4, 0.45), rec(3, 0.31, 0.5), rec(4, 1.0, 1.0)]
+    # A pause from 0.3 s to 0.42 s: request 1 (0.2-0.35) and 3 (0.31-0.5) wait through part of
+    # it, request 2 (sent 0.4) too; request 0 ended before it; request 4 came after.
+    assert pause_spans(records, [[0.3, 0.12]]) == {1, 2, 3}
+    assert pause_spans(records, []) == set()
+    assert pause_spans(records, [[0.05, 0.1]]) == set()  # (request 0's first chunk came as it began)
