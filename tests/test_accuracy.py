@@ -205,3 +205,44 @@ def test_live_validate_record_refuses_in_one_line(tmp_path, extra, message):
                                         *[a.format(tmp=tmp_path) for a in extra]])
     assert res.exit_code == 2, res.output
     assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_run_the_load_generator_paused_in_is_left_out_while_another_remains(tmp_path):
+    """A copy of one case's closed-2 point whose second run says its load generator paused
+    0.2 s: the point's figures are the first run's alone, and the notes say why; with every
+    run paused, they are all used, as before."""
+    import gzip
+    import shutil
+
+    from simcap.accuracy.replay import replay_case
+
+    src = CORPUS / "cpu-dense-frontend"
+    data = json.loads((src / CASE_FILE).read_text())
+    data["points"] = [p for p in data["points"] if p["name"] == "closed-2"]
+    for sub in ("fit", "closed-2"):
+        shutil.copytree(src / sub, tmp_path / sub)
+    (tmp_path / CASE_FILE).write_text(json.dumps(data))
+
+    def pause(name: str) -> None:
+        path = tmp_path / "closed-2" / name
+        run = json.loads(gzip.decompress(path.read_bytes()))
+        run["run"]["client_pauses"] = [[1.0, 0.2]]
+        path.write_bytes(gzip.compress(json.dumps(run).encode()))
+
+    def figures() -> tuple[dict[str, dict], list[str]]:
+        (rep,) = replay_case(load_case(tmp_path), ["linear"])
+        return {f["metric"]: f for f in rep.figures}, rep.notes
+
+    whole, _ = figures()
+    from simcap.live.validate import metric_value
+
+    first = load_run(tmp_path / "closed-2" / "i0r0.run.json.gz").run.summary()
+    pause("i1r1.run.json.gz")
+    calm, notes = figures()
+    assert calm["ttft_p50"]["runs"] == 1 and whole["ttft_p50"]["runs"] == 2
+    assert calm["ttft_p50"]["measured"] == pytest.approx(metric_value(first, "ttft_p50"))
+    assert calm["ttft_p50"]["spread"] is None  # (one instance left)
+    assert any("closed-2: 1 of 2 run(s) left out" in n for n in notes)
+    pause("i0r0.run.json.gz")
+    every, _ = figures()
+    assert every["ttft_p50"]["runs"] == 2 and every["ttft_p50"]["measured"] == whole["ttft_p50"]["measured"]

@@ -17,7 +17,9 @@ its held-out part, and give every prediction's error beside the measurement's ow
   (no bootstrap) and each held-out row simulated as the recipe reads it.
 
 Per figure: ``measured`` is the median over the point's runs (a table row: the published
-value), ``predicted`` the median over the runs' replays, ``error`` = predicted / measured - 1,
+value; runs in which the load generator paused :data:`~simcap.live.validate.PAUSE_DISTURBS_S` or
+longer are left out while another run of the point remains, as ``simcap live validate`` leaves
+them out), ``predicted`` the median over the runs' replays, ``error`` = predicted / measured - 1,
 and ``spread`` the range of the server instances' medians relative to ``measured`` (None with
 one instance or a table): the noise a prediction cannot be asked to beat. ``load`` is the
 point's requests in the engine's batch as predicted (Little's law on its simulation: completed
@@ -111,7 +113,7 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
 
 def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseReplay:
     from simcap.config.scenario import parse_scenario
-    from simcap.live.validate import instance_spread, replay_run, speed_of
+    from simcap.live.validate import PAUSE_DISTURBS_S, instance_spread, replay_run, speed_of
 
     notes: list[str] = []
     profile = fit_live(case, form, notes, load)
@@ -128,8 +130,14 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
         scenario = parse_scenario(data)
         live, pred, instance, loads, speeds, at_speed = [], [], [], [], [], []
         one_server = not data.get("deployment")
-        for ref in point.runs:
-            recorded = load(ref.file)
+        recorded_runs = [load(ref.file) for ref in point.runs]
+        calm = [r.run.longest_pause_s < PAUSE_DISTURBS_S for r in recorded_runs]
+        if any(calm) and not all(calm):  # runs the load generator paused in are left out (see the module doc)
+            notes.append(f"{point.name}: {calm.count(False)} of {len(calm)} run(s) left out, the load generator "
+                         f"paused {PAUSE_DISTURBS_S * 1e3:.0f} ms or more in them")
+        for ref, recorded, ok in zip(point.runs, recorded_runs, calm):
+            if not ok and any(calm):
+                continue
             sim = replay_run(scenario, recorded.run, point.replay, steps=one_server)
             delta = recorded.run.server_delta()
             live.append(_values(recorded.run.summary(), recorded.run.records, delta.get("prefix_cache_hit_rate"),
