@@ -17,7 +17,7 @@ its held-out part, and give every prediction's error beside the measurement's ow
   (no bootstrap) and each held-out row simulated as the recipe reads it.
 
 Per figure: ``measured`` is the median over the point's runs (a table row: the published
-value; runs in which the load generator paused :data:`~simcap.live.validate.PAUSE_DISTURBS_S` or
+value; runs in which the load generator paused :data:`~simcap.live.client.PAUSE_DISTURBS_S` or
 longer are left out while another run of the point remains, as ``simcap live validate`` leaves
 them out), ``predicted`` the median over the runs' replays, ``error`` = predicted / measured - 1,
 and ``spread`` the range of the server instances' medians relative to ``measured`` (None with
@@ -113,7 +113,8 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
 
 def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseReplay:
     from simcap.config.scenario import parse_scenario
-    from simcap.live.validate import PAUSE_DISTURBS_S, instance_spread, replay_run, speed_of
+    from simcap.live.client import PAUSE_DISTURBS_S
+    from simcap.live.validate import instance_spread, replay_run, speed_of
 
     notes: list[str] = []
     profile = fit_live(case, form, notes, load)
@@ -131,7 +132,7 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
         live, pred, instance, loads, speeds, at_speed = [], [], [], [], [], []
         one_server = not data.get("deployment")
         recorded_runs = [load(ref.file) for ref in point.runs]
-        calm = [r.run.longest_pause_s < PAUSE_DISTURBS_S for r in recorded_runs]
+        calm = [not r.run.paused for r in recorded_runs]
         if any(calm) and not all(calm):  # runs the load generator paused in are left out (see the module doc)
             notes.append(f"{point.name}: {calm.count(False)} of {len(calm)} run(s) left out, the load generator "
                          f"paused {PAUSE_DISTURBS_S * 1e3:.0f} ms or more in them")

@@ -82,6 +82,7 @@ from simcap.workloads.sessions import Conversation, SessionWorkload
 
 PAUSE_PROBE_S = 0.01  # how often the pause watch wakes
 PAUSE_MIN_S = 0.05  # a wake-up this late or later is a pause of the load generator
+PAUSE_DISTURBS_S = 0.1  # a pause this long or longer disturbs its run (LiveRun.paused)
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS = ("completions", "chat")
@@ -152,6 +153,13 @@ class LiveRun:
     def longest_pause_s(self) -> float:
         """The load generator's longest pause during the run (0: none, or not watched)."""
         return max((length for _, length in self.client_pauses or ()), default=0.0)
+
+    @property
+    def paused(self) -> bool:
+        """Whether the load generator paused :data:`PAUSE_DISTURBS_S` or longer: a run
+        disturbed by its own client (``simcap live validate`` and ``simcap accuracy`` leave
+        it out while an undisturbed run remains)."""
+        return self.longest_pause_s >= PAUSE_DISTURBS_S
 
     @property
     def is_fleet(self) -> bool:

@@ -32,12 +32,13 @@ per headline metric, the range of the instances' medians and the range within an
 Runs disturbed by foreign processes (see :mod:`simcap.live.hostload`) are flagged and left
 out of the range and median while at least one undisturbed run remains.
 
-So are runs in which the load generator itself paused for :data:`PAUSE_DISTURBS_S` or longer
-(``LiveRun.client_pauses``): its event loop was held, so the requests in flight timed the
-pause and, in a closed loop, every client the pause held sent its next request as it ended, a
-burst the server never asked for. Leaving out only the requests a pause touched would not do:
-which requests those are depends on the live run's timing, not the replay's, and the
-remaining ones are the calm stretches of the live run against every stretch of the replay.
+So are runs in which the load generator itself paused for
+:data:`~simcap.live.client.PAUSE_DISTURBS_S` or longer (``LiveRun.paused``): its event loop
+was held, so the requests in flight timed the pause and, in a closed loop, every client the
+pause held sent its next request as it ended, a burst the server never asked for. Leaving out
+only the requests a pause touched would not do: which requests those are depends on the live
+run's timing, not the replay's, and the remaining ones are the calm stretches of the live run
+against every stretch of the replay.
 
 With speculative decoding, what the drafts achieved is part of the trace too: by default each
 run is simulated with that run's own acceptance (vLLM's per-position acceptance counters) and,
@@ -81,7 +82,6 @@ from simcap.workloads.requests import ClosedLoopTrace, RequestSpec
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p95", "p99")
 METRICS = tuple(f"{m}_{s}" for m in LATENCY_METRICS for s in STATS) + ("output_throughput",)
-PAUSE_DISTURBS_S = 0.1  # a load-generator pause this long or longer disturbs its run
 REPLAYS = ("closed", "times", "sessions")
 
 
@@ -292,8 +292,8 @@ class Repeat:
 
     @property
     def disturbed(self) -> bool:
-        """Foreign CPU use, or the load generator paused :data:`PAUSE_DISTURBS_S` or longer."""
-        return bool(self.cpu.get("disturbed")) or self.live.longest_pause_s >= PAUSE_DISTURBS_S
+        """Foreign CPU use, or the load generator paused (``LiveRun.paused``)."""
+        return bool(self.cpu.get("disturbed")) or self.live.paused
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -720,7 +720,7 @@ def validate(
             )
         elif not cpu.get("available", True):
             notes.append(f"run {i}: {cpu.get('note')}")
-        if run.longest_pause_s >= PAUSE_DISTURBS_S:
+        if run.paused:
             notes.append(f"run {i}: disturbed (the load generator paused {len(run.client_pauses or ())} time(s), "
                          f"longest {run.longest_pause_s * 1e3:.0f} ms)")
         if run.sessions and run.sessions["ended_by_error"]:

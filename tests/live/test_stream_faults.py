@@ -11,6 +11,8 @@ needs no server, so it runs in the default test suite.)
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -519,16 +521,14 @@ class HoldingFakeVllm(GuardedFakeVllm):
             return FakeVllm.__call__(self, request)
         i, self.calls = self.calls, self.calls + 1
         if i == HELD:
-            import time
-
             time.sleep(self.hold_s)  # (the transport runs on the client's event loop)
         return self._plain(json.loads(request.content))
 
 
 def test_a_pause_of_the_load_generator_is_measured_recorded_and_named(tmp_path):
-    from simcap.live.client import PAUSE_MIN_S, pause_spans
+    from simcap.live.client import PAUSE_DISTURBS_S, PAUSE_MIN_S, pause_spans
     from simcap.live.recording import load_run, save_run
-    from simcap.live.validate import PAUSE_DISTURBS_S, Repeat
+    from simcap.live.validate import Repeat
 
     run = run_live(_scenario(), "http://fake:8000", transport=httpx.MockTransport(HoldingFakeVllm(0.3)),
                    progress=False)
@@ -540,13 +540,11 @@ def test_a_pause_of_the_load_generator_is_measured_recorded_and_named(tmp_path):
     assert all(p[1] >= PAUSE_MIN_S for p in pauses)
     # Request HELD was sent before the hold and got its first chunk after it.
     assert HELD in pause_spans(run.records, pauses)
-    assert run.longest_pause_s >= 0.25
+    assert run.longest_pause_s >= 0.25 and run.paused
     assert any("the load generator paused" in note for note in run.notes)
     # Kept by a recording, and a run recorded before the watch existed has none (None, not []).
     back = load_run(save_run(tmp_path / "r.run.json.gz", run)).run
     assert back.client_pauses == pauses
-    from pathlib import Path
-
     old = load_run(Path(__file__).parents[2] / "calibration/corpus/cpu-dense-frontend/closed-2/i0r0.run.json.gz").run
     assert old.client_pauses is None and old.longest_pause_s == 0.0
     # A validation leaves such a run out, as it does a run disturbed by foreign CPU use.
