@@ -215,6 +215,7 @@ def test_a_run_the_load_generator_paused_in_is_left_out_while_another_remains(tm
     import shutil
 
     from simcap.accuracy.replay import replay_case
+    from simcap.live.validate import metric_value
 
     src = CORPUS / "cpu-dense-frontend"
     data = json.loads((src / CASE_FILE).read_text())
@@ -234,8 +235,6 @@ def test_a_run_the_load_generator_paused_in_is_left_out_while_another_remains(tm
         return {f["metric"]: f for f in rep.figures}, rep.notes
 
     whole, _ = figures()
-    from simcap.live.validate import metric_value
-
     first = load_run(tmp_path / "closed-2" / "i0r0.run.json.gz").run.summary()
     pause("i1r1.run.json.gz")
     calm, notes = figures()

@@ -114,7 +114,7 @@ def fit_live(case: LiveCase, form: str, notes: list[str] | None = None,
 def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseReplay:
     from simcap.config.scenario import parse_scenario
     from simcap.live.client import PAUSE_DISTURBS_S
-    from simcap.live.validate import instance_spread, replay_run, speed_of
+    from simcap.live.validate import instance_spread, replay_run, speed_of, used_mask
 
     notes: list[str] = []
     profile = fit_live(case, form, notes, load)
@@ -132,12 +132,12 @@ def _replay_live(case: LiveCase, form: str, load: Callable[[str], Any]) -> CaseR
         live, pred, instance, loads, speeds, at_speed = [], [], [], [], [], []
         one_server = not data.get("deployment")
         recorded_runs = [load(ref.file) for ref in point.runs]
-        calm = [not r.run.paused for r in recorded_runs]
-        if any(calm) and not all(calm):  # runs the load generator paused in are left out (see the module doc)
-            notes.append(f"{point.name}: {calm.count(False)} of {len(calm)} run(s) left out, the load generator "
+        used = used_mask([r.run.paused for r in recorded_runs])  # as live validate (see the module doc)
+        if not all(used):
+            notes.append(f"{point.name}: {used.count(False)} of {len(used)} run(s) left out, the load generator "
                          f"paused {PAUSE_DISTURBS_S * 1e3:.0f} ms or more in them")
-        for ref, recorded, ok in zip(point.runs, recorded_runs, calm):
-            if not ok and any(calm):
+        for ref, recorded, ok in zip(point.runs, recorded_runs, used):
+            if not ok:
                 continue
             sim = replay_run(scenario, recorded.run, point.replay, steps=one_server)
             delta = recorded.run.server_delta()

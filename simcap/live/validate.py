@@ -344,8 +344,7 @@ class Validation:
     @property
     def used(self) -> list[Repeat]:
         """Repeats the comparison rests on: the undisturbed ones (all, if every one was)."""
-        clean = [r for r in self.repeats if not r.disturbed]
-        return clean or list(self.repeats)
+        return [r for r, ok in zip(self.repeats, _used_mask(self.repeats)) if ok]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -372,10 +371,15 @@ def _rel(pred: float | None, ref: float | None) -> float | None:
     return (pred - ref) / ref
 
 
-def _used_mask(repeats: Sequence[Repeat]) -> list[bool]:
-    """Which repeats a comparison rests on: the undisturbed ones (all, if every one was)."""
-    mask = [not r.disturbed for r in repeats]
+def used_mask(disturbed: Sequence[bool]) -> list[bool]:
+    """Which runs a comparison rests on, given which were disturbed: the undisturbed ones
+    (all, if every one was)."""
+    mask = [not d for d in disturbed]
     return mask if any(mask) else [True] * len(mask)
+
+
+def _used_mask(repeats: Sequence[Repeat]) -> list[bool]:
+    return used_mask([r.disturbed for r in repeats])
 
 
 def _entry(live_all: Sequence[float | None], pred_all: Sequence[float | None], used: Sequence[bool]) -> dict[str, Any]:
