@@ -68,6 +68,9 @@ class LivePoint(_Model):
     scenario: dict[str, Any]  # the scenario the runs were sent with (workload, engine, speculative)
     replay: Literal["closed", "times", "sessions"]
     runs: list[RunRef]
+    # Sent at this fraction of each server instance's measured saturation rate, the scenario's
+    # arrival rate replaced (simcap.live.saturation; each run's requested_rate and notes say which).
+    rate_of_saturation: float | None = None
 
 
 class TableRow(_Model):
@@ -197,11 +200,12 @@ class CaseRecorder:
                  model: str | None, description: str | None = None, mechanisms: Sequence[str] = (),
                  server: dict[str, Any] | None = None, roofline: dict[str, Any] | None = None,
                  calibrate_up_to: int | None = None, api_key: str | None = None,
-                 prompt_period: int | None = None) -> None:
+                 prompt_period: int | None = None, rate_of_saturation: float | None = None) -> None:
         from simcap.live.machine import cpu_info
 
         self.folder = Path(folder)
         self.point, self.replay, self.model = point, replay, model
+        self.rate_of_saturation = rate_of_saturation
         self.api_key, self.prompt_period, self.calibrate_up_to = api_key, prompt_period, calibrate_up_to
         # The point's scenario as sent, less its step-time model (the replay fits its own).
         scenario = scenario.model_dump(mode="json", exclude_none=True)
@@ -230,9 +234,10 @@ class CaseRecorder:
             self.data["fit"]["roofline"] = roofline
         self.roofline = roofline
         entry = next((p for p in self.data["points"] if p["name"] == point), None)
-        if entry is not None and entry["scenario"] != scenario:
+        if entry is not None and (entry["scenario"] != scenario
+                                  or entry.get("rate_of_saturation") != rate_of_saturation):
             raise CorpusError(f"--point {point}: the case already holds this point with another "
-                              "scenario; name the new one with --point")
+                              "scenario or --rate-of-saturation; name the new one with --point")
         self.first_instance = 1 + max((r["instance"] for r in (entry or {}).get("runs", [])), default=-1)
 
     def on_instance(self, instance: int, base_urls: list[str], logs: list[Path]) -> None:
@@ -273,6 +278,8 @@ class CaseRecorder:
         entry = next((p for p in self.data["points"] if p["name"] == self.point), None)
         if entry is None:
             entry = {"name": self.point, "scenario": self.scenario, "replay": self.replay, "runs": []}
+            if self.rate_of_saturation is not None:
+                entry["rate_of_saturation"] = self.rate_of_saturation
             self.data["points"].append(entry)
         entry["runs"].append({"file": path.relative_to(self.folder).as_posix(), "instance": instance})
         self._write()

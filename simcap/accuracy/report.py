@@ -204,6 +204,9 @@ def markdown(cases: Sequence[Case], replays: Sequence[CaseReplay]) -> str:
             instances = len({r.instance for p in case.points for r in p.runs})
             out.append(f"Fit part: {len(case.fit.runs)} recorded run(s) of the calibration workload; "
                        f"held out: {len(case.points)} workload(s), {runs} run(s) on {instances} server instance(s).")
+            out += [f"Point {p.name}: sent at {p.rate_of_saturation:g} x the saturation rate measured on each "
+                    "server instance (`simcap live validate --rate-of-saturation`; each run's rate is in its "
+                    "recording)." for p in case.points if p.rate_of_saturation is not None]
         else:
             out.append(f"Fit rows: {', '.join(case.fit_rows)}; held out: "
                        f"{', '.join(r.row for r in case.held_out)}.")

@@ -237,6 +237,13 @@ def validate_cmd(
     prompt_period: Optional[int] = typer.Option(
         None, "--prompt-period", min=1, help="Prompts repeat every this many tokens (ngram drafts find matches)."
     ),
+    rate_of_saturation: Optional[float] = typer.Option(
+        None, "--rate-of-saturation", metavar="F",
+        help="An open-loop workload runs at F x the saturation rate measured on each server instance "
+             "after its warm-up (a closed loop of 2 x max_num_seqs clients on the same request mix), "
+             "replacing workload.arrival.rate: a point near saturation stays near it when the server's "
+             "speed moves.",
+    ),
 ) -> None:
     """Run the workload live REPEATS times and compare each run with the simulation of its trace."""
     from simcap.live.client import ENDPOINTS
@@ -292,13 +299,13 @@ def validate_cmd(
         if record is not None:
             recorder = _recorder(record, sc, point or scenario.stem, replay, model, config, description,
                                  mechanism or [], roofline_hardware, roofline_model, calibrate_up_to, key,
-                                 prompt_period, fleet=len(base_url or []) > 1)
+                                 prompt_period, rate_of_saturation, fleet=len(base_url or []) > 1)
         result = validate(
             sc, _urls(base_url or []), model, repeats, endpoint=endpoint, progress=not json_out,
             warmup=warmup, out_prefix=out_prefix, api_key=key, request_timeout_s=request_timeout,
             replay=replay, launch=starter, restarts=restarts, logs=log or [],
             on_instance=recorder and recorder.on_instance, on_run=recorder and recorder.on_run,
-            prompt_period=prompt_period,
+            prompt_period=prompt_period, rate_of_saturation=rate_of_saturation,
         )  # fmt: skip
         if plot is not None:
             plot_validation_ecdfs(result, plot)
@@ -343,7 +350,8 @@ def validate_cmd(
 
 def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Optional[str], launch,
               description: Optional[str], mechanisms: List[str], hardware: Optional[str], shape: Optional[str],
-              calibrate_up_to: Optional[int], api_key: Optional[str], prompt_period: Optional[int], fleet: bool):
+              calibrate_up_to: Optional[int], api_key: Optional[str], prompt_period: Optional[int],
+              rate_of_saturation: Optional[float], fleet: bool):
     """The case recorder of ``--record`` (see :class:`simcap.accuracy.corpus.CaseRecorder`)."""
     from simcap.accuracy.corpus import CaseRecorder, roofline_ref
     from simcap.live.validate import default_replay
@@ -352,7 +360,8 @@ def _recorder(folder: Path, sc, point: str, replay: Optional[str], model: Option
                         description=description, mechanisms=mechanisms,
                         server={} if launch is None else {"launch": launch.model_dump(mode="json")},
                         roofline=None if hardware is None else roofline_ref(hardware, shape),
-                        calibrate_up_to=calibrate_up_to, api_key=api_key, prompt_period=prompt_period)
+                        calibrate_up_to=calibrate_up_to, api_key=api_key, prompt_period=prompt_period,
+                        rate_of_saturation=rate_of_saturation)
 
 
 # The roofline form's options, shared by live calibrate and live crossover.

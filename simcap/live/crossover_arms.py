@@ -81,8 +81,9 @@ class MeasuredPoint:
             "failed": self.run.num_failed,
             "wall_duration_s": round(self.run.wall_duration_s, 3),
             "prefix_cache_reset": self.prefix_cache_reset,
-            "disturbed": bool(self.cpu.get("disturbed")),
+            "disturbed": bool(self.cpu.get("disturbed")) or self.run.paused,
             "cpu": self.cpu,
+            "client_pauses": self.run.client_pauses,
             "server": {k: v for k, v in delta.items() if k.startswith("spec_decode") or k == "available"},
             "records": self.run.out_path,
         }
@@ -278,6 +279,10 @@ def live_crossover(
                     if cpu.get("disturbed"):
                         notes.append(f"{arm} arm at {c} clients: disturbed (foreign CPU "
                                      f"{cpu['foreign_cores']:.2f} cores)")
+                    if run.paused:
+                        notes.append(f"{arm} arm at {c} clients: disturbed (the load generator paused "
+                                     f"{len(run.client_pauses or ())} time(s), longest "
+                                     f"{run.longest_pause_s * 1e3:.0f} ms)")
                     measured[(arm, c)] = MeasuredPoint(arm, c, run, cpu, reset)
             if server.failed:
                 notes.append(f"{arm} server did not stop cleanly (log {server.log_path})")

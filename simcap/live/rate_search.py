@@ -57,7 +57,7 @@ from simcap.studies.capacity import (
 )
 from simcap.errors import ScenarioError
 from simcap.live.client import (
-    LiveError, auth_headers, check_request_timeout, redact, resolve_model, run_live,
+    PAUSE_DISTURBS_S, LiveError, auth_headers, check_request_timeout, redact, resolve_model, run_live,
 )
 from simcap.config.scenario import ClosedArrival, Scenario
 from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
@@ -104,7 +104,7 @@ def live_point(
 
     ``scenario``: the scenario the search runs (its schedule at ``rate`` and seed
     ``seed + replicate`` gives each request's planned send time). ``facts``: further live
-    facts kept on the point (reset, CPU disturbance, wall time).
+    facts kept on the point (reset, disturbance: foreign CPU or the load generator's pauses, wall time).
     """
     if not records:
         raise LiveError(f"live run at {rate:g} req/s, replicate {replicate}: no request was sent")
@@ -445,9 +445,10 @@ def live_capacity(
         tally["made"] += 1
         tally["live_s"] += wall
         run_facts = {"wall_s": round(wall, 3), "prefix_cache_reset": reset,
-                     "disturbed": bool(cpu.get("disturbed", False)),
+                     "disturbed": bool(cpu.get("disturbed", False)) or run.paused,
                      "foreign_cores": (round(float(cpu["foreign_cores"]), 3)
-                                       if cpu.get("foreign_cores") is not None else None)}
+                                       if cpu.get("foreign_cores") is not None else None),
+                     "client_pauses": run.client_pauses}
         point = live_point(run.records, scenario, rate=rate, replicate=k, duration_s=duration_s,
                            slo=targets, role=role, facts=run_facts)
         store.finish(point, run_facts)
@@ -475,7 +476,8 @@ def live_capacity(
         notes.append(f"{len(failed)} run(s) had failed requests and count as failed")
     disturbed = [p for p in points if p.live and p.live.get("disturbed")]
     if disturbed:
-        notes.append(f"{len(disturbed)} run(s) ran while other processes loaded the CPU (disturbed)")
+        notes.append(f"{len(disturbed)} run(s) disturbed: other processes loaded the CPU, or the load "
+                     f"generator paused {PAUSE_DISTURBS_S * 1e3:.0f} ms or more")
 
     server = {
         "base_url": base_url.rstrip("/"), "model": model, "max_model_len": facts["max_model_len"],

@@ -73,6 +73,7 @@ from simcap.live.hostload import DEFAULT_THRESHOLD_CORES, CpuWatch
 from simcap.live.prom import ServerMetrics
 from simcap.live.recording import iteration_lines, log_size, read_log_window
 from simcap.live.routing import check_fleet_urls
+from simcap.live.saturation import at_fraction, check_rate_of_saturation, measure_saturation
 from simcap.metrics.records import RequestRecord
 from simcap.metrics.report import describe_line
 from simcap.metrics.summary import Summary
@@ -340,6 +341,7 @@ class Validation:
     sessions: dict[str, Any] | None = None  # a session workload: compare_sessions()
     spread: dict[str, Any] = field(default_factory=dict)  # which spread the band holds
     fleet: dict[str, Any] | None = None  # several servers: compare_fleet()
+    saturation: list[dict[str, Any]] | None = None  # --rate-of-saturation: each instance's probe
 
     @property
     def used(self) -> list[Repeat]:
@@ -362,6 +364,7 @@ class Validation:
             **({"sessions": self.sessions} if self.sessions is not None else {}),
             "notes": list(self.notes),
             **({"fleet": self.fleet} if self.fleet is not None else {}),
+            **({"saturation": self.saturation} if self.saturation is not None else {}),
         }
 
 
@@ -615,6 +618,7 @@ def validate(
     logs: Sequence[str | Path] = (),
     on_instance: Callable[[int, list[str], list[Path]], None] | None = None,
     on_run: Callable[[RunDone], None] | None = None,
+    rate_of_saturation: float | None = None,
     **live_kwargs: Any,
 ) -> Validation:
     """Run ``scenario`` live ``repeats`` times and compare each run with its simulated twin.
@@ -642,6 +646,9 @@ def validate(
     each server instance is up, before its warm-up (a recorder calibrates there).
     ``on_run(RunDone)``: called as each live run ends, before it is simulated (a recorder saves
     it there, see :func:`simcap.live.recording.save_run`).
+    ``rate_of_saturation``: an open-loop workload runs at this fraction of the saturation rate
+    measured on each server instance after its warm-up (:mod:`simcap.live.saturation`), its
+    ``arrival.rate`` replaced; each run's notes and ``Validation.saturation`` say what was measured.
     Other keyword options go to :func:`~simcap.live.client.run_live`.
     """
     if repeats < 1:
@@ -661,6 +668,7 @@ def validate(
         raise LiveError("--base-url: give a running server's URL, or --launch SERVER.yaml")
     check_fleet_urls(scenario, 1 if launch is not None else len(urls))
     fleet = launch is None and len(urls) > 1
+    check_rate_of_saturation(scenario, rate_of_saturation, fleet)
     closed = isinstance(scenario.workload.arrival, ClosedArrival)
     has_sessions = scenario.workload.sessions is not None
     if replay is None:
@@ -678,18 +686,28 @@ def validate(
     notes: list[str] = []
     results: list[Repeat] = []
     simulated = scenario
+    sent = scenario  # the workload as sent: with --rate-of-saturation, at each instance's own rate
+    sent_note: str | None = None  # and why, in each of the instance's runs
+    probes: list[dict[str, Any]] = []
 
     if logs and len(logs) != max(len(urls), 1):
         raise LiveError(f"--log: one server log per server ({max(len(urls), 1)}), got {len(logs)}")
 
     def one_instance(base_urls: list[str], server_pids: Iterable[int], instance: int,
                      server_logs: list[Path]) -> None:
-        nonlocal simulated
+        nonlocal simulated, sent, sent_note
         if on_instance is not None:
             on_instance(instance, base_urls, server_logs)
         if warmup:
             for url in base_urls:
                 _warmup(scenario, url, model, endpoint, api_key=api_key, **live_kwargs)
+        if rate_of_saturation is not None:
+            probe = measure_saturation(scenario, base_urls[0], model, endpoint, api_key=api_key, **live_kwargs)
+            sent = at_fraction(scenario, rate_of_saturation, probe)
+            probes.append({"instance": instance, "fraction": rate_of_saturation,
+                           "rate_sent": sent.workload.arrival.rate, **probe.to_dict()})  # type: ignore[union-attr]
+            sent_note = probe.line(rate_of_saturation)
+            notes.append(f"server instance {instance}: {sent_note}")
         for _ in range(repeats):
             simulated = _one_repeat(len(results), instance, base_urls, server_pids, simulated, server_logs)
 
@@ -702,9 +720,11 @@ def validate(
         watch = CpuWatch(server_pids, disturbance_threshold_cores, _local_port(base_urls[0])).start()
         out = f"{out_prefix}{i}.jsonl" if out_prefix else None
         offsets = [log_size(p) for p in server_logs]
-        run = run_live(scenario, base_urls, model, endpoint=endpoint, out_path=out, progress=progress,
+        run = run_live(sent, base_urls, model, endpoint=endpoint, out_path=out, progress=progress,
                        api_key=api_key, **live_kwargs)  # type: ignore[arg-type]
         cpu = watch.stop()
+        if sent_note is not None:
+            run.notes.append(sent_note)
         lines = [iteration_lines(read_log_window(p, o)) for p, o in zip(server_logs, offsets)]
         if on_run is not None:
             on_run(RunDone(i, instance, run, cpu, lines))
@@ -784,7 +804,8 @@ def validate(
         described["text"] += (f"; through a simulated fleet of {len(urls)} replicas, router "
                               f"{scenario.deployment.router} (it routes the replay itself)")
     return Validation(scenario, simulated, results, metrics, ks, notes, described, spread=spread,
-                      sessions=sessions, fleet=compare_fleet(results) if fleet else None)
+                      sessions=sessions, fleet=compare_fleet(results) if fleet else None,
+                      saturation=probes if rate_of_saturation is not None else None)
 
 
 SPREAD_METRICS = ("ttft_p50", "tpot_p50", "e2e_p50", "output_throughput")

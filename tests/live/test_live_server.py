@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import yaml
 
@@ -171,3 +172,59 @@ def test_validate_compares_every_metric(base_url, scenario_for, tmp_path):
     # The simulation used the server's KV cache shape.
     assert data["simulated_engine"]["block_size"] == 32
     assert not math.isnan(data["metrics"]["ttft_p50"]["predicted"])
+
+
+
+
+def test_the_saturation_probe_drives_the_engine_as_an_overloaded_open_loop(vllm_server, base_url, scenario_for):
+    """``--rate-of-saturation``'s probe claims the rate an overloaded open loop of the same
+    request mix completes at. Sent at 1.5x that rate, the open loop must keep the engine's
+    batch full as the probe's closed loop did (the median step's), and complete as many
+    requests per engine step. Per second the two differ by the engine's speed, which moves by 10-40% between runs
+    on this shared host: each rate is read per step, through the run's mean logged step time."""
+    from pathlib import Path
+
+    from simcap.calibrate.readers import parse_iteration_log
+    from simcap.live.recording import iteration_lines, log_size, read_log_window
+    from simcap.live.saturation import at_fraction, measure_saturation, steady_completion_rate
+
+    log = Path(vllm_server.log_path)
+    workload = dict(arrival={"process": "poisson", "rate": 1.0}, num_requests=64,
+                    input_len={"dist": "uniform", "low": 64, "high": 256}, output_len=16)
+    sc = scenario_for(workload, seed=9)
+
+    def steps_of(offset):
+        rows = parse_iteration_log(iteration_lines(read_log_window(log, offset)), 0)
+        return np.median([r["num_reqs"] for r in rows]), np.mean([r["step_time_s"] for r in rows])
+
+    offset = log_size(log)
+    probe = measure_saturation(sc, base_url, "tiny", "completions")
+    probe_batch, probe_step = steps_of(offset)
+    assert probe.clients == 16 and probe.requests == 96 == probe.completed
+    wait_idle(base_url)
+    offset = log_size(log)
+    run = run_live(at_fraction(sc, 1.5, probe), base_url, "tiny", progress=False)
+    open_batch, open_step = steps_of(offset)
+    assert run.requested_rate == pytest.approx(1.5 * probe.rate) and all(r.succeeded for r in run.records)
+    done, _, _ = steady_completion_rate([r.finish_time for r in run.records], 8)
+    print(f"\nprobe {probe.rate:.2f} req/s, batch {probe_batch:.2f}, step {probe_step * 1e3:.1f} ms; "
+          f"open loop at 1.5x: {done:.2f} req/s, batch {open_batch:.2f}, step {open_step * 1e3:.1f} ms")
+    assert probe_batch == open_batch == 8  # most steps run a full batch (max_num_seqs)
+    assert abs((probe.rate * probe_step) / (done * open_step) - 1) < 0.1
+
+
+def test_validate_sends_a_point_at_a_fraction_of_each_instances_saturation(base_url, scenario_for):
+    """The plumbing of ``--rate-of-saturation``: the probe's result in the JSON and notes, the
+    runs sent at the fraction of it, each run's notes saying why."""
+    workload = dict(arrival={"process": "poisson", "rate": 50.0}, num_requests=16,
+                    input_len={"dist": "uniform", "low": 64, "high": 256}, output_len=16)
+    result = validate(scenario_for(workload, seed=10), base_url, "tiny", repeats=1, warmup=False,
+                      rate_of_saturation=0.5)
+    data = result.to_dict()
+    (probe,) = data["saturation"]
+    assert probe["instance"] == 0 and probe["fraction"] == 0.5 and probe["rate_sent"] == pytest.approx(0.5 * probe["rate"])
+    line = f"rate {probe['rate_sent']:.3g} req/s: 0.5 x this server instance's saturation rate {probe['rate']:.3g} req/s"
+    assert f"server instance 0: {line}" in " ".join(data["notes"])
+    run = result.repeats[0].live
+    assert run.requested_rate == pytest.approx(probe["rate_sent"]) and any(n.startswith(line) for n in run.notes)
+    assert data["repeats"][0]["completed"] == 16 and data["repeats"][0]["requested_rate"] == run.requested_rate

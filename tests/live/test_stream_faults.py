@@ -551,8 +551,13 @@ def test_a_pause_of_the_load_generator_is_measured_recorded_and_named(tmp_path):
     summary = run.summary()
     rep = Repeat(0, run, summary, summary, run.records, {"disturbed": False}, "ok")
     assert rep.disturbed and rep.to_dict()["client_pauses"] == pauses
+    # So does a live crossover's arm point (and a live capacity run's facts, by the same rule).
+    from simcap.live.crossover_arms import MeasuredPoint
+
+    arm = MeasuredPoint("spec", run=run, concurrency=1, cpu={"disturbed": False}, prefix_cache_reset="ok")
+    assert arm.to_dict()["disturbed"] and arm.to_dict()["client_pauses"] == pauses
     run.client_pauses = [[1.0, PAUSE_DISTURBS_S / 2]]
-    assert not rep.disturbed
+    assert not rep.disturbed and not arm.to_dict()["disturbed"]
 
 
 def test_pause_spans_hand_computed():
