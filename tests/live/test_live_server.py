@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -228,3 +229,16 @@ def test_validate_sends_a_point_at_a_fraction_of_each_instances_saturation(base_
     run = result.repeats[0].live
     assert run.requested_rate == pytest.approx(probe["rate_sent"]) and any(n.startswith(line) for n in run.notes)
     assert data["repeats"][0]["completed"] == 16 and data["repeats"][0]["requested_rate"] == run.requested_rate
+
+
+def test_the_server_shares_the_load_generators_scheduling_group(vllm_server):
+    """A server simcap starts runs in its own process group but in the starting process's
+    session: where Linux groups tasks by session (autogroup), a session of its own let vLLM's
+    spinning engine core hold the load generator 50 ms to 1 s at a time (simcap.live.server)."""
+    mine = Path("/proc/self/autogroup")
+    if not mine.exists():
+        pytest.skip("this kernel does not group tasks by session (no /proc/self/autogroup)")
+    server = vllm_server.proc.pid
+    assert os.getpgid(server) == server != os.getpgid(0)  # its own process group, for stop()
+    assert os.getsid(server) == os.getsid(0)
+    assert Path(f"/proc/{server}/autogroup").read_text().split()[0] == mine.read_text().split()[0]
