@@ -13,6 +13,11 @@ measures the disturbance, not the server. :class:`CpuWatch` reads ``/proc/stat``
 
 - ``steal_s``: time the hypervisor gave to other guests (a VM's invisible neighbour).
 
+``server_own_group``: whether a server process sits in another scheduling group than this
+process (Linux groups tasks by session, ``/proc/PID/autogroup``; None where it does not or no
+server process was found). Between groups, a spinning vLLM engine core can hold the load
+generator on a shared core for up to a second at a time (``simcap/live/README.md``).
+
 Exited children that their parent waited for count towards the parent (``cutime``), less the
 CPU time they had used before the run began (a long build job reaped during a short run would
 otherwise count its whole life). A process that was already running when the watch started but
@@ -127,6 +132,13 @@ def cpu_used(
     return used
 
 
+def autogroup(pid: int | str) -> str | None:
+    """The scheduling group ``pid`` runs in where Linux groups tasks by session (e.g.
+    ``/autogroup-92``), or None."""
+    text = _read(f"/proc/{pid}/autogroup")
+    return text.split()[0] if text and text.strip() else None
+
+
 def _cmdline(pid: int) -> str:
     text = _read(f"/proc/{pid}/cmdline")
     return text.replace("\0", " ") if text else ""
@@ -174,6 +186,7 @@ class CpuWatch:
         them, the vLLM server on ``server_port`` (or, without a port, anything vLLM) is found
         by command line. This process and its descendants always count as measured."""
         pids = set(server_pids)
+        self.server_pids = pids
         self.roots = {os.getpid(), *pids}
         self.find_server = not pids
         self.server_port = server_port
@@ -211,6 +224,9 @@ class CpuWatch:
                 foreign_s += used
                 if used > 0:
                     top.append((used, f"{p.name}[{pid}]"))
+        mine = autogroup("self")
+        server = _measured(procs1, self.server_pids, self.find_server, self.server_port) - {os.getpid()}
+        groups = {autogroup(p) for p in server} - {None}
         busy_keys = ("user", "nice", "system", "irq", "softirq")
         busy = sum(sys1[k] - self._sys0[k] for k in busy_keys)
         steal = sys1["steal"] - self._sys0["steal"]
@@ -231,4 +247,5 @@ class CpuWatch:
             "top_foreign": [f"{name} {s:.2f}s" for s, name in top[:5]],
             "threshold_cores": self.threshold_cores,
             "disturbed": foreign_cores > self.threshold_cores or steal_cores > self.threshold_cores,
+            "server_own_group": None if mine is None or not groups else bool(groups - {mine}),
         }

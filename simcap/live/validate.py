@@ -746,7 +746,10 @@ def validate(
             notes.append(f"run {i}: {cpu.get('note')}")
         if run.paused:
             notes.append(f"run {i}: disturbed (the load generator paused {len(run.client_pauses or ())} time(s), "
-                         f"longest {run.longest_pause_s * 1e3:.0f} ms)")
+                         f"longest {run.longest_pause_s * 1e3:.0f} ms)" + (
+                             "; the server runs in another session's scheduling group, where its engine "
+                             "core's spin can hold this client: start it from this session "
+                             "(simcap/live/README.md)" if cpu.get("server_own_group") else ""))
         if run.sessions and run.sessions["ended_by_error"]:
             notes.append(f"run {i}: {run.sessions['ended_by_error']} session(s) ended at an errored turn; "
                          "their later turns are in neither run")

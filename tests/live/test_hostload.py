@@ -70,3 +70,25 @@ def test_cpu_used_hand_cases():
     assert cpu_used({10: _proc(10, 1, 50.0, 100)}, reused, started_ticks=8000) == {10: 0.25}
     # Without an uptime reading, an unseen process counts in full (the old behaviour).
     assert cpu_used({}, {21: _proc(21, 1, 9.0, 50)}, started_ticks=None) == {21: 9.0}
+
+
+def test_a_server_in_a_session_of_its_own_is_named():
+    """A server in another session sits in another scheduling group where Linux groups tasks
+    by session; one in ours does not (simcap.live.server starts it so)."""
+    from pathlib import Path
+
+    if not Path("/proc/self/autogroup").exists():
+        pytest.skip("this kernel does not group tasks by session")
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    own = subprocess.Popen(sleep, start_new_session=True)
+    ours = subprocess.Popen(sleep, process_group=0) if sys.version_info >= (3, 11) else None
+    try:
+        assert CpuWatch(server_pids=[own.pid]).start().stop()["server_own_group"] is True
+        if ours is not None:
+            assert CpuWatch(server_pids=[ours.pid]).start().stop()["server_own_group"] is False
+        assert CpuWatch(server_pids=[], server_port=1).start().stop()["server_own_group"] is None  # none found
+    finally:
+        for p in (own, ours):
+            if p is not None:
+                p.kill()
+                p.wait()
