@@ -162,6 +162,12 @@ class LiveRun:
         return self.longest_pause_s >= PAUSE_DISTURBS_S
 
     @property
+    def pause_line(self) -> str:
+        """Why a paused run is disturbed, in a note's words."""
+        return (f"disturbed (the load generator paused {len(self.client_pauses or ())} time(s), "
+                f"longest {self.longest_pause_s * 1e3:.0f} ms)")
+
+    @property
     def is_fleet(self) -> bool:
         return len(self.base_urls) > 1
 

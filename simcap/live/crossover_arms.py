@@ -280,9 +280,7 @@ def live_crossover(
                         notes.append(f"{arm} arm at {c} clients: disturbed (foreign CPU "
                                      f"{cpu['foreign_cores']:.2f} cores)")
                     if run.paused:
-                        notes.append(f"{arm} arm at {c} clients: disturbed (the load generator paused "
-                                     f"{len(run.client_pauses or ())} time(s), longest "
-                                     f"{run.longest_pause_s * 1e3:.0f} ms)")
+                        notes.append(f"{arm} arm at {c} clients: {run.pause_line}")
                     measured[(arm, c)] = MeasuredPoint(arm, c, run, cpu, reset)
             if server.failed:
                 notes.append(f"{arm} server did not stop cleanly (log {server.log_path})")

@@ -185,10 +185,8 @@ class CpuWatch:
         """``server_pids``: the server's processes (their descendants count too); without
         them, the vLLM server on ``server_port`` (or, without a port, anything vLLM) is found
         by command line. This process and its descendants always count as measured."""
-        pids = set(server_pids)
-        self.server_pids = pids
-        self.roots = {os.getpid(), *pids}
-        self.find_server = not pids
+        self.server_pids = set(server_pids)
+        self.find_server = not self.server_pids
         self.server_port = server_port
         self.threshold_cores = threshold_cores
         self._t0 = 0.0
@@ -209,7 +207,10 @@ class CpuWatch:
         if self._sys0 is None or sys1 is None:
             return {"available": False, "note": "no /proc/stat: disturbance not measured", "disturbed": False}
         procs1 = _processes()
-        measured = _measured(procs1, self.roots, self.find_server, self.server_port)
+        # The server's processes (given, or found by port or name) and their descendants; then
+        # with this process and its descendants, everything the run measures.
+        server = _measured(procs1, self.server_pids, self.find_server, self.server_port)
+        measured = server | _measured(procs1, [os.getpid()], False, None)
         measured_s = foreign_s = 0.0
         top: list[tuple[float, str]] = []
         # No process can have used more than every core for the whole run; more means a
@@ -225,8 +226,7 @@ class CpuWatch:
                 if used > 0:
                     top.append((used, f"{p.name}[{pid}]"))
         mine = autogroup("self")
-        server = _measured(procs1, self.server_pids, self.find_server, self.server_port) - {os.getpid()}
-        groups = {autogroup(p) for p in server} - {None}
+        groups = {autogroup(p) for p in server - {os.getpid()}} - {None}
         busy_keys = ("user", "nice", "system", "irq", "softirq")
         busy = sum(sys1[k] - self._sys0[k] for k in busy_keys)
         steal = sys1["steal"] - self._sys0["steal"]

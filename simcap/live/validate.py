@@ -745,8 +745,7 @@ def validate(
         elif not cpu.get("available", True):
             notes.append(f"run {i}: {cpu.get('note')}")
         if run.paused:
-            notes.append(f"run {i}: disturbed (the load generator paused {len(run.client_pauses or ())} time(s), "
-                         f"longest {run.longest_pause_s * 1e3:.0f} ms)" + (
+            notes.append(f"run {i}: {run.pause_line}" + (
                              "; the server runs in another session's scheduling group, where its engine "
                              "core's spin can hold this client: start it from this session "
                              "(simcap/live/README.md)" if cpu.get("server_own_group") else ""))
