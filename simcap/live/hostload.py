@@ -14,8 +14,9 @@ measures the disturbance, not the server. :class:`CpuWatch` reads ``/proc/stat``
 - ``steal_s``: time the hypervisor gave to other guests (a VM's invisible neighbour).
 
 ``server_own_group``: whether a server process sits in another scheduling group than this
-process (Linux groups tasks by session, ``/proc/PID/autogroup``; None where it does not or no
-server process was found). Between groups, a spinning vLLM engine core can hold the load
+process (Linux groups tasks by session, ``/proc/PID/autogroup``: a session's own group, or the
+default group of sessions that never made one; None where it does not or no server process was
+found). Between groups, a spinning vLLM engine core can hold the load
 generator on a shared core for up to a second at a time (``simcap/live/README.md``).
 
 Exited children that their parent waited for count towards the parent (``cutime``), less the
@@ -133,10 +134,16 @@ def cpu_used(
 
 
 def autogroup(pid: int | str) -> str | None:
-    """The scheduling group ``pid`` runs in where Linux groups tasks by session (e.g.
-    ``/autogroup-92``), or None."""
+    """The scheduling group ``pid`` runs in where Linux groups tasks by session: its session's
+    group (e.g. ``/autogroup-92``), or ``/`` for the default group that sessions never made a
+    group of their own share (the file is empty then); None where the kernel does not group by
+    session or ``pid`` is gone."""
+    if (_read("/proc/sys/kernel/sched_autogroup_enabled") or "").strip() != "1":
+        return None
     text = _read(f"/proc/{pid}/autogroup")
-    return text.split()[0] if text and text.strip() else None
+    if text is None:
+        return None
+    return text.split()[0] if text.strip() else "/"
 
 
 def _cmdline(pid: int) -> str:

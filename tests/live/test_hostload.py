@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from simcap.live.hostload import CpuWatch
+from simcap.live.hostload import CpuWatch, autogroup
 
 BUSY = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 
@@ -75,9 +75,7 @@ def test_cpu_used_hand_cases():
 def test_a_server_in_a_session_of_its_own_is_named():
     """A server in another session sits in another scheduling group where Linux groups tasks
     by session; one in ours does not (simcap.live.server starts it so)."""
-    from pathlib import Path
-
-    if not Path("/proc/self/autogroup").exists():
+    if autogroup("self") is None:
         pytest.skip("this kernel does not group tasks by session")
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
     own = subprocess.Popen(sleep, start_new_session=True)
@@ -92,3 +90,17 @@ def test_a_server_in_a_session_of_its_own_is_named():
             if p is not None:
                 p.kill()
                 p.wait()
+
+
+def test_autogroup_reads_the_session_group_the_default_group_and_no_grouping(monkeypatch):
+    """A session's own group by name; an empty file is the default group (a process whose
+    session never made a group of its own, as under some service managers); no grouping where
+    the kernel has it off or the process is gone."""
+    from simcap.live import hostload
+
+    files = {"/proc/sys/kernel/sched_autogroup_enabled": "1\n", "/proc/7/autogroup": "/autogroup-92 nice 0\n",
+             "/proc/8/autogroup": ""}
+    monkeypatch.setattr(hostload, "_read", files.get)
+    assert [autogroup(7), autogroup(8), autogroup(9)] == ["/autogroup-92", "/", None]
+    files["/proc/sys/kernel/sched_autogroup_enabled"] = "0\n"
+    assert autogroup(7) is None

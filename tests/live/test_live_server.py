@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from simcap.live.client import run_live
+from simcap.live.hostload import autogroup
 from tests.live.conftest import wait_idle
 from simcap.live.validate import METRICS, validate
 from simcap.metrics.records import RequestRecord
@@ -183,7 +184,6 @@ def test_the_saturation_probe_drives_the_engine_as_an_overloaded_open_loop(vllm_
     batch full as the probe's closed loop did (the median step's), and complete as many
     requests per engine step. Per second the two differ by the engine's speed, which moves by 10-40% between runs
     on this shared host: each rate is read per step, through the run's mean logged step time."""
-    from pathlib import Path
 
     from simcap.calibrate.readers import parse_iteration_log
     from simcap.live.recording import iteration_lines, log_size, read_log_window
@@ -235,10 +235,9 @@ def test_the_server_shares_the_load_generators_scheduling_group(vllm_server):
     """A server simcap starts runs in its own process group but in the starting process's
     session: where Linux groups tasks by session (autogroup), a session of its own let vLLM's
     spinning engine core hold the load generator 50 ms to 1 s at a time (simcap.live.server)."""
-    mine = Path("/proc/self/autogroup")
-    if not mine.exists():
-        pytest.skip("this kernel does not group tasks by session (no /proc/self/autogroup)")
     server = vllm_server.proc.pid
     assert os.getpgid(server) == server != os.getpgid(0)  # its own process group, for stop()
     assert os.getsid(server) == os.getsid(0)
-    assert Path(f"/proc/{server}/autogroup").read_text().split()[0] == mine.read_text().split()[0]
+    if autogroup("self") is None:
+        pytest.skip("this kernel does not group tasks by session")
+    assert autogroup(server) == autogroup("self")
