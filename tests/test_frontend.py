@@ -159,34 +159,6 @@ def test_a_run_off_the_line_leaves_no_slope():
     assert "do not line up" in fit.notes[0] and "output_s is the runs' median" in fit.notes[0]
 
 
-def _burst(client_minus_server: float, n: int = 3) -> LiveRun:
-    """``n`` requests sent at once (one wave), client - server as given."""
-    records = [RequestRecord(i, 0.0, 16, 2, chunk_times=[0.090 + client_minus_server, 0.5], chunk_tokens=[1, 1],
-                             finish_time=0.5, finish_reason="length") for i in range(n)]
-    before, after = _metrics(0.090, 0.010, 0.050, n)
-    return LiveRun(records=records, specs={}, base_url="http://server", model="m", endpoint="completions",
-                   closed_loop=True, requested_rate=None, scheduled_rate=None, achieved_rate=1.0,
-                   wall_duration_s=1.0, max_send_lag_s=None, metrics_before=before, metrics_after=after)
-
-
-def test_a_run_of_one_wave_gives_way_to_a_steady_run_as_loaded():
-    """Three requests sent at once (one wave: client - server 13 ms at 4 chunks per first-token
-    step) measure the run's start. Beside a run of two waves that reached 5 chunks (8 ms), it
-    is left out: 4 ms at 1 chunk and 8 ms at 5 give 3 ms + 1 ms per chunk. Without that run it
-    is the only evidence past 1 chunk and stays: (13 - 4) / 3 = 3 ms per chunk, 1 ms more."""
-    lone = (_run(0.050, (0.046, 0.001, 0.042), concurrent=False), [_line(0, 1, 0)])
-    steady = (_run(0.090, (0.082, 0.010, 0.050), concurrent=True), [_line(0, 1, 4)])
-    burst = (_burst(0.013), [_line(0, 1, 3)])
-    assert max_in_flight(burst[0]) == 3
-    fit = fit_frontend([lone, steady, burst])
-    assert fit.config == pytest.approx({"arrival_s": 0.003, "output_s": 0.003, "per_chunk_s": 0.001})
-    assert "leave out run 3 (3 requests, 3 in flight)" in fit.notes[0]
-    assert len(fit.runs) == 3  # (reported all the same)
-    fit = fit_frontend([lone, burst])
-    assert fit.config == pytest.approx({"arrival_s": 0.003, "output_s": 0.001, "per_chunk_s": 0.003})
-    assert not any("leave out" in n for n in fit.notes)
-
-
 def test_simcap_serve_drops_the_modelled_front_end():
     """A served engine is behind a real front end: its records carry the engine's times."""
     from simcap.serve.engine import ServedEngine

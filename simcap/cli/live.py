@@ -405,11 +405,7 @@ def calibrate_cmd(
     max_model_len: Optional[int] = typer.Option(
         None, "--max-model-len", min=2, help="The server's --max-model-len (default: from /v1/models)."
     ),
-    requests: int = typer.Option(
-        40, "--requests", min=8,
-        help="Requests in the calibration mix (log source), besides its last, steady phase "
-             "(4 per client of its largest phase).",
-    ),
+    requests: int = typer.Option(40, "--requests", min=8, help="Requests in the calibration mix (log source)."),
     speculative_method: Optional[str] = typer.Option(
         None, "--speculative-method", help="ngram, eagle or eagle3, when the server drafts and does not say."
     ),
@@ -597,9 +593,7 @@ def crossover_cmd(
              "(default: the lowest concurrency; 2 when that is 1 and 2 is below the highest).",
     ),
     calibration_requests: int = typer.Option(
-        24, "--calibration-requests", min=8,
-        help="Requests in the calibration mix, besides its last, steady phase (4 per client of its "
-             "largest phase).",
+        24, "--calibration-requests", min=8, help="Requests in the calibration mix."
     ),
     requests_per_client: int = typer.Option(
         8, "--requests-per-client", min=1, help="Each point runs max(num_requests, this x clients) requests."

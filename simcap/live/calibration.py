@@ -115,9 +115,6 @@ class Phase:
                 **({"shared_prefix": self.shared_prefix} if self.shared_prefix else {})}
 
 
-STEADY_WAVES = 4  # the calibration's last phase: this many requests per client
-
-
 def prompt_lengths(max_num_batched_tokens: int, longest: int) -> tuple[int, ...]:
     """Prompt lengths spanning the token budget: 1/32 .. 3/4 of it, and 1.25x (chunked prefill)."""
     budget = max_num_batched_tokens
@@ -130,9 +127,7 @@ def default_phases(
     max_concurrency: int | None = None,
 ) -> list[Phase]:
     """The calibration mix: 1 client, 2, a few, then ``max_num_seqs`` (capped by the requests),
-    then 1 client whose prompts open with the same prefix, 1 client with long contexts, and
-    last the largest phase's clients again for ``STEADY_WAVES`` waves of requests (besides
-    ``num_requests``).
+    then 1 client whose prompts open with the same prefix, and 1 client with long contexts.
 
     Prompts of every length of :func:`prompt_lengths` (the longest, past the budget, only from
     the third phase on), outputs of 4-48 tokens so clients desynchronise and prefills land in
@@ -141,12 +136,6 @@ def default_phases(
     context, as a session's later turns do; the long-context phase's decode steps attend half
     the model length (:func:`with_step_contexts` knows each one's context). ``max_concurrency``:
     no phase has more clients (a profile calibrated at low load only, to predict higher loads).
-
-    The largest phase opens with all its clients' prompts at once and has few requests more
-    (the last phases' come out of it), so most of its steps are that burst's; the steady phase
-    holds its batch through several waves, as a loaded server does: the decode steps at that
-    batch and the front end's delay per chunk at that load
-    (:func:`simcap.live.frontend_fit.fit_frontend` prefers it to a run mostly of its first wave).
     """
     if num_requests < 8:
         raise LiveError(f"calibration requests: need at least 8 (got {num_requests})")
@@ -174,7 +163,6 @@ def default_phases(
         Phase(f"{full} clients (large decode batches)", full, n4, short, outs),
         *_cached_context_phase(n5, max_num_batched_tokens, max_model_len),
         *_long_context_phase(n6, max_model_len, out_max),
-        Phase(f"{full} clients, steady ({STEADY_WAVES} waves)", full, STEADY_WAVES * full, short, outs),
     ]
 
 

@@ -22,15 +22,7 @@ the step in flight at its arrival (which the simulated engine has of its own). S
 - ``output_s`` and ``per_chunk_s``: ``client - server`` against the mean number of chunks the
   first-token steps emitted (from the log: a step with ``a`` prefilling and ``c`` decoding
   requests emits about ``a + c``), by non-negative least squares over the runs, each weighted
-  by its requests. A run of fewer than ``MIN_WAVES`` waves of requests (requests < 2 x the
-  most in flight) is left out where runs of more waves reached as many chunks per step: in a
-  run mostly made of its first wave, every client's request goes out at once and their first
-  tokens come out of the same burst of prefills, and its ``client - server`` measures that
-  start (on the CPU server a closed loop of 8 clients sending 11 requests read 20.1 ms at 6.6
-  chunks per first-token step, where four runs of 64 requests read 7.3-13.1 ms at 7.7). Where
-  no such run reaches as far it stays: without it the slope would come from lighter loads
-  alone (the calibration's last phase, :func:`simcap.live.calibration.default_phases`, is such
-  a run). The slope stands only when every run lies within 2 ms (or 30 % of its own
+  by its requests. The slope stands only when every run lies within 2 ms (or 30 % of its own
   figure) of the line: a run whose client stalled (a mean over a dozen requests moves by tens
   of milliseconds with one stall) would set it alone. Otherwise, and with runs at a single batch
   size (no slope to see), ``per_chunk_s`` is 0, ``output_s`` the median over the runs, and a
@@ -70,9 +62,6 @@ MIN_SPAN_CHUNKS = 1.0  # the runs' chunks per first-token step must span this mu
 # run's own figure if more): one run a client stall lifted would otherwise set it.
 LINE_TOLERANCE_S = 0.002
 LINE_TOLERANCE_SHARE = 0.3
-# A run enters the delay per chunk only with this many waves of requests (requests over the
-# most in flight): fewer, and its first wave, sent at once, is most of what it measured.
-MIN_WAVES = 2
 
 
 @dataclass
@@ -184,21 +173,9 @@ def fit_frontend(runs: Sequence[tuple[LiveRun, Sequence[str]]]) -> FrontendFit:
                      "server's request histograms and step log")
         return FrontendFit(None, figures, notes)
     arrival = max(float(np.median([f.server_minus_engine_s for f in idle])), 0.0)
-    steady = [f.chunks_per_first_token_step for f in figures if f.requests >= MIN_WAVES * f.max_in_flight]
-    reach = max(steady, default=0.0)
-    used = [i for i, f in enumerate(figures)
-            if f.requests >= MIN_WAVES * f.max_in_flight or f.chunks_per_first_token_step > reach]
-    if len(used) < len(figures):
-        notes.append(
-            "output_s and per_chunk_s leave out " + ", ".join(
-                f"run {i + 1} ({f.requests} requests, {f.max_in_flight} in flight)" for i, f in enumerate(figures)
-                if i not in used)
-            + f": fewer than {MIN_WAVES} waves of requests, so mostly the first, sent at once, and "
-            f"runs of more waves reached as many chunks per step ({reach:.1f})"
-        )
-    x = np.array([figures[i].chunks_per_first_token_step for i in used])
-    y = np.array([figures[i].client_minus_server_s for i in used])
-    w = np.sqrt([figures[i].requests for i in used])
+    x = np.array([f.chunks_per_first_token_step for f in figures])
+    y = np.array([f.client_minus_server_s for f in figures])
+    w = np.sqrt([f.requests for f in figures])
     output = per_chunk = None
     if x.max() - x.min() >= MIN_SPAN_CHUNKS:
         (o, k), _ = nnls(np.column_stack([np.ones_like(x), x]) * w[:, None], y * w)
@@ -208,7 +185,7 @@ def fit_frontend(runs: Sequence[tuple[LiveRun, Sequence[str]]]) -> FrontendFit:
             worst = int(np.argmax(off))
             notes.append(
                 f"per_chunk_s 0: the runs do not line up on chunks per step (the farthest from "
-                f"the best line, {o * 1e3:.2f} + {k * 1e3:.3f} ms per chunk: run {used[worst] + 1}, client - "
+                f"the best line, {o * 1e3:.2f} + {k * 1e3:.3f} ms per chunk: run {worst + 1}, client - "
                 f"server {y[worst] * 1e3:.1f} ms at {x[worst]:.1f} chunks, {off[worst] * 1e3:.1f} ms off); "
                 "output_s is the runs' median"
             )
