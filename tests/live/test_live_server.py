@@ -184,7 +184,6 @@ def test_the_saturation_probe_drives_the_engine_as_an_overloaded_open_loop(vllm_
     batch full as the probe's closed loop did (the median step's), and complete as many
     requests per engine step. Per second the two differ by the engine's speed, which moves by 10-40% between runs
     on this shared host: each rate is read per step, through the run's mean logged step time."""
-
     from simcap.calibrate.readers import parse_iteration_log
     from simcap.live.recording import iteration_lines, log_size, read_log_window
     from simcap.live.saturation import at_fraction, measure_saturation, steady_completion_rate
