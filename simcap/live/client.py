@@ -64,7 +64,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Awaitable, Callable, Literal, Sequence
+from typing import IO, Any, Awaitable, Callable, Literal, Mapping, Sequence
 
 import httpx
 import numpy as np
@@ -160,6 +160,12 @@ class LiveRun:
         disturbed by its own client (``simcap live validate`` and ``simcap accuracy`` leave
         it out while an undisturbed run remains)."""
         return self.longest_pause_s >= PAUSE_DISTURBS_S
+
+    def disturbed(self, cpu: Mapping[str, Any]) -> bool:
+        """Whether the run is disturbed: foreign CPU use in ``cpu`` (a
+        :class:`~simcap.live.hostload.CpuWatch` report of the run), or the load generator's own
+        pause (:attr:`paused`). Live validate, capacity and crossover all judge a run by it."""
+        return bool(cpu.get("disturbed")) or self.paused
 
     @property
     def pause_line(self) -> str:

@@ -81,7 +81,7 @@ class MeasuredPoint:
             "failed": self.run.num_failed,
             "wall_duration_s": round(self.run.wall_duration_s, 3),
             "prefix_cache_reset": self.prefix_cache_reset,
-            "disturbed": bool(self.cpu.get("disturbed")) or self.run.paused,
+            "disturbed": self.run.disturbed(self.cpu),
             "cpu": self.cpu,
             "client_pauses": self.run.client_pauses,
             "server": {k: v for k, v in delta.items() if k.startswith("spec_decode") or k == "available"},

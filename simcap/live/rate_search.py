@@ -445,7 +445,7 @@ def live_capacity(
         tally["made"] += 1
         tally["live_s"] += wall
         run_facts = {"wall_s": round(wall, 3), "prefix_cache_reset": reset,
-                     "disturbed": bool(cpu.get("disturbed", False)) or run.paused,
+                     "disturbed": run.disturbed(cpu),
                      "foreign_cores": (round(float(cpu["foreign_cores"]), 3)
                                        if cpu.get("foreign_cores") is not None else None),
                      "client_pauses": run.client_pauses}

@@ -294,7 +294,7 @@ class Repeat:
     @property
     def disturbed(self) -> bool:
         """Foreign CPU use, or the load generator paused (``LiveRun.paused``)."""
-        return bool(self.cpu.get("disturbed")) or self.live.paused
+        return self.live.disturbed(self.cpu)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -176,8 +176,6 @@ def test_validate_compares_every_metric(base_url, scenario_for, tmp_path):
     assert not math.isnan(data["metrics"]["ttft_p50"]["predicted"])
 
 
-
-
 def test_the_saturation_probe_drives_the_engine_as_an_overloaded_open_loop(vllm_server, base_url, scenario_for):
     """``--rate-of-saturation``'s probe claims the rate an overloaded open loop of the same
     request mix completes at. Sent at 1.5x that rate, the open loop must keep the engine's
