@@ -7,8 +7,9 @@
 
 Two public tables hold one model served the same way on several kinds of accelerator:
 InferenceMAX's gpt-oss-120b rows (vLLM 0.11, tensor parallel 2, 1k in / 1k out, closed loops
-of 4 to 64 clients; H100, H200, B200, MI300X, MI325X) and dstack's DeepSeek-R1 rows (vLLM,
-8 GPUs, 3.2k in / 800 out, 4 to 128 clients; H200, MI300X). For each ordered pair of
+of 4 to 64 clients; H100, H200, B200, MI300X, MI325X), its Llama-3.3-70B-Instruct FP8 rows (vLLM
+0.10.2, tensor parallel 4, the same shape and loads; H100, H200) and dstack's DeepSeek-R1 rows
+(vLLM, 8 GPUs, 3.2k in / 800 out, 4 to 128 clients; H200, MI300X). For each ordered pair of
 accelerators (source, target):
 
 1. the source profile is fitted on ALL of the source's rows (the recipe's free terms);
@@ -17,7 +18,8 @@ accelerators (source, target):
    kept (``datasheet``);
 3. or, with ONE measured row of the target (its lowest load, or its highest), one term is
    refitted there and the rest kept (``base@c``, ``experts@c``, ...), or with two (lowest and
-   highest) base and the experts' efficiency (``base+experts@low+high``);
+   highest) base and the experts' efficiency (``base+experts@low+high``; the dense Llama:
+   the weights' efficiency, ``base+weights@low+high``);
 4. or, with no row, the efficiencies of the target's kernel class taken from the fit of the
    class's other member alone (``class (sibling)``; the classes of two members only);
 5. gpt-oss only: the source fitted on all three of its workload shapes (1k / 1k, 1k / 8k,
@@ -66,11 +68,16 @@ TABLES = {
         ("mi325x", "mi325x"))},
     "deepseek-r1": {"h200": ("dstack-r1-h200.roofline.yaml", "h200-sxm"),
                     "mi300x": ("dstack-r1-mi300x.roofline.yaml", "mi300x")},
+    "llama-70b": {gpu: (f"inferencemax-llama70b-{gpu}.roofline.yaml", hw) for gpu, hw in (
+        ("h100", "h100-sxm"), ("h200", "h200-sxm"))},
 }
-# The gpt-oss recipes' 1k in / 1k out rows: the only shape this study reads.
-ONE_SHAPE = "vllm tp2"
-# One term refitted on one target row: which, and where.
+# The InferenceMAX recipes' 1k in / 1k out rows: the only shape this study reads.
+ONE_SHAPE = {"gpt-oss": "vllm tp2", "llama-70b": "vllm tp4"}
+# The tables whose rows are InferenceMAX's (their hardware column is ``hw``, dstack's ``GPU``).
+INFERENCEMAX = ("gpt-oss", "llama-70b")
+# One term refitted on one target row: which, and where (a dense model has no experts' term).
 REFITS = ("base", "efficiency.experts", "efficiency.weights")
+DENSE = ("llama-70b",)
 
 
 # The other member of each GPU's kernel class (simcap/catalog/kernel_classes.yaml), whose fit on
@@ -81,7 +88,7 @@ CLASS_TERMS = ("weights", "experts", "compute", "kv_read")
 
 
 def recipe_on(table: str, gpu: str, every_shape: bool = False) -> Recipe:
-    """The roofline recipe of ``gpu``'s rows, priced on its catalog entry (the gpt-oss
+    """The roofline recipe of ``gpu``'s rows, priced on its catalog entry (the InferenceMAX
     recipes: their 1k / 1k rows, or with ``every_shape`` all three shapes)."""
     name, hardware = TABLES[table][gpu]
     r = copy.copy(Recipe.load(RECIPES / name))
@@ -91,10 +98,10 @@ def recipe_on(table: str, gpu: str, every_shape: bool = False) -> Recipe:
         r.engine = {**r.engine, "max_num_seqs": 128}
     datasets = []
     for d in r.datasets:
-        if table == "gpt-oss" and d["label"] != ONE_SHAPE and not every_shape:
+        if table in ONE_SHAPE and d["label"] != ONE_SHAPE[table] and not every_shape:
             continue  # the study moves the 1k / 1k fit (the recipes hold two more shapes)
         d = copy.deepcopy(d)
-        key = "hw" if table == "gpt-oss" else "GPU"
+        key = "hw" if table in INFERENCEMAX else "GPU"
         d["table"]["where"] = [f"{key}=={gpu}" if w.startswith(f"{key}==") else w
                                for w in d["table"]["where"]]
         datasets.append(d)
@@ -190,11 +197,14 @@ def run_table(table: str) -> dict:
             for where, pt in (("low", pts[0]), ("high", pts[-1])):
                 rest = [p for p in pts if p is not pt]
                 for term in REFITS:
+                    if table in DENSE and term == "efficiency.experts":
+                        continue
                     name = f"{term.removeprefix('efficiency.')}@{where}"
                     entry["variants"][name] = refit(recipes[dst], [pt], rest, moved, [term])
-            if len(pts) > 2:  # two rows, lowest and highest load: base and experts refitted
-                entry["variants"]["base+experts@low+high"] = refit(
-                    recipes[dst], [pts[0], pts[-1]], pts[1:-1], moved, ["base", "efficiency.experts"])
+            if len(pts) > 2:  # two rows, lowest and highest load: base and experts (weights) refitted
+                second = "efficiency.weights" if table in DENSE else "efficiency.experts"
+                entry["variants"][f"base+{second.removeprefix('efficiency.')}@low+high"] = refit(
+                    recipes[dst], [pts[0], pts[-1]], pts[1:-1], moved, ["base", second])
             pairs.append(entry)
             print(f"{table} {src} -> {dst}: " + ", ".join(
                 f"{k} {v['max_abs_pct']:.0f}%" for k, v in entry["variants"].items()), flush=True)
@@ -254,6 +264,12 @@ MOVE_COLUMNS = (("datasheet", "datasheet alone"),
                 ("experts@high, three-shape source", "three-shape source: experts @ highest"))
 
 
+DENSE_MOVE_COLUMNS = (("datasheet", "datasheet alone"), ("base@low", "base @ lowest"),
+                      ("weights@low", "weights @ lowest"), ("base@high", "base @ highest"),
+                      ("weights@high", "weights @ highest"),
+                      ("base+weights@low+high", "base + weights @ lowest + highest"))
+
+
 def _pct(entry: dict | None) -> str:
     return "-" if entry is None else f"{entry['max_abs_pct']:.1f}%"
 
@@ -281,6 +297,22 @@ def markdown(out: dict) -> str:
         v = p["variants"]
         lines.append(f"| {GPU_NAMES[p['source']]} -> {GPU_NAMES[p['target']]} | "
                      + " | ".join(_pct(v.get(k)) for k, _ in MOVE_COLUMNS) + " |")
+    llama = out.get("llama-70b")
+    if llama:
+        lines += ["", "A second model, dense (Llama-3.3-70B-Instruct FP8, TP4, 1k / 1k rows): each GPU's own fit, "
+                  "then the moves (largest error over the target's other rows):", "",
+                  "| GPU | max error of the fit | base | weights | compute | kv_read |", "|---|---:|---:|---:|---:|---:|"]
+        for g in llama["gpus"]:
+            s = llama["sources"][g]
+            e = s["step_time"]["efficiency"]
+            lines.append(f"| {GPU_NAMES[g]} | {s['fit_max_abs_pct']:.1f}% | {s['step_time']['base'] * 1e3:.2f} ms | "
+                         f"{e['weights']:.2f} | {e['compute']:.2f} | {e['kv_read']:.2f} |")
+        lines += ["", "| source -> target | " + " | ".join(h for _, h in DENSE_MOVE_COLUMNS) + " |",
+                  "|---|" + "---:|" * len(DENSE_MOVE_COLUMNS)]
+        for p in llama["pairs"]:
+            v = p["variants"]
+            lines.append(f"| {GPU_NAMES[p['source']]} -> {GPU_NAMES[p['target']]} | "
+                         + " | ".join(_pct(v.get(k)) for k, _ in DENSE_MOVE_COLUMNS) + " |")
     lines += ["", "Summary over the moves (median of each move's largest error; moves within 15%):", "",
               "| table | variant | median | within 15% |", "|---|---|---:|---:|"]
     for table in TABLES:
@@ -318,8 +350,8 @@ def main() -> None:
     out_path = HERE / "results.json"
     out = json.loads(out_path.read_text()) if out_path.exists() else {}
     if args.leave_high_out:
-        out["leave_high_out"] = {t: leave_high_out(t, (out.get(t) or {}).get("sources"))
-                                 for t in TABLES if not args.only or t == args.only}
+        out["leave_high_out"] = {**out.get("leave_high_out", {}), **{
+            t: leave_high_out(t, (out.get(t) or {}).get("sources")) for t in TABLES if not args.only or t == args.only}}
         out_path.write_text(json.dumps(out, indent=2) + "\n")
         write_generated_block(HERE / "README.md", markdown(out))
         return

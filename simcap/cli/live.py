@@ -405,7 +405,11 @@ def calibrate_cmd(
     max_model_len: Optional[int] = typer.Option(
         None, "--max-model-len", min=2, help="The server's --max-model-len (default: from /v1/models)."
     ),
-    requests: int = typer.Option(40, "--requests", min=8, help="Requests in the calibration mix (log source)."),
+    requests: int = typer.Option(
+        40, "--requests", min=8,
+        help="Requests in the calibration mix's closed loops of 1 to max_num_seqs clients (log source); "
+             "its cached- and long-context phases add a tenth and a twentieth more.",
+    ),
     speculative_method: Optional[str] = typer.Option(
         None, "--speculative-method", help="ngram, eagle or eagle3, when the server drafts and does not say."
     ),
@@ -593,7 +597,9 @@ def crossover_cmd(
              "(default: the lowest concurrency; 2 when that is 1 and 2 is below the highest).",
     ),
     calibration_requests: int = typer.Option(
-        24, "--calibration-requests", min=8, help="Requests in the calibration mix."
+        24, "--calibration-requests", min=8,
+        help="Requests in the calibration mix's closed loops (its cached- and long-context phases add "
+             "a tenth and a twentieth more)."
     ),
     requests_per_client: int = typer.Option(
         8, "--requests-per-client", min=1, help="Each point runs max(num_requests, this x clients) requests."

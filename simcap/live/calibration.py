@@ -128,6 +128,10 @@ def default_phases(
 ) -> list[Phase]:
     """The calibration mix: 1 client, 2, a few, then ``max_num_seqs`` (capped by the requests),
     then 1 client whose prompts open with the same prefix, and 1 client with long contexts.
+    ``num_requests`` is the first four phases'; the last two add a tenth and a twentieth of it
+    (at least 3 and 2). The largest phase opens with all its clients' prompts at once, so it
+    keeps about two requests per client: its later waves, not that burst, set the decode steps
+    at its batch and the front end's delay per chunk at its load.
 
     Prompts of every length of :func:`prompt_lengths` (the longest, past the budget, only from
     the third phase on), outputs of 4-48 tokens so clients desynchronise and prefills land in
@@ -153,9 +157,8 @@ def default_phases(
     n4 = max(4, num_requests - n1 - n2 - n3)
     few = max(1, min(4, max_num_seqs))
     full = max(1, min(max_num_seqs, max(few + 1, n4 // 2)))
-    n5 = max(3, num_requests // 10)
+    n5 = max(3, num_requests // 10)  # (on top of num_requests: see the docstring)
     n6 = max(2, num_requests // 20)
-    n4 = max(4, n4 - n5 - n6)  # (the last phases' requests come out of this one)
     return [
         Phase("one client (isolated prefills, decode at batch 1)", 1, n1, short, (4,)),
         Phase("two clients", min(2, max_num_seqs), n2, short[: max(1, len(short) - 1)], outs[:2] + outs[-1:]),
