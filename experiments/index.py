@@ -146,6 +146,13 @@ def hardware_transfer(d: dict) -> tuple[str, str]:
               f"error per move, median: datasheet alone {part('datasheet')}; one row, experts' "
               f"efficiency refitted {part('experts@high')}; two rows, that and the fixed cost "
               f"**{part('base+experts@low+high')}**")
+    llama = d.get("llama-70b")
+    if llama:
+        moves = llama["summary"]
+        result += (f"; Llama-3.3-70B FP8 (dense) H100 <-> H200: datasheet alone "
+                   f"{moves['datasheet']['median_max_abs_pct']:.1f}% ({moves['datasheet']['pairs_within']} of "
+                   f"{moves['datasheet']['pairs']} within 15%), one row, weights refitted "
+                   f"{moves['weights@high']['median_max_abs_pct']:.1f}%")
     return question, result
 
 
