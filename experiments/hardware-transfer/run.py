@@ -274,6 +274,16 @@ def _pct(entry: dict | None) -> str:
     return "-" if entry is None else f"{entry['max_abs_pct']:.1f}%"
 
 
+def _moves_table(pairs: list[dict], columns: tuple) -> list[str]:
+    """A table of moves: one row per (source, target), one column per variant of ``columns``."""
+    lines = ["| source -> target | " + " | ".join(h for _, h in columns) + " |", "|---|" + "---:|" * len(columns)]
+    for p in pairs:
+        v = p["variants"]
+        lines.append(f"| {GPU_NAMES[p['source']]} -> {GPU_NAMES[p['target']]} | "
+                     + " | ".join(_pct(v.get(k)) for k, _ in columns) + " |")
+    return lines
+
+
 def markdown(out: dict) -> str:
     """The README's tables, from ``results.json``: each gpt-oss source fit, every move, the
     summary per variant, and (after ``--leave-high-out``) each GPU fitted low and predicted high."""
@@ -291,12 +301,7 @@ def markdown(out: dict) -> str:
         lines.append(f"| {GPU_NAMES[g]} | {s['fit_max_abs_pct']:.1f}% | {s['step_time']['base'] * 1e3:.2f} ms | "
                      f"{both('experts')} | {both('compute')} | {both('kv_read')} |")
     lines += ["", "Moves, largest error over the target's other 1k / 1k rows (TPOT mean and output throughput):", "",
-              "| source -> target | " + " | ".join(h for _, h in MOVE_COLUMNS) + " |",
-              "|---|" + "---:|" * len(MOVE_COLUMNS)]
-    for p in oss["pairs"]:
-        v = p["variants"]
-        lines.append(f"| {GPU_NAMES[p['source']]} -> {GPU_NAMES[p['target']]} | "
-                     + " | ".join(_pct(v.get(k)) for k, _ in MOVE_COLUMNS) + " |")
+              *_moves_table(oss["pairs"], MOVE_COLUMNS)]
     llama = out.get("llama-70b")
     if llama:
         lines += ["", "A second model, dense (Llama-3.3-70B-Instruct FP8, TP4, 1k / 1k rows): each GPU's own fit, "
@@ -307,12 +312,7 @@ def markdown(out: dict) -> str:
             e = s["step_time"]["efficiency"]
             lines.append(f"| {GPU_NAMES[g]} | {s['fit_max_abs_pct']:.1f}% | {s['step_time']['base'] * 1e3:.2f} ms | "
                          f"{e['weights']:.2f} | {e['compute']:.2f} | {e['kv_read']:.2f} |")
-        lines += ["", "| source -> target | " + " | ".join(h for _, h in DENSE_MOVE_COLUMNS) + " |",
-                  "|---|" + "---:|" * len(DENSE_MOVE_COLUMNS)]
-        for p in llama["pairs"]:
-            v = p["variants"]
-            lines.append(f"| {GPU_NAMES[p['source']]} -> {GPU_NAMES[p['target']]} | "
-                         + " | ".join(_pct(v.get(k)) for k, _ in DENSE_MOVE_COLUMNS) + " |")
+        lines += ["", *_moves_table(llama["pairs"], DENSE_MOVE_COLUMNS)]
     lines += ["", "Summary over the moves (median of each move's largest error; moves within 15%):", "",
               "| table | variant | median | within 15% |", "|---|---|---:|---:|"]
     for table in TABLES:

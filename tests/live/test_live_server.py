@@ -183,7 +183,7 @@ def test_the_saturation_probe_drives_the_engine_as_an_overloaded_open_loop(vllm_
     requests per engine step. Per second the two differ by the engine's speed, which moves by 10-40% between runs
     on this shared host: each rate is read per step, through the mean logged time of the run's full-batch
     steps (the rates are read while the batch is full; the ramp's and the drain's smaller, faster steps,
-    a larger share of the shorter open loop, are left out of both)."""
+    whose share differs between the two runs, are left out of both)."""
     from simcap.calibrate.readers import parse_iteration_log
     from simcap.live.recording import iteration_lines, log_size, read_log_window
     from simcap.live.saturation import at_fraction, measure_saturation, steady_completion_rate
