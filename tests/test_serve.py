@@ -68,8 +68,9 @@ async def _send_all(base_url: str, model: str, jobs: list[dict]) -> list[dict]:
                 model=model, prompt=job["text"], max_tokens=job["max_tokens"], stream=True,
                 stream_options={"include_usage": True}, extra_body=extra,
             )
-        got = {"sent": sent, "chunks": [], "finish": None, "usage": None}
+        got = {"sent": sent, "chunks": [], "finish": None, "usage": None, "id": None}
         async for chunk in stream:
+            got["id"] = chunk.id
             if chunk.choices:
                 choice = chunk.choices[0]
                 text = choice.delta.content if job["chat"] else choice.text
@@ -112,7 +113,12 @@ def test_openai_client_gets_the_simulation_in_real_time(tmp_path):
     start, speed = run.status["clock"]["start_monotonic_s"], run.status["clock"]["speed"]
     natural = [Workload(load_scenario(scenario).workload, 3).spec(i).max_tokens for i in range(24)]
     late = []
-    for rec, job, got in zip(records, jobs, results):  # (the server numbers requests as they arrive)
+    # The server numbers requests as they arrive (40 ms apart is not a promise of that order);
+    # each response's id names its record.
+    assert sorted(int(got["id"].split("-")[1]) for got in results) == sorted(r.request_id for r in records)
+    by_id = {int(got["id"].split("-")[1]): (job, got) for job, got in zip(jobs, results)}
+    for rec in records:
+        job, got = by_id[rec.request_id]
         n = rec.num_output_tokens
         assert got["usage"].completion_tokens == n
         assert got["usage"].prompt_tokens == rec.num_prompt_tokens

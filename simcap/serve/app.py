@@ -287,7 +287,9 @@ class ServeApp:
         except SimulationError as exc:
             raise ApiError(500, str(exc), kind="EngineDeadError") from None
         usage = _Usage(sum(p.num_tokens for p in prompts))
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+        # The id begins with the first choice's record's request_id: a client's response finds
+        # its line in --records (vLLM's is a bare uuid).
+        request_id = ("chatcmpl-" if chat else "cmpl-") + f"{streams[0].request_id}-" + uuid.uuid4().hex[:16]
         reply = _Reply(request_id, self.model_name, int(time.time()), chat, streams, usage, queue, self.engine,
                        self._count_lag)
         if body.stream:
