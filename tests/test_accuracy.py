@@ -135,7 +135,8 @@ def test_a_recorded_run_reads_back_as_it_was(tmp_path):
              1: RequestSpec(1, 32, 3, ((7, 16), (-3, 16)), output_key=9, session_id=3, turn=1)}
     run = LiveRun(recs, specs, "http://127.0.0.1:8000", "tiny", "completions", True, None, None, 10.0, 0.5, None,
                   metrics_before=parse_metrics(METRICS_TEXT, when=1.0),
-                  metrics_after=parse_metrics(METRICS_TEXT.replace("7.0", "11.0"), when=2.0))
+                  metrics_after=parse_metrics(METRICS_TEXT.replace("7.0", "11.0"), when=2.0),
+                  metrics_first_wave=parse_metrics(METRICS_TEXT.replace("7.0", "9.0"), when=1.5), first_wave=[0])
     path = save_run(tmp_path / "r0", run, iterations=[["Iteration(1): ..."]], cpu={"disturbed": False})
     assert path.name == "r0.run.json.gz"
     assert path.read_bytes() == save_run(tmp_path / "r0", run, iterations=[["Iteration(1): ..."]],
@@ -145,6 +146,7 @@ def test_a_recorded_run_reads_back_as_it_was(tmp_path):
     assert [r.chunk_times for r in back.run.records] == [[0.2, 0.25, 0.3], [0.4, 0.45, 0.5]]
     assert back.run.records[0].arrival_time == 0.123457 and back.run.records[1].turn == 1
     assert back.run.server_delta()["generation_tokens"] == 4.0
+    assert back.run.first_wave == [0] and back.run.metrics_first_wave.counters["vllm:generation_tokens"] == 9.0
     assert back.run.metrics_after.num_gpu_blocks == 512
     assert back.iterations == [["Iteration(1): ..."]] and back.cpu == {"disturbed": False}
     assert back.run.summary().completed == 2

@@ -8,7 +8,7 @@ import pytest
 from simcap.errors import ScenarioError
 from simcap.fleet.run import simulate
 from simcap.live.client import LiveRun
-from simcap.live.frontend_fit import fit_frontend, max_in_flight
+from simcap.live.frontend_fit import fit_frontend, max_in_flight, run_figures
 from simcap.live.prom import ServerMetrics
 from simcap.metrics.records import RequestRecord
 from simcap.workloads.requests import RequestSpec
@@ -144,6 +144,30 @@ def test_fit_needs_a_lone_run_and_a_spread_of_batches():
     fit = fit_frontend([(lone, [_line(0, 1, 0)])])
     assert fit.config == pytest.approx({"arrival_s": 0.003, "output_s": 0.004, "per_chunk_s": 0.0})
     assert "not identified" in fit.notes[0]
+
+
+def test_a_closed_loops_first_wave_is_left_out_where_the_run_scraped_after_it():
+    """Two clients, four requests. The first wave (0 and 1) came as a burst: its server TTFT
+    is 60 ms against the client's 90 (client - server 30 ms); the later two's is 82 ms (8 ms).
+    The first-wave scrape counted the wave's two first tokens, so the run's figures are the
+    later requests': 8 ms at 5 chunks per first-token step (the steps from the first one that
+    prefilled nothing: one prefill beside four decodes). Without the scrape: the mean over all
+    four, 19 ms, at (2 x 2 + 1 x 5) / 3 = 3 chunks."""
+    busy = _run(0.090, (0.071, 0.010, 0.050), concurrent=True)
+    names = ("vllm:time_to_first_token_seconds",)
+    busy.metrics_first_wave = ServerMetrics(time=1.0, histogram_sum={names[0]: 0.120},
+                                            histogram_count={names[0]: 2.0})
+    log = [_line(0, 2, 0), _line(1, 0, 2), _line(2, 1, 4), _line(3, 0, 5)]
+    whole = run_figures(busy, log)
+    assert whole.client_minus_server_s == pytest.approx(0.019) and whole.first_wave_left_out == 0
+    assert whole.chunks_per_first_token_step == pytest.approx(3.0)
+    busy.first_wave = [0, 1]
+    later = run_figures(busy, log)
+    assert later.client_minus_server_s == pytest.approx(0.008) and later.first_wave_left_out == 2
+    assert later.chunks_per_first_token_step == pytest.approx(5.0) and later.requests == 2
+    assert later.server_minus_engine_s == whole.server_minus_engine_s  # (the whole run's: lone runs only)
+    busy.first_wave = [0]  # a scrape that counted other requests than the client's wave: not used
+    assert run_figures(busy, log).first_wave_left_out == 0
 
 
 def test_a_run_off_the_line_leaves_no_slope():

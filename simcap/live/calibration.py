@@ -682,7 +682,7 @@ def _fit_from_log(log: Path, out: Path, base_url: str, model: str, engine: dict[
     for i, phase in enumerate(phases):
         say(f"phase {i + 1}: {phase.name}, {phase.num_requests} requests")
         offset = log_size(log)
-        run = run_live(_phase_scenario(phase, engine, seed + i), base_url, model, **live_kw)
+        run = run_live(_phase_scenario(phase, engine, seed + i), base_url, model, first_wave_scrape=True, **live_kw)
         mine = iteration_lines(read_log_window(log, offset))
         if record is not None:
             save_run(record / f"phase{i + 1}", run, iterations=[mine])

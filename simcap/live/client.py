@@ -41,6 +41,16 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
   timestamped and no closed-loop request is sent, so the latencies of the requests in flight
   grow by the pause whatever the server did. :func:`pause_spans` names the requests whose
   time to first token spans a pause; the run's notes say how many.
+- With ``first_wave_scrape`` (the calibration's phases), a closed loop of several clients on
+  one server also scrapes ``/metrics`` once mid-run: when each of the first wave's requests
+  (one per client, sent together) has its first token and none has finished, so no later
+  request has been sent. The server's counters then split the
+  run into the first wave and the requests after it (``LiveRun.metrics_first_wave`` and
+  ``first_wave``: the ids whose first token the scrape counted). It is kept only when the
+  server had counted exactly the first tokens the client had seen; a note says when not. The
+  burst of a first wave delays the API server's arrival stamps, so its server-side TTFT is
+  short against the client's; the front-end fit
+  (:func:`simcap.live.frontend_fit.run_figures`) reads the later requests alone.
 - ``api_key``: sent as ``Authorization: Bearer KEY`` on every request; it is kept out of every
   record, result and message (any echo of it in a server's error text is masked).
 - ``request_timeout_s``: a request that has not completed within that many seconds of its
@@ -71,7 +81,7 @@ import numpy as np
 
 from simcap.config.scenario import ClosedArrival, Scenario
 from simcap.errors import SimcapError
-from simcap.live.prom import ServerMetrics, cross_check, metrics_delta, scrape
+from simcap.live.prom import ServerMetrics, cross_check, metrics_delta, parse_metrics, scrape, scrape_text
 from simcap.live.prompts import PROBE_TEXT, PromptBuilder
 from simcap.live.routing import LiveRouter, check_fleet_urls
 from simcap.live.session_prompts import SessionPrompts
@@ -83,6 +93,8 @@ from simcap.workloads.sessions import Conversation, SessionWorkload
 PAUSE_PROBE_S = 0.01  # how often the pause watch wakes
 PAUSE_MIN_S = 0.05  # a wake-up this late or later is a pause of the load generator
 PAUSE_DISTURBS_S = 0.1  # a pause this long or longer disturbs its run (LiveRun.paused)
+FIRST_WAVE_POLL_S = 0.005  # how often the first-wave scrape looks for the wave's first tokens
+TTFT = "vllm:time_to_first_token_seconds"
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS = ("completions", "chat")
@@ -148,6 +160,10 @@ class LiveRun:
     # The load generator's own pauses (module doc): [start_s, length_s] on the run's clock,
     # each PAUSE_MIN_S or longer; None where not watched (runs recorded before the watch).
     client_pauses: list[list[float]] | None = None
+    # A closed loop of several clients on one server (module doc): /metrics once the first
+    # wave had its first tokens, and the ids of those requests; None where not taken or kept.
+    metrics_first_wave: ServerMetrics | None = None
+    first_wave: list[int] | None = None
 
     @property
     def longest_pause_s(self) -> float:
@@ -576,6 +592,7 @@ async def _run_live_async(
     on_record: Callable[[RequestRecord], None] | None = None,
     api_key: str | None = None,
     prompt_period: int | None = None,
+    first_wave_scrape: bool = False,
 ) -> LiveRun:
     if endpoint not in ENDPOINTS:
         raise LiveError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
@@ -584,6 +601,7 @@ async def _run_live_async(
     check_fleet_urls(scenario, len(base_urls))
     check_request_timeout(request_timeout_s)
     run = _Run(scenario, base_urls, model, endpoint, request_timeout_s, return_token_ids, on_record, api_key)
+    run.first_wave_scrape = first_wave_scrape
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(request_timeout_s, connect=min(30.0, request_timeout_s or 30.0), pool=None)
     try:
@@ -654,6 +672,10 @@ class _Run:
         self.t0: float | None = None
         self.befores: list[ServerMetrics | None] = []
         self.afters: list[ServerMetrics | None] = []
+        # The first-wave scrape as taken: its text and time, the ids with a first token
+        # before and after it, and whether a request finished meanwhile.
+        self.first_wave_scrape = False
+        self.wave_scrape: tuple[str, float, list[int], list[int], bool] | None = None
 
     async def connect(self, client: httpx.AsyncClient, token_pool: Sequence[int] | None,
                       prompt_period: int | None) -> None:
@@ -825,6 +847,47 @@ class _Run:
         self.specs[i] = spec
         await self.one(spec, await self.body_for(spec), t0, c)
 
+    async def scrape_first_wave(self) -> None:
+        """/metrics once each of the first wave's requests has its first token, if none has
+        finished by then (module doc); the text is parsed and judged in :meth:`result`."""
+        wave = range(min(self.arrival.concurrency, self.n_total or self.arrival.concurrency))  # type: ignore[union-attr]
+        while True:
+            await asyncio.sleep(FIRST_WAVE_POLL_S)
+            recs = [self.records.get(i) for i in wave]
+            if any(r is not None and r.finish_time is not None for r in recs):
+                return  # a request ended before the wave had its first tokens: no split
+            if all(r is not None and r.chunk_times for r in recs):
+                break
+        seen = sorted(i for i, r in self.records.items() if r.chunk_times)
+        got = await scrape_text(self.client, self.base_urls[0])
+        if got is not None:
+            after = sorted(i for i, r in self.records.items() if r.chunk_times)
+            ended = any(r.finish_time is not None for r in self.records.values())
+            self.wave_scrape = (got[0], got[1], seen, after, ended)
+
+    def first_wave_split(self) -> tuple[ServerMetrics | None, list[int] | None]:
+        """The first-wave scrape, parsed, and the ids it counted, if the server had counted
+        exactly the first tokens the client had seen and no request ended meanwhile (else a
+        note, and Nones)."""
+        if self.wave_scrape is None:
+            return None, None
+        text, when, seen, after, ended = self.wave_scrape
+        before = self.befores[0]
+        try:
+            mid = parse_metrics(text, when=when)
+        except ValueError:
+            return None, None
+        assert before is not None
+        counted = mid.histogram_count.get(TTFT, 0.0) - before.histogram_count.get(TTFT, 0.0)
+        if seen != after or ended or counted != len(seen):
+            self.notes.append(
+                f"the first-wave /metrics scrape was not kept: the server had counted {counted:.0f} first "
+                f"token(s), the client had seen {len(seen)} before it and {len(after)} after it"
+                + (", and a request ended meanwhile" if ended else "")
+            )
+            return None, None
+        return mid, seen
+
     async def drive(self) -> None:
         """Send the whole workload; on an interruption (Ctrl-C cancels this task) stop every
         request in flight before the client and the records file close, so only finished
@@ -834,6 +897,10 @@ class _Run:
         watch = asyncio.create_task(_watch_pauses(self.pauses))
         if router is not None and router.reads_gauges:
             scraper = asyncio.create_task(_scrape_every(self.client, self.base_urls, router))
+        wave = None
+        if (self.first_wave_scrape and self.closed and sessions is None and not self.fleet
+                and self.befores[0] is not None and self.arrival.concurrency > 1):  # type: ignore[union-attr]
+            wave = asyncio.create_task(self.scrape_first_wave())
         try:
             if sessions is not None and self.closed:
                 t0 = await self.clients(self.session, sessions.num_sessions, sessions.duration_s)
@@ -857,7 +924,7 @@ class _Run:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             raise
         finally:
-            for task in (scraper, watch):
+            for task in (scraper, watch, wave):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -901,6 +968,7 @@ class _Run:
                     "hit rate is the server's /metrics"
                 )
         fleet = self.fleet
+        mid, wave = self.first_wave_split()
         return LiveRun(
             records=recs,
             specs=self.specs,
@@ -924,6 +992,8 @@ class _Run:
             router=self.scenario.deployment.router if fleet and self.scenario.deployment else None,
             server_metrics=list(zip(self.befores, self.afters)) if fleet else [],
             client_pauses=pauses,
+            metrics_first_wave=mid,
+            first_wave=wave,
         )
 
 
@@ -1014,7 +1084,8 @@ def run_live(
     progress bar on stderr. Keyword options: ``api_key`` (Bearer token, never stored),
     ``request_timeout_s`` (per request, send to done; None: no limit), ``prompt_period``
     (prompts that repeat every that many tokens, see :class:`PromptBuilder`), ``token_pool``,
-    ``transport`` (tests only), ``return_token_ids``, ``on_record``. Raises
+    ``transport`` (tests only), ``return_token_ids``, ``on_record``, ``first_wave_scrape``
+    (one ``/metrics`` scrape after a closed loop's first wave, see module doc). Raises
     :class:`LiveError` (a one-line user error) when the server cannot be reached or cannot
     serve the workload.
     """

@@ -28,6 +28,15 @@ the step in flight at its arrival (which the simulated engine has of its own). S
   size (no slope to see), ``per_chunk_s`` is 0, ``output_s`` the median over the runs, and a
   note says why.
 
+A closed loop's first wave (one request per client, sent together) reaches the API server as
+a burst: its arrival stamps come late, so its server TTFT is short against the client's, and
+``client - server`` is larger for it than for any later request (on the CPU server about 26
+ms against 5 ms, in a calibration phase of 8 clients). Where the run has the client's
+first-wave scrape (:mod:`simcap.live.client`), ``client - server`` and the chunks per
+first-token step are read over the requests after the first wave alone: the server's TTFT
+histogram from that scrape to the end, the client's records of the same requests, the steps
+after the first wave's prefills (from the first step that prefilled nothing).
+
 Whether the front end is a queue (work carried from step to step, which saturates) is decided
 by the rate at which it is driven. A queue whose service time per chunk is ``per_chunk_s``
 would have been busy ``per_chunk_s x chunks per second`` of each run (``queue_utilisation``):
@@ -51,11 +60,13 @@ from scipy.optimize import nnls
 
 from simcap.calibrate import parse_iteration_log
 from simcap.live.client import LiveRun
+from simcap.live.prom import metrics_delta
 
 METHOD = (
     "arrival_s: server TTFT - queue - prefill (request histograms) in runs with one request in "
     "flight; output_s + per_chunk_s x chunks per first-token step: client TTFT - server TTFT, "
-    "by non-negative least squares over the runs (chunks per step from the step log)"
+    "by non-negative least squares over the runs (chunks per step from the step log; a closed "
+    "loop's first wave left out where the run scraped /metrics after it)"
 )
 MIN_SPAN_CHUNKS = 1.0  # the runs' chunks per first-token step must span this much for a slope
 # A slope stands only if every run lies this close to its line (seconds, or this share of the
@@ -77,6 +88,9 @@ class RunFigures:
     # The median gap between consecutive chunks of one step at the clients (None: no step
     # with two or more): the front end's serial work per chunk, streaming included.
     stream_gap_s: float | None = None
+    # The first-wave requests left out of client_minus_server_s and the chunks per step (0:
+    # the run had no first-wave scrape, or it could not be used).
+    first_wave_left_out: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -146,21 +160,45 @@ def run_figures(run: LiveRun, lines: Sequence[str]) -> RunFigures | None:
     if delta.get("count_time_to_first_token_seconds") != len(ok):
         return None  # the server counted requests the client did not send (or lost some)
     rows = parse_iteration_log(lines)
-    a = np.array([r["num_prefill_reqs"] for r in rows], dtype=float)
-    c = np.array([r["num_decode_reqs"] for r in rows], dtype=float)
-    if not a.sum():
-        return None
-    client = float(np.mean([r.chunk_times[0] - r.arrival_time for r in ok]))
     span = max(r.finish_time for r in ok) - min(r.arrival_time for r in ok)
     chunks = sum(len(r.chunk_times) for r in ok)
-    elapsed = float(np.median([r["step_time_s"] for r in rows]))
+    elapsed = float(np.median([r["step_time_s"] for r in rows])) if rows else 0.0
+    used, used_ttft, used_rows, left_out = ok, ttft, rows, 0
+    later = _after_first_wave(run, ok, rows)
+    if later is not None:
+        used, used_ttft, used_rows = later
+        left_out = len(ok) - len(used)
+    a = np.array([r["num_prefill_reqs"] for r in used_rows], dtype=float)
+    c = np.array([r["num_decode_reqs"] for r in used_rows], dtype=float)
+    if not a.sum():
+        return None
+    client = float(np.mean([r.chunk_times[0] - r.arrival_time for r in used]))
     return RunFigures(
-        requests=len(ok), max_in_flight=max_in_flight(run),
-        client_minus_server_s=client - ttft, server_minus_engine_s=ttft - queue - prefill,
+        requests=len(used), max_in_flight=max_in_flight(run),
+        client_minus_server_s=client - used_ttft, server_minus_engine_s=ttft - queue - prefill,
         chunks_per_first_token_step=float((a * (a + c)).sum() / a.sum()),
         chunks_per_s=chunks / span if span > 0 else 0.0,
         stream_gap_s=stream_gap(ok, elapsed),
+        first_wave_left_out=left_out,
     )
+
+
+def _after_first_wave(run: LiveRun, ok: list[Any], rows: list[dict[str, Any]]
+                      ) -> tuple[list[Any], float, list[dict[str, Any]]] | None:
+    """The requests after a closed loop's first wave (module doc), the server's mean TTFT of
+    them and the steps after the first wave's prefills; None without a usable first-wave scrape."""
+    if run.first_wave is None or run.metrics_first_wave is None:
+        return None
+    wave = set(run.first_wave)
+    later = [r for r in ok if r.request_id not in wave]
+    delta = metrics_delta(run.metrics_first_wave, run.metrics_after)
+    ttft = delta.get("mean_time_to_first_token_seconds")
+    if not later or ttft is None or delta.get("count_time_to_first_token_seconds") != len(later):
+        return None
+    first_decode = next((i for i, r in enumerate(rows) if r["num_prefill_reqs"] == 0), None)
+    if first_decode is None:
+        return None
+    return later, ttft, rows[first_decode:]
 
 
 def fit_frontend(runs: Sequence[tuple[LiveRun, Sequence[str]]]) -> FrontendFit:

@@ -126,16 +126,25 @@ def parse_metrics(text: str, when: float | None = None) -> ServerMetrics:
     return snap
 
 
-async def scrape(client: httpx.AsyncClient, base_url: str) -> ServerMetrics | None:
-    """GET ``/metrics``; None when the server exposes none (or it cannot be read)."""
+async def scrape_text(client: httpx.AsyncClient, base_url: str) -> tuple[str, float] | None:
+    """GET ``/metrics``: its text and the ``time.time()`` it came back (parse it later with
+    :func:`parse_metrics`, off a run's busy loop); None when the server exposes none."""
     try:
         resp = await client.get(base_url.rstrip("/") + "/metrics", timeout=10.0)
     except httpx.HTTPError:
         return None
     if resp.status_code != 200:
         return None
+    return resp.text, time.time()
+
+
+async def scrape(client: httpx.AsyncClient, base_url: str) -> ServerMetrics | None:
+    """GET ``/metrics``; None when the server exposes none (or it cannot be read)."""
+    got = await scrape_text(client, base_url)
+    if got is None:
+        return None
     try:
-        return parse_metrics(resp.text)
+        return parse_metrics(got[0], when=got[1])
     except ValueError:
         return None
 

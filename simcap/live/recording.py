@@ -4,7 +4,7 @@
 run's facts (loop, rates, sessions, servers), what each request asked for (its
 :class:`~simcap.workloads.requests.RequestSpec`), every request's record (times rounded to
 the microsecond), each server's ``/metrics`` text before and after the run (histogram buckets
-included), the lines the server's per-step log (``--enable-logging-iteration-details``) wrote
+included; a closed loop's first-wave scrape too, with the ids it counted), the lines the server's per-step log (``--enable-logging-iteration-details``) wrote
 while the run ran, one list per server, and the host-load watch. :func:`load_run` gives the
 same :class:`LiveRun` back (its ``/metrics`` snapshots parsed again from the text), so a
 recorded run is simulated, summarised and fitted by exactly the code a live one goes through.
@@ -30,7 +30,8 @@ FORMAT = "simcap recorded live run 1"
 SUFFIX = ".run.json.gz"
 _RUN_FACTS = ("base_url", "model", "endpoint", "closed_loop", "requested_rate", "scheduled_rate",
               "achieved_rate", "wall_duration_s", "max_send_lag_s", "token_fixups", "notes",
-              "interrupted", "sessions", "cached_tokens_reported", "base_urls", "router", "client_pauses")
+              "interrupted", "sessions", "cached_tokens_reported", "base_urls", "router", "client_pauses",
+              "first_wave")
 
 
 @dataclass
@@ -110,6 +111,8 @@ def save_run(path: str | Path, run: LiveRun, *, iterations: list[list[str]] | No
         metrics = [{"before": _snapshot(b), "after": _snapshot(a)} for b, a in run.server_metrics]
     else:
         metrics = [{"before": _snapshot(run.metrics_before), "after": _snapshot(run.metrics_after)}]
+        if run.metrics_first_wave is not None:
+            metrics[0]["first_wave"] = _snapshot(run.metrics_first_wave)
     data = {
         "format": FORMAT,
         "simcap_version": __version__,
@@ -154,6 +157,7 @@ def load_run(path: str | Path) -> RecordedRun:
         metrics_before=None if fleet or not snaps else snaps[0][0],
         metrics_after=None if fleet or not snaps else snaps[0][1],
         server_metrics=snaps if fleet else [],
+        metrics_first_wave=None if fleet or not snaps else _parse_snapshot(data["metrics"][0].get("first_wave")),
         **facts,
     )
     return RecordedRun(run, [list(x) for x in data.get("iterations", [])], dict(data.get("cpu") or {}),
