@@ -44,13 +44,12 @@ so live and simulated runs go through the one metrics path (:func:`simcap.metric
 - With ``first_wave_scrape`` (the calibration's phases), a closed loop of several clients on
   one server also scrapes ``/metrics`` once mid-run: when each of the first wave's requests
   (one per client, sent together) has its first token and none has finished, so no later
-  request has been sent. The server's counters then split the
-  run into the first wave and the requests after it (``LiveRun.metrics_first_wave`` and
-  ``first_wave``: the ids whose first token the scrape counted). It is kept only when the
-  server had counted exactly the first tokens the client had seen; a note says when not. The
-  burst of a first wave delays the API server's arrival stamps, so its server-side TTFT is
-  short against the client's; the front-end fit
-  (:func:`simcap.live.frontend_fit.run_figures`) reads the later requests alone.
+  request has been sent. The server's counters then split the run into the first wave and the
+  requests after it (``LiveRun.metrics_first_wave`` and ``first_wave``: the ids whose first
+  token the scrape counted). It is kept only when the server had counted exactly the first
+  tokens the client had seen; a note says when not. The burst of a first wave delays the API
+  server's arrival stamps, so its server-side TTFT is short against the client's; the
+  front-end fit (:func:`simcap.live.frontend_fit.run_figures`) reads the later requests alone.
 - ``api_key``: sent as ``Authorization: Bearer KEY`` on every request; it is kept out of every
   record, result and message (any echo of it in a server's error text is masked).
 - ``request_timeout_s``: a request that has not completed within that many seconds of its
@@ -600,8 +599,8 @@ async def _run_live_async(
     base_urls = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else base_url)]
     check_fleet_urls(scenario, len(base_urls))
     check_request_timeout(request_timeout_s)
-    run = _Run(scenario, base_urls, model, endpoint, request_timeout_s, return_token_ids, on_record, api_key)
-    run.first_wave_scrape = first_wave_scrape
+    run = _Run(scenario, base_urls, model, endpoint, request_timeout_s, return_token_ids, on_record, api_key,
+               first_wave_scrape)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(request_timeout_s, connect=min(30.0, request_timeout_s or 30.0), pool=None)
     try:
@@ -633,7 +632,8 @@ class _Run:
 
     def __init__(self, scenario: Scenario, base_urls: list[str], model: str | None, endpoint: Endpoint,
                  request_timeout_s: float | None, return_token_ids: bool,
-                 on_record: Callable[[RequestRecord], None] | None, api_key: str | None) -> None:
+                 on_record: Callable[[RequestRecord], None] | None, api_key: str | None,
+                 first_wave_scrape: bool = False) -> None:
         self.scenario = scenario
         self.base_urls = base_urls
         self.model = model
@@ -672,9 +672,9 @@ class _Run:
         self.t0: float | None = None
         self.befores: list[ServerMetrics | None] = []
         self.afters: list[ServerMetrics | None] = []
+        self.first_wave_scrape = first_wave_scrape
         # The first-wave scrape as taken: its text and time, the ids with a first token
-        # before and after it, and whether a request finished meanwhile.
-        self.first_wave_scrape = False
+        # before and after it, and whether a request ended meanwhile.
         self.wave_scrape: tuple[str, float, list[int], list[int], bool] | None = None
 
     async def connect(self, client: httpx.AsyncClient, token_pool: Sequence[int] | None,
@@ -854,15 +854,15 @@ class _Run:
         while True:
             await asyncio.sleep(FIRST_WAVE_POLL_S)
             recs = [self.records.get(i) for i in wave]
-            if any(r is not None and r.finish_time is not None for r in recs):
-                return  # a request ended before the wave had its first tokens: no split
+            if any(r is not None and (r.finish_time is not None or r.error is not None) for r in recs):
+                return  # a request ended (or failed) before the wave had its first tokens: no split
             if all(r is not None and r.chunk_times for r in recs):
                 break
         seen = sorted(i for i, r in self.records.items() if r.chunk_times)
         got = await scrape_text(self.client, self.base_urls[0])
         if got is not None:
             after = sorted(i for i, r in self.records.items() if r.chunk_times)
-            ended = any(r.finish_time is not None for r in self.records.values())
+            ended = any(r.finish_time is not None or r.error is not None for r in self.records.values())
             self.wave_scrape = (got[0], got[1], seen, after, ended)
 
     def first_wave_split(self) -> tuple[ServerMetrics | None, list[int] | None]:

@@ -3,7 +3,8 @@
 The ONLY place live mode runs against a fake: an in-process ``httpx.MockTransport`` that
 speaks vLLM's streaming protocol, so each fault is injected into one known request and the
 test checks that it is recorded as an error while every other request is kept intact; and
-two such hosts behind one transport, to check which host each routed request went to. Also
+two such hosts behind one transport, to check which host each routed request went to; a host
+whose TTFT count races the client's first-wave scrape (it must not be kept). Also
 the client's check for a cancellation ``asyncio.wait_for`` swallows (no server at all). (It
 needs no server, so it runs in the default test suite.)
 """
@@ -573,3 +574,77 @@ def test_pause_spans_hand_computed():
     assert pause_spans(records, [[0.3, 0.12]]) == {1, 2, 3}
     assert pause_spans(records, []) == set()
     assert pause_spans(records, [[0.05, 0.1]]) == set()  # (request 0's first chunk came as it began)
+
+
+# --------------------------------------------------------------------------- the first-wave scrape
+
+
+class _SlowBody(httpx.AsyncByteStream):
+    """The first token at once, the rest after ``pause_s``: a first wave that decodes a while."""
+
+    def __init__(self, parts: list[bytes], pause_s: float) -> None:
+        self.parts, self.pause_s = parts, pause_s
+
+    async def __aiter__(self):
+        import asyncio
+
+        yield self.parts[0] + self.parts[1]
+        await asyncio.sleep(self.pause_s)
+        for part in self.parts[2:]:
+            yield part
+
+
+class CountingFakeVllm(FakeVllm):
+    """Counts the first tokens it sent in a TTFT histogram on /metrics (``extra``: first tokens
+    it claims beyond those, as a server that counted a request the client had not seen)."""
+
+    def __init__(self, extra: int = 0) -> None:
+        super().__init__()
+        self.first_tokens = self.done = 0
+        self.extra = extra
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            n = self.first_tokens + (self.extra if self.first_tokens else 0)
+            return httpx.Response(200, text=(
+                "# TYPE vllm:time_to_first_token_seconds histogram\n"
+                f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="fake"}} {n}\n'
+                f'vllm:time_to_first_token_seconds_count{{model_name="fake"}} {n}\n'
+                f'vllm:time_to_first_token_seconds_sum{{model_name="fake"}} {0.05 * n}\n'
+                "# TYPE vllm:request_success_total counter\n"
+                f'vllm:request_success_total{{model_name="fake",finished_reason="length"}} {self.done}\n'
+            ))
+        if request.url.path != "/v1/completions":
+            return super().__call__(request)
+        body = json.loads(request.content)
+        self.calls += 1
+        self.first_tokens += 1
+        self.done += 1  # (counted once the stream is handed over: the settled scrape's count)
+        n = body["max_tokens"]
+        parts = [_sse({"choices": [{"text": "", "finish_reason": None}]})]
+        parts += [_sse({"choices": [{"text": "x", "token_ids": [7], "finish_reason": "length" if k == n - 1 else None}]})
+                  for k in range(n)]
+        parts += [_sse({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}),
+                  _sse(b"[DONE]")]
+        return httpx.Response(200, stream=_SlowBody(parts, 0.3))
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_first_wave_scrape_is_kept_only_when_the_server_counted_what_the_client_saw(extra):
+    sc = parse_scenario({
+        "engine": dict(block_size=32, num_gpu_blocks=1000, max_model_len=4096),
+        "workload": dict(arrival={"process": "closed", "concurrency": 2}, num_requests=4,
+                         input_len={"dist": "uniform", "low": 20, "high": 60}, output_len=4),
+    })
+    fake = CountingFakeVllm(extra)
+    run = run_live(sc, "http://fake:8000", transport=httpx.MockTransport(fake), progress=False,
+                   first_wave_scrape=True)
+    assert all(r.succeeded for r in run.records)
+    if extra:  # two first tokens seen, three counted: not kept, and the notes say why
+        assert run.first_wave is None and run.metrics_first_wave is None
+        assert any("first-wave /metrics scrape was not kept: the server had counted 3" in n for n in run.notes)
+    else:
+        assert run.first_wave == [0, 1]
+        assert run.metrics_first_wave.histogram_count["vllm:time_to_first_token_seconds"] == 2
+    plain = run_live(sc, "http://fake:8000", transport=httpx.MockTransport(CountingFakeVllm()), progress=False)
+    assert plain.first_wave is None and not any("first-wave" in n for n in plain.notes)  # (off by default)
