@@ -4,8 +4,9 @@
 run's facts (loop, rates, sessions, servers), what each request asked for (its
 :class:`~simcap.workloads.requests.RequestSpec`), every request's record (times rounded to
 the microsecond), each server's ``/metrics`` text before and after the run (histogram buckets
-included; a closed loop's first-wave scrape too, with the ids it counted), the lines the server's per-step log (``--enable-logging-iteration-details``) wrote
-while the run ran, one list per server, and the host-load watch. :func:`load_run` gives the
+included; a calibration phase's first-wave scrape too, with the ids it counted), the lines the
+server's per-step log (``--enable-logging-iteration-details``) wrote while the run ran, one
+list per server, and the host-load watch. :func:`load_run` gives the
 same :class:`LiveRun` back (its ``/metrics`` snapshots parsed again from the text), so a
 recorded run is simulated, summarised and fitted by exactly the code a live one goes through.
 Same file, same run: replays are deterministic.
