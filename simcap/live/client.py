@@ -93,7 +93,6 @@ PAUSE_PROBE_S = 0.01  # how often the pause watch wakes
 PAUSE_MIN_S = 0.05  # a wake-up this late or later is a pause of the load generator
 PAUSE_DISTURBS_S = 0.1  # a pause this long or longer disturbs its run (LiveRun.paused)
 FIRST_WAVE_POLL_S = 0.005  # how often the first-wave scrape looks for the wave's first tokens
-TTFT = "vllm:time_to_first_token_seconds"
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS = ("completions", "chat")
@@ -872,13 +871,11 @@ class _Run:
         if self.wave_scrape is None:
             return None, None
         text, when, seen, after, ended = self.wave_scrape
-        before = self.befores[0]
         try:
             mid = parse_metrics(text, when=when)
         except ValueError:
             return None, None
-        assert before is not None
-        counted = mid.histogram_count.get(TTFT, 0.0) - before.histogram_count.get(TTFT, 0.0)
+        counted = metrics_delta(self.befores[0], mid)["count_time_to_first_token_seconds"]
         if seen != after or ended or counted != len(seen):
             self.notes.append(
                 f"the first-wave /metrics scrape was not kept: the server had counted {counted:.0f} first "
