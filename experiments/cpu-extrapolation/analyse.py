@@ -53,10 +53,25 @@ def runs(model: str, data: Path = DATA) -> list[int]:
     return sorted(int(p.name[3:]) for p in (data / model).glob("run*") if (p / "c1.iterations.log.gz").exists())
 
 
+def round_files(model: str, run: int, level: int, suffix: str, data: Path = DATA) -> list[Path]:
+    """The level's files of every round, in round order (``collect.py --rounds``; one for older runs)."""
+    folder = data / model / f"run{run}"
+    later = sorted(folder.glob(f"c{level}.round*.{suffix}"), key=lambda p: int(p.name.split(".")[1][5:]))
+    return [folder / f"c{level}.{suffix}", *later]
+
+
+def step_rows_by_round(model: str, run: int, level: int, data: Path = DATA) -> list[list[dict[str, float]]]:
+    """The level's iteration-log rows (:func:`simcap.calibrate.parse_iteration_log` format), per round."""
+    out = []
+    for path in round_files(model, run, level, "iterations.log.gz", data):
+        with gzip.open(path, "rt") as fh:
+            out.append(parse_iteration_log(fh))
+    return out
+
+
 def step_rows(model: str, run: int, level: int, data: Path = DATA) -> list[dict[str, float]]:
-    """The level's iteration-log rows (:func:`simcap.calibrate.parse_iteration_log` format)."""
-    with gzip.open(data / model / f"run{run}" / f"c{level}.iterations.log.gz", "rt") as fh:
-        return parse_iteration_log(fh)
+    """The level's iteration-log rows, every round's."""
+    return [row for rows in step_rows_by_round(model, run, level, data) for row in rows]
 
 
 def step_samples(model: str, run: int, levels=LEVELS, *, pure_decode: bool = False,
@@ -72,9 +87,29 @@ def step_samples(model: str, run: int, levels=LEVELS, *, pure_decode: bool = Fal
     return out
 
 
+def records_by_round(model: str, run: int, level: int, data: Path = DATA) -> list[list[RequestRecord]]:
+    out = []
+    for path in round_files(model, run, level, "records.jsonl.gz", data):
+        with gzip.open(path, "rt") as fh:
+            out.append([RequestRecord.from_dict(json.loads(line)) for line in fh if line.strip()])
+    return out
+
+
 def records(model: str, run: int, level: int, data: Path = DATA) -> list[RequestRecord]:
-    with gzip.open(data / model / f"run{run}" / f"c{level}.records.jsonl.gz", "rt") as fh:
-        return [RequestRecord.from_dict(json.loads(line)) for line in fh if line.strip()]
+    """The client's records of the level, every round's."""
+    return [r for recs in records_by_round(model, run, level, data) for r in recs]
+
+
+def output_throughput(rounds: list[list[RequestRecord]]) -> float:
+    """Output tokens per second of the level's rounds together: their tokens over the sum of their spans
+    (first send to last finish of each round; the pauses between rounds are not the server's)."""
+    tokens = spans = 0.0
+    for recs in rounds:
+        s = summarize(recs)
+        n = sum(r.num_output_tokens for r in recs if r.succeeded)
+        tokens += n
+        spans += n / s.throughput["output_tokens_per_s"]
+    return tokens / spans
 
 
 # --------------------------------------------------------------------------- analysis
@@ -88,7 +123,11 @@ def level_stats(model: str, run: int, level: int, data: Path = DATA) -> dict[str
     ms = s.y * 1e3
     batch = s.X[:, _DEC]
     full = ms[batch == level]
-    summ = summarize(records(model, run, level, data))
+    rounds = records_by_round(model, run, level, data)
+    summ = summarize([r for recs in rounds for r in recs])
+    full_by_round = [[r["step_time_s"] * 1e3 for r in rows
+                      if r["num_prefill_tokens"] == 0 and r["num_decode_reqs"] == level]
+                     for rows in step_rows_by_round(model, run, level, data)]
     return {
         "steps": all_steps, "decode_steps": len(s), "full_batch_steps": int(len(full)),
         "decode_ms_p50": float(np.median(ms)), "decode_ms_p5": float(np.percentile(ms, 5)),
@@ -96,8 +135,9 @@ def level_stats(model: str, run: int, level: int, data: Path = DATA) -> dict[str
         "full_batch_ms_p50": float(np.median(full)) if len(full) else None,
         "mean_decode_batch": float(batch.mean()),
         "tpot_p50_ms": summ.tpot_s.p50 * 1e3 if summ.tpot_s.p50 is not None else None,
-        "output_tok_s": summ.throughput["output_tokens_per_s"],
+        "output_tok_s": output_throughput(rounds),
         "failed": summ.failed,
+        "full_batch_ms_p50_by_round": [float(np.median(t)) if t else None for t in full_by_round],
     }
 
 
@@ -134,6 +174,12 @@ def _f(x, fmt="{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def by_round(stats: dict[str, Any]) -> str:
+    """`` (rounds a / b / c)`` for a level collected in several rounds, else empty."""
+    r = stats.get("full_batch_ms_p50_by_round", [])
+    return f" (rounds {' / '.join(_f(x, '{:.2f}') for x in r)})" if len(r) > 1 else ""
+
+
 def render(result: dict[str, Any]) -> str:
     out = ["| model/run | level | steps | pure-decode steps | decode step p50 (p5-p95) ms | at full batch p50 ms "
            "| TPOT p50 ms | output tok/s |",
@@ -141,7 +187,8 @@ def render(result: dict[str, Any]) -> str:
     for key, r in result.items():
         for lv, s in r["levels"].items():
             out.append(f"| {key} | {lv} | {s['steps']} | {s['decode_steps']} | {s['decode_ms_p50']:.2f} "
-                       f"({s['decode_ms_p5']:.2f}-{s['decode_ms_p95']:.2f}) | {_f(s['full_batch_ms_p50'], '{:.2f}')} "
+                       f"({s['decode_ms_p5']:.2f}-{s['decode_ms_p95']:.2f}) | {_f(s['full_batch_ms_p50'], '{:.2f}')}"
+                       f"{by_round(s)} "
                        f"| {_f(s['tpot_p50_ms'], '{:.2f}')} | {s['output_tok_s']:.0f} |")
     out += ["", "Linear step-time fits on levels 1, 2, 4; median pure-decode step, predicted vs measured "
             "(error = predicted / measured - 1):", "",

@@ -11,13 +11,18 @@ On a shared machine wrap it in the machine's measurement lock (``flock LOCKFILE 
 One server per invocation (eager, ``--enable-logging-iteration-details``, ``--max-num-seqs 32``,
 ``--max-num-batched-tokens 512``), warmed up, then one closed-loop stage per level (1, 2, 4, 8,
 16, 32 clients; prompts and outputs uniform 64-128 tokens; ``max(8, 6 x level)`` requests, so
-every level has several hundred decode steps), the prefix cache emptied before each. Written
-under ``data/<model>/run<k>/``:
+every level has several hundred decode steps), the prefix cache emptied before each.
+``--rounds R`` runs that sequence of levels R times over (interleaved: 1, 2, ..., 32, 1, 2, ...),
+each round with new prompts, so that a change of the host's speed lasting a minute lands on
+every level instead of on one (runs 1-4 were one round). Written under ``data/<model>/run<k>/``:
 
-- ``c<N>.iterations.log.gz``: the server's ``Iteration(i): ...`` lines logged during level N;
-- ``c<N>.records.jsonl.gz``: the client's per-request records (``RequestRecord.to_dict()``);
-- ``run.json``: server flags and version, CPU flags, and per level the client's summary and
-  the CPU time other processes used while it ran (``disturbed`` when above 0.1 core).
+- ``c<N>.iterations.log.gz``: the server's ``Iteration(i): ...`` lines logged during level N
+  (round 1; round k > 1 in ``c<N>.round<k>.iterations.log.gz``);
+- ``c<N>.records.jsonl.gz``: the client's per-request records (``RequestRecord.to_dict()``;
+  round k > 1 in ``c<N>.round<k>.records.jsonl.gz``);
+- ``run.json``: server flags and version, CPU flags, ``rounds``, and per level and round the
+  client's summary and the CPU time other processes used while it ran (``disturbed`` when
+  above 0.1 core).
 """
 
 from __future__ import annotations
@@ -99,12 +104,51 @@ def gzip_to(src: Path, dest: Path) -> None:
         shutil.copyfileobj(fi, fo)
 
 
+def round_name(level: int, rnd: int) -> str:
+    """File stem of one level's round: ``c<N>`` for round 1 (as runs of one round), else ``c<N>.round<k>``."""
+    return f"c{level}" if rnd == 1 else f"c{level}.round{rnd}"
+
+
+def collect_level(level: int, rnd: int, seed: int, server: VllmServer, base: str, log: Path, work: Path,
+                  dest: Path, model: str) -> dict:
+    """One closed-loop stage of ``level`` clients: its log lines and records written, its summary returned."""
+    reset_prefix_cache(base)
+    time.sleep(1.0)
+    offset = log_size(log)
+    stem = round_name(level, rnd)
+    records = work / f"{stem}.records.jsonl"
+    watch = CpuWatch(server_pids=server.pids()).start()
+    # Round 1 keeps the seed of one-round runs; later rounds draw new prompts and lengths.
+    run = run_live(scenario(level, num_requests(level), seed + level + 1000 * (rnd - 1)), base, "tiny",
+                   out_path=records, progress=False, request_timeout_s=600)
+    cpu = watch.stop()
+    lines = [ln for ln in read_log_window(log, offset).splitlines() if "Iteration(" in ln]
+    (work / f"{stem}.iterations.log").write_text("\n".join(lines) + "\n")
+    gzip_to(work / f"{stem}.iterations.log", dest / f"{stem}.iterations.log.gz")
+    gzip_to(records, dest / f"{stem}.records.jsonl.gz")
+    s = run.summary()
+    print(f"[{model}] round {rnd} c={level}: {len(run.records)} requests ({run.num_failed} failed), "
+          f"{len(lines)} steps, {s.throughput['output_tokens_per_s']:.0f} tok/s, TPOT p50 "
+          f"{(s.tpot_s.p50 or 0) * 1e3:.1f} ms, foreign {cpu.get('foreign_cores', 0):.2f} cores",
+          file=sys.stderr)
+    return {
+        "round": rnd, "num_requests": len(run.records), "failed": run.num_failed, "logged_steps": len(lines),
+        "wall_s": round(run.wall_duration_s, 3),
+        "output_throughput_tok_s": s.throughput["output_tokens_per_s"],
+        "tpot_p50_s": s.tpot_s.p50, "itl_p50_s": s.itl_s.p50, "ttft_p50_s": s.ttft_s.p50,
+        "foreign_cores": round(cpu.get("foreign_cores", 0.0), 3),
+        "steal_cores": round(cpu.get("steal_cores", 0.0), 3),
+        "top_foreign": cpu.get("top_foreign", []), "disturbed": cpu.get("disturbed", False),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--run", type=int, default=1, help="repeat number: data/<model>/run<k>/")
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="times over the sequence of levels, interleaved")
     ap.add_argument("--out", type=Path, default=HERE / "data")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -116,7 +160,7 @@ def main() -> None:
                                                                         *SERVER_ARGS],
                   "kv_cache_gib": 1, "cpu": cpu_facts(), "workload": {"input_len": INPUT_LEN,
                                                                       "output_len": OUTPUT_LEN},
-                  "levels": {}}
+                  "rounds": args.rounds, "levels": {}}
     model_dir = MODELS[args.model]()
     try:
         params = json.loads((model_dir / "simcap_tiny_model.json").read_text())["parameters"]
@@ -136,33 +180,10 @@ def main() -> None:
             run_live(scenario(4, 8, 999, {"dist": "uniform", "low": 32, "high": 512}, 8), base, "tiny",
                      progress=False)
             run_live(scenario(MAX_NUM_SEQS, MAX_NUM_SEQS, 998, INPUT_LEN, 16), base, "tiny", progress=False)
-            for level in levels:
-                reset_prefix_cache(base)
-                time.sleep(1.0)
-                offset = log_size(log)
-                records = work / f"c{level}.records.jsonl"
-                watch = CpuWatch(server_pids=server.pids()).start()
-                run = run_live(scenario(level, num_requests(level), args.seed + level), base, "tiny",
-                               out_path=records, progress=False, request_timeout_s=600)
-                cpu = watch.stop()
-                lines = [ln for ln in read_log_window(log, offset).splitlines() if "Iteration(" in ln]
-                (work / f"c{level}.iterations.log").write_text("\n".join(lines) + "\n")
-                gzip_to(work / f"c{level}.iterations.log", dest / f"c{level}.iterations.log.gz")
-                gzip_to(records, dest / f"c{level}.records.jsonl.gz")
-                s = run.summary()
-                meta["levels"][str(level)] = {
-                    "num_requests": len(run.records), "failed": run.num_failed, "logged_steps": len(lines),
-                    "wall_s": round(run.wall_duration_s, 3),
-                    "output_throughput_tok_s": s.throughput["output_tokens_per_s"],
-                    "tpot_p50_s": s.tpot_s.p50, "itl_p50_s": s.itl_s.p50, "ttft_p50_s": s.ttft_s.p50,
-                    "foreign_cores": round(cpu.get("foreign_cores", 0.0), 3),
-                    "steal_cores": round(cpu.get("steal_cores", 0.0), 3),
-                    "top_foreign": cpu.get("top_foreign", []), "disturbed": cpu.get("disturbed", False),
-                }
-                print(f"[{args.model}] c={level}: {len(run.records)} requests ({run.num_failed} failed), "
-                      f"{len(lines)} steps, {s.throughput['output_tokens_per_s']:.0f} tok/s, TPOT p50 "
-                      f"{(s.tpot_s.p50 or 0) * 1e3:.1f} ms, foreign {cpu.get('foreign_cores', 0):.2f} cores",
-                      file=sys.stderr)
+            for rnd in range(1, args.rounds + 1):
+                for level in levels:
+                    meta["levels"].setdefault(str(level), {"rounds": []})["rounds"].append(
+                        collect_level(level, rnd, args.seed, server, base, log, work, dest, args.model))
     finally:
         (dest / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
         if server.failed and log.exists():

@@ -55,12 +55,21 @@ HERE = Path(__file__).resolve().parent
 HARDWARE = {"AMD EPYC": "cpu-amd-epyc-zen4-2vcpu", "Intel(R) Xeon(R) Processor": "cpu-intel-xeon-avx512bf16-2vcpu"}
 
 
+def run_meta(model: str, run: int) -> dict[str, Any]:
+    return json.loads((A.DATA / model / f"run{run}" / "run.json").read_text())
+
+
 def machine_of(model: str, run: int) -> str:
     """The CPU a run was collected on (``run.json``), as ``HARDWARE`` names it."""
-    name = json.loads((A.DATA / model / f"run{run}" / "run.json").read_text())["cpu"]["model_name"]
+    name = run_meta(model, run)["cpu"]["model_name"]
     if name not in HARDWARE:
         raise SystemExit(f"{model}/run{run}: no catalog entry for a {name!r} CPU; add it to HARDWARE")
     return name
+
+
+def rounds_of(model: str, run: int) -> int:
+    """How many interleaved rounds of the levels the run holds (``collect.py --rounds``)."""
+    return int(run_meta(model, run).get("rounds", 1))
 SHAPES = {"dense": "tiny-llama-cpu", "moe": "tiny-qwen3-moe-cpu"}
 # 1 GiB of KV cache in blocks of 32 tokens: KV bytes per token 6 x 2 x 2 x 64 x 2 (dense),
 # 4 x 2 x 4 x 64 x 2 (MoE).
@@ -166,16 +175,18 @@ def analyse(bootstrap: int) -> dict[str, Any]:
                                                                         "output_tok_s")}
                                         for lv in A.LEVELS},
                            "forms": preds}
-    # Run-to-run spread of the measured figures.
+    # Run-to-run spread of the measured figures, between runs of one kind of machine and protocol.
     spread: dict[str, Any] = {}
     for model in A.models():
-        by_machine: dict[str, list[int]] = {}
+        by_kind: dict[tuple[str, int], list[int]] = {}
         for run in A.runs(model):
-            by_machine.setdefault(machine_of(model, run), []).append(run)
-        for machine, rr in by_machine.items():
+            by_kind.setdefault((machine_of(model, run), rounds_of(model, run)), []).append(run)
+        for (machine, rounds), rr in by_kind.items():
             if len(rr) >= 2:
                 a, b = result[f"{model}/run{rr[0]}"]["measured"], result[f"{model}/run{rr[1]}"]["measured"]
                 label = model if machine == "AMD EPYC" else f"{model} (runs {rr[0]}, {rr[1]}: Xeon)"
+                if rounds > 1:
+                    label = label[:-1] + f", {rounds} rounds)"
                 spread[label] = {lv: {k: abs(b[lv][k] / a[lv][k] - 1) for k in a[lv]} for lv in A.LEVELS}
     return {"results": result, "spread": spread}
 
