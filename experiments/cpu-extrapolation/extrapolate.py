@@ -21,8 +21,9 @@ Per model and run (``data/<model>/run<k>/``):
   throughput by simulating the level's closed loop with the fitted profile (simcap's
   ``simulate``; concurrency, request count and the measured prompt and output lengths of the
   level's records as empirical distributions; the server's engine settings).
-- **Spread**: where two runs exist on one kind of machine, the run-to-run difference of each
-  measured figure (``|second / first - 1|``), the bar a prediction cannot be asked to beat.
+- **Spread**: where two or more runs exist on one kind of machine and protocol (rounds), the
+  run-to-run difference of each measured figure (``|later / earlier - 1|``, the largest over
+  the pairs of runs), the bar a prediction cannot be asked to beat.
 
 ``--write``: ``results-roofline.md`` and ``results-roofline.json`` here.
 """
@@ -183,11 +184,14 @@ def analyse(bootstrap: int) -> dict[str, Any]:
             by_kind.setdefault((machine_of(model, run), rounds_of(model, run)), []).append(run)
         for (machine, rounds), rr in by_kind.items():
             if len(rr) >= 2:
-                a, b = result[f"{model}/run{rr[0]}"]["measured"], result[f"{model}/run{rr[1]}"]["measured"]
-                label = model if machine == "AMD EPYC" else f"{model} (runs {rr[0]}, {rr[1]}: Xeon)"
+                measured = [result[f"{model}/run{r}"]["measured"] for r in rr]
+                label = model if machine == "AMD EPYC" else f"{model} (runs {', '.join(map(str, rr))}: Xeon)"
                 if rounds > 1:
                     label = label[:-1] + f", {rounds} rounds)"
-                spread[label] = {lv: {k: abs(b[lv][k] / a[lv][k] - 1) for k in a[lv]} for lv in A.LEVELS}
+                # |later / earlier - 1|, the largest over the pairs of runs
+                spread[label] = {lv: {k: max(abs(b[lv][k] / a[lv][k] - 1) for i, a in enumerate(measured)
+                                             for b in measured[i + 1:])
+                                      for k in measured[0][lv]} for lv in A.LEVELS}
     return {"results": result, "spread": spread}
 
 
