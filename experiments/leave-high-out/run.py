@@ -3,6 +3,8 @@
 
     PYTHONPATH=. python experiments/leave-high-out/run.py [--only a800|910b4] [--intervals N]
     PYTHONPATH=. python experiments/leave-high-out/run.py --rows   # A800: leave each row out
+    PYTHONPATH=. python experiments/leave-high-out/run.py --skew   # A800: routing skew on a grid,
+                                                                   # and without the odd low row
 
 Each shipped recipe is refitted (no bootstrap) on a LOW subset of its published figures and
 the fitted profile PREDICTS the held-out figures, which the fit never saw; the table reports
@@ -47,6 +49,9 @@ MODEL_FORM = ROOT / "calibration" / "model_form.json"
 FIELD_CASES = ("field-a800-leave-high-out", "field-910b4-leave-high-out")
 A800_FIT = {"no-spec": {1, 2, 4}, "eagle3": {1, 2}}
 A800_HELD = {"no-spec": {8, 16}, "eagle3": {4}}
+# Routing skews tried by --skew (the recipe assumes 0, uniform routing); the grid of
+# experiments/cpu-extrapolation's skew fits.
+SKEW_GRID = (0.0, 0.25, 0.5, 0.625, 0.75, 0.85)
 
 
 def points_of(recipe: Recipe):
@@ -202,15 +207,67 @@ def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, i
     return out
 
 
-def a800(variant: str, intervals: int = 0) -> dict:
-    def conc(p):
-        arm = "eagle3" if p.scenario.get("speculative") else "no-spec"
-        return arm, p.scenario["workload"]["arrival"]["concurrency"]
+def a800_arm(p) -> tuple[str, int]:
+    """The A800 point's arm (no-spec or eagle3) and concurrency."""
+    arm = "eagle3" if p.scenario.get("speculative") else "no-spec"
+    return arm, p.scenario["workload"]["arrival"]["concurrency"]
 
+
+def a800_fitted(p) -> bool:
+    return a800_arm(p)[1] in A800_FIT[a800_arm(p)[0]]
+
+
+def a800_held(p) -> bool:
+    return a800_arm(p)[1] in A800_HELD[a800_arm(p)[0]]
+
+
+A800_METRICS = ["output_throughput", "e2e_mean", "e2e_p50"]
+
+
+def a800(variant: str, intervals: int = 0) -> dict:
     recipe = {"linear": "a800-minimax-m3.yaml"}.get(variant, "a800-minimax-m3.roofline.yaml")
-    return run_case(recipe, variant, lambda p: conc(p)[1] in A800_FIT[conc(p)[0]],
-                    lambda p: conc(p)[1] in A800_HELD[conc(p)[0]],
-                    ["output_throughput", "e2e_mean", "e2e_p50"], intervals)
+    return run_case(recipe, variant, a800_fitted, a800_held, A800_METRICS, intervals)
+
+
+def a800_drop_worst(variant: str) -> dict:
+    """The A800 split refitted without the low row the other low rows predict worst (their
+    leave-one-out, as ``simcap calibrate --leave-one-out``): a fit that trusts the rows which
+    agree with each other. The rule reads the fitted rows only."""
+    from simcap.calibrate.leave_one_out import leave_one_out
+
+    recipe = Recipe.load(RECIPES / {"linear": "a800-minimax-m3.yaml"}.get(variant, "a800-minimax-m3.roofline.yaml"))
+    if variant == "roofline-max":
+        recipe.step_time = {**recipe.step_time, "combine": "max"}
+    pts = points_of(recipe)
+    low = [p for p in pts if a800_fitted(p)]
+    loo = leave_one_out(low, lambda labels: fitted_step_time(fit_on(recipe, [p for p in low if p.label in labels]),
+                                                             recipe), ["output_throughput", "e2e_mean"])
+    worst = max(loo, key=lambda r: abs(r["rel_error"]))["point"]
+    st = fitted_step_time(fit_on(recipe, [p for p in low if p.label != worst]), recipe)
+    held = predict([p for p in pts if a800_held(p)], st, A800_METRICS)
+    return {"left_out": worst, "low_rows_leave_one_out": loo,
+            "held_out": [{k: r[k] for k in ("point", "metric", "error_pct")} for r in held],
+            "max_abs_error_pct": max(abs(r["error_pct"]) for r in held)}
+
+
+def a800_skew_grid(combine: str) -> list[dict]:
+    """The A800 roofline split at each routing skew of ``SKEW_GRID``: the low rows' own fit
+    error (what a fit could choose the skew by) and the held-out errors."""
+    out = []
+    for skew in SKEW_GRID:
+        recipe = Recipe.load(RECIPES / "a800-minimax-m3.roofline.yaml")
+        recipe.step_time = {**recipe.step_time, "routing_skew": skew, "combine": combine}
+        pts = points_of(recipe)
+        fit_pts = [p for p in pts if a800_fitted(p)]
+        st = fitted_step_time(fit_on(recipe, fit_pts), recipe)
+        fitted = predict(fit_pts, st, A800_METRICS)
+        held = predict([p for p in pts if a800_held(p)], st, A800_METRICS)
+        out.append({"routing_skew": skew,
+                    "fit_rms_error_pct": float(np.sqrt(np.mean([r["error_pct"] ** 2 for r in fitted]))),
+                    "experts_efficiency": st["efficiency"]["experts"],
+                    "held_out": [{k: r[k] for k in ("point", "metric", "error_pct")} for r in held],
+                    "max_abs_error_pct": max(abs(r["error_pct"]) for r in held)})
+    return out
 
 
 def b4(variant: str, intervals: int = 0) -> dict:
@@ -229,9 +286,28 @@ def main() -> None:
     ap.add_argument("--intervals", type=int, default=0, metavar="N",
                     help="bootstrap the fit N times and give each held-out figure its 90%% interval "
                          "and whether it holds the measurement (slower: N re-simulations)")
+    ap.add_argument("--skew", action="store_true",
+                    help="A800 only: the roofline split at each routing skew of a grid (sum and max), "
+                         "and each form without the low row the other low rows predict worst")
     args = ap.parse_args()
     out_path = HERE / "results.json"
     out = json.loads(out_path.read_text()) if out_path.exists() else {}
+    if args.skew:
+        out["a800_routing_skew"] = {}
+        for combine in ("sum", "max"):
+            grid = out["a800_routing_skew"][f"roofline-{combine}"] = a800_skew_grid(combine)
+            print("a800 routing skew, roofline", combine)
+            for g in grid:
+                errs = ", ".join(f"{r['error_pct']:+.1f}" for r in g["held_out"])
+                print(f"   skew {g['routing_skew']:<5} fit rms {g['fit_rms_error_pct']:.2f}%  experts "
+                      f"{g['experts_efficiency']:.2f}  held out {errs}  max {g['max_abs_error_pct']:.1f}%")
+        out["a800_drop_worst"] = {}
+        for variant in ("linear", "roofline-sum", "roofline-max"):
+            r = out["a800_drop_worst"][variant] = a800_drop_worst(variant)
+            errs = ", ".join(f"{x['error_pct']:+.1f}" for x in r["held_out"])
+            print(f"a800 without {r['left_out']} ({variant}): held out {errs}  max {r['max_abs_error_pct']:.1f}%")
+        out_path.write_text(json.dumps(out, indent=2) + "\n")
+        return
     if args.rows:
         out["a800_leave_one_row_out"] = {}
         for variant, recipe in (("linear", "a800-minimax-m3.yaml"), ("roofline-sum", "a800-minimax-m3.roofline.yaml")):
