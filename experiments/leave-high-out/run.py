@@ -169,10 +169,16 @@ def leave_one_row_out(recipe_file: str, metrics) -> list[dict]:
     return [{**r, "error_pct": r["rel_error"] * 100} for r in rows]
 
 
-def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, intervals: int = 0) -> dict:
+def load_variant(recipe_file: str, variant: str) -> Recipe:
+    """The shipped recipe, its roofline combined by max for ``roofline-max``."""
     recipe = Recipe.load(RECIPES / recipe_file)
     if variant == "roofline-max":
         recipe.step_time = {**recipe.step_time, "combine": "max"}
+    return recipe
+
+
+def run_case(recipe_file: str, variant: str, fit_filter, held_filter, metrics, intervals: int = 0) -> dict:
+    recipe = load_variant(recipe_file, variant)
     pts = points_of(recipe)
     fit_pts = [p for p in pts if fit_filter(p)]
     held = [p for p in pts if held_filter(p)]
@@ -224,9 +230,12 @@ def a800_held(p) -> bool:
 A800_METRICS = ["output_throughput", "e2e_mean", "e2e_p50"]
 
 
+def a800_recipe(variant: str) -> str:
+    return "a800-minimax-m3.yaml" if variant == "linear" else "a800-minimax-m3.roofline.yaml"
+
+
 def a800(variant: str, intervals: int = 0) -> dict:
-    recipe = {"linear": "a800-minimax-m3.yaml"}.get(variant, "a800-minimax-m3.roofline.yaml")
-    return run_case(recipe, variant, a800_fitted, a800_held, A800_METRICS, intervals)
+    return run_case(a800_recipe(variant), variant, a800_fitted, a800_held, A800_METRICS, intervals)
 
 
 def a800_drop_worst(variant: str) -> dict:
@@ -235,9 +244,7 @@ def a800_drop_worst(variant: str) -> dict:
     agree with each other. The rule reads the fitted rows only."""
     from simcap.calibrate.leave_one_out import leave_one_out
 
-    recipe = Recipe.load(RECIPES / {"linear": "a800-minimax-m3.yaml"}.get(variant, "a800-minimax-m3.roofline.yaml"))
-    if variant == "roofline-max":
-        recipe.step_time = {**recipe.step_time, "combine": "max"}
+    recipe = load_variant(a800_recipe(variant), variant)
     pts = points_of(recipe)
     low = [p for p in pts if a800_fitted(p)]
     loo = leave_one_out(low, lambda labels: fitted_step_time(fit_on(recipe, [p for p in low if p.label in labels]),
@@ -255,7 +262,7 @@ def a800_skew_grid(combine: str) -> list[dict]:
     error (what a fit could choose the skew by) and the held-out errors."""
     out = []
     for skew in SKEW_GRID:
-        recipe = Recipe.load(RECIPES / "a800-minimax-m3.roofline.yaml")
+        recipe = Recipe.load(RECIPES / a800_recipe("roofline"))
         recipe.step_time = {**recipe.step_time, "routing_skew": skew, "combine": combine}
         pts = points_of(recipe)
         fit_pts = [p for p in pts if a800_fitted(p)]
