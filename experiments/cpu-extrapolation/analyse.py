@@ -74,17 +74,19 @@ def step_rows(model: str, run: int, level: int, data: Path = DATA) -> list[dict[
     return [row for rows in step_rows_by_round(model, run, level, data) for row in rows]
 
 
+def samples_of(rows: list[dict[str, float]], where: str, *, pure_decode: bool = False) -> StepSamples:
+    """Iteration-log rows as simcap's step samples; ``pure_decode``: steps with no prefill only."""
+    if pure_decode:
+        rows = [r for r in rows if r["num_prefill_tokens"] == 0 and r["num_decode_reqs"] > 0]
+    return _rows_to_samples(rows, where, {"file": where, "format": "vllm iteration log"})
+
+
 def step_samples(model: str, run: int, levels=LEVELS, *, pure_decode: bool = False,
                  data: Path = DATA) -> dict[int, StepSamples]:
     """``{level: StepSamples}`` of one model and run; ``pure_decode``: steps with no prefill only."""
-    out = {}
-    for level in levels:
-        rows = step_rows(model, run, level, data)
-        if pure_decode:
-            rows = [r for r in rows if r["num_prefill_tokens"] == 0 and r["num_decode_reqs"] > 0]
-        where = f"{model}/run{run}/c{level}"
-        out[level] = _rows_to_samples(rows, where, {"file": where, "format": "vllm iteration log"})
-    return out
+    return {level: samples_of(step_rows(model, run, level, data), f"{model}/run{run}/c{level}",
+                              pure_decode=pure_decode)
+            for level in levels}
 
 
 def records_by_round(model: str, run: int, level: int, data: Path = DATA) -> list[list[RequestRecord]]:
@@ -118,8 +120,10 @@ _DEC = TERMS.index("per_decode_token")
 
 
 def level_stats(model: str, run: int, level: int, data: Path = DATA) -> dict[str, Any]:
-    s = step_samples(model, run, [level], pure_decode=True, data=data)[level]
-    all_steps = len(step_rows(model, run, level, data))
+    rows_by_round = step_rows_by_round(model, run, level, data)
+    all_rows = [row for rows in rows_by_round for row in rows]
+    s = samples_of(all_rows, f"{model}/run{run}/c{level}", pure_decode=True)
+    all_steps = len(all_rows)
     ms = s.y * 1e3
     batch = s.X[:, _DEC]
     full = ms[batch == level]
@@ -127,7 +131,7 @@ def level_stats(model: str, run: int, level: int, data: Path = DATA) -> dict[str
     summ = summarize([r for recs in rounds for r in recs])
     full_by_round = [[r["step_time_s"] * 1e3 for r in rows
                       if r["num_prefill_tokens"] == 0 and r["num_decode_reqs"] == level]
-                     for rows in step_rows_by_round(model, run, level, data)]
+                     for rows in rows_by_round]
     return {
         "steps": all_steps, "decode_steps": len(s), "full_batch_steps": int(len(full)),
         "decode_ms_p50": float(np.median(ms)), "decode_ms_p5": float(np.percentile(ms, 5)),

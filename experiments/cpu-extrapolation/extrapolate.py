@@ -71,6 +71,8 @@ def machine_of(model: str, run: int) -> str:
 def rounds_of(model: str, run: int) -> int:
     """How many interleaved rounds of the levels the run holds (``collect.py --rounds``)."""
     return int(run_meta(model, run).get("rounds", 1))
+
+
 SHAPES = {"dense": "tiny-llama-cpu", "moe": "tiny-qwen3-moe-cpu"}
 # 1 GiB of KV cache in blocks of 32 tokens: KV bytes per token 6 x 2 x 2 x 64 x 2 (dense),
 # 4 x 2 x 4 x 64 x 2 (MoE).
@@ -185,9 +187,10 @@ def analyse(bootstrap: int) -> dict[str, Any]:
         for (machine, rounds), rr in by_kind.items():
             if len(rr) >= 2:
                 measured = [result[f"{model}/run{r}"]["measured"] for r in rr]
-                label = model if machine == "AMD EPYC" else f"{model} (runs {', '.join(map(str, rr))}: Xeon)"
+                facts = [] if machine == "AMD EPYC" else [f"runs {', '.join(map(str, rr))}: Xeon"]
                 if rounds > 1:
-                    label = label[:-1] + f", {rounds} rounds)"
+                    facts.append(f"{rounds} rounds")
+                label = f"{model} ({', '.join(facts)})" if facts else model
                 # |later / earlier - 1|, the largest over the pairs of runs
                 spread[label] = {lv: {k: max(abs(b[lv][k] / a[lv][k] - 1) for i, a in enumerate(measured)
                                              for b in measured[i + 1:])
