@@ -849,20 +849,24 @@ class _Run:
     async def scrape_first_wave(self) -> None:
         """/metrics once each of the first wave's requests has its first token, if none has
         finished by then (module doc); the text is parsed and judged in :meth:`result`."""
+        def ended(r: RequestRecord | None) -> bool:  # finished, or failed
+            return r is not None and (r.finish_time is not None or r.error is not None)
+
+        def with_first_token() -> list[int]:
+            return sorted(i for i, r in self.records.items() if r.chunk_times)
+
         wave = range(min(self.arrival.concurrency, self.n_total or self.arrival.concurrency))  # type: ignore[union-attr]
         while True:
             await asyncio.sleep(FIRST_WAVE_POLL_S)
             recs = [self.records.get(i) for i in wave]
-            if any(r is not None and (r.finish_time is not None or r.error is not None) for r in recs):
-                return  # a request ended (or failed) before the wave had its first tokens: no split
+            if any(ended(r) for r in recs):
+                return  # a request ended before the wave had its first tokens: no split
             if all(r is not None and r.chunk_times for r in recs):
                 break
-        seen = sorted(i for i, r in self.records.items() if r.chunk_times)
+        seen = with_first_token()
         got = await scrape_text(self.client, self.base_urls[0])
         if got is not None:
-            after = sorted(i for i, r in self.records.items() if r.chunk_times)
-            ended = any(r.finish_time is not None or r.error is not None for r in self.records.values())
-            self.wave_scrape = (got[0], got[1], seen, after, ended)
+            self.wave_scrape = (got[0], got[1], seen, with_first_token(), any(map(ended, self.records.values())))
 
     def first_wave_split(self) -> tuple[ServerMetrics | None, list[int] | None]:
         """The first-wave scrape, parsed, and the ids it counted, if the server had counted
