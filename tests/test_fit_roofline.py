@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -283,3 +288,27 @@ def test_an_efficiency_below_one_is_named_as_below_the_physical_floor():
     (note,) = physics_floor_notes({"efficiency.weights": 0.583, "efficiency.kv_read": 0.0, "efficiency.compute": 3.1})
     assert note.startswith("below the physical floor (efficiency < 1: faster than the datasheet allows): "
                            "efficiency.weights 0.583, efficiency.kv_read 0; ")
+
+
+# A corpus case whose max-form fit lies in a flat valley: before the solver read its
+# coefficients settled (fit_roofline._settled) and its exact Jacobian, the kernels below moved
+# its fitted mixed_step by up to 65%, and the accuracy record written on one machine failed on
+# another.
+_FIT_ONE_CASE = (
+    "import json; from simcap.accuracy.corpus import load_case; from simcap.accuracy.replay import fit_live; "
+    "st = fit_live(load_case('calibration/corpus/cpu-dense-frontend'), 'roofline')['step_time']; "
+    "print(json.dumps({k: v for k, v in st.items() if k not in ('noise', 'hardware')}, sort_keys=True))")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="OpenBLAS core types of x86-64")
+def test_the_max_form_fit_is_the_same_whichever_blas_kernel_runs_it():
+    """Machines differ in the last bits of a matrix product (OpenBLAS picks its kernels by the
+    CPU: SSE3, AVX, AVX2, AVX-512); a live fit must give the same profile on every one."""
+    root = Path(__file__).resolve().parents[1]
+    fitted = {}
+    for kernel in ("Prescott", "Sandybridge", "Haswell"):  # (the last needs AVX2, as every CI machine has)
+        run = subprocess.run([sys.executable, "-c", _FIT_ONE_CASE], cwd=root, capture_output=True, text=True,
+                             env={**os.environ, "OPENBLAS_CORETYPE": kernel}, timeout=300)
+        assert run.returncode == 0, run.stderr
+        fitted[kernel] = run.stdout
+    assert len(set(fitted.values())) == 1, fitted

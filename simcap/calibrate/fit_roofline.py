@@ -252,6 +252,22 @@ class _System:
     lower: np.ndarray  # lower bound per column: 0 for seconds, the floor for efficiencies
 
 
+# Significant digits the max form's solver reads its coefficients at (see :func:`_settled`).
+SETTLE_DIGITS = 10
+
+
+def _settled(v: np.ndarray | float, digits: int = SETTLE_DIGITS) -> Any:
+    """``v`` rounded to ``digits`` significant digits. The max form's solver reads its
+    coefficients, and the IRLS loop its weights' spread, through this: machines differ in the
+    last bits of a matrix product (BLAS kernels for AVX2 or AVX-512), and on the max's kinks
+    such a difference steers the solver to another point of a flat valley (seen: a fitted
+    mixed_step 65% apart). Rounded, the paths stay one on every machine: same log, same
+    profile, byte for byte."""
+    if np.ndim(v) == 0:
+        return float(f"{float(v):.{digits}g}")
+    return np.array([float(f"{x:.{digits}g}") for x in np.asarray(v, dtype=float)])
+
+
 def _solve(sys: _System, rows: np.ndarray, w: np.ndarray, sigma: float,
            x0: np.ndarray | None = None) -> np.ndarray:
     """Coefficients (all columns; unfitted at their prior) minimising the weighted relative
@@ -287,13 +303,22 @@ def _solve_bounded(sys: _System, rows: np.ndarray, w: np.ndarray, sigma: float,
 
     def resid(v: np.ndarray) -> np.ndarray:
         c = np.array(sys.prior, dtype=float)
-        c[f] = v
+        c[f] = _settled(v)
         return np.concatenate([(roofline_forward(X, c, "max") - y) / wr, scale * (c[reg] - sys.prior[reg])])
 
+    prior_rows = np.zeros((len(reg), len(f)))
+    for i, j in enumerate(reg):
+        prior_rows[i, list(f).index(j)] = scale[i]
+
+    def jac(v: np.ndarray) -> np.ndarray:  # exact (the max's active branch): no finite differences
+        c = np.array(sys.prior, dtype=float)
+        c[f] = _settled(v)
+        return np.vstack([_branch_jacobian(X, c)[:, f] / wr[:, None], prior_rows])
+
     start = np.maximum((x0 if x0 is not None else sys.prior)[f], lo + 1e-12)
-    r = least_squares(resid, start, bounds=(lo, np.inf), method="trf", x_scale="jac", max_nfev=200)
+    r = least_squares(resid, start, jac=jac, bounds=(lo, np.inf), method="trf", x_scale="jac", max_nfev=200)
     held = r.active_mask < 0
-    out[f] = np.where(held, lo, r.x)  # (trf stays a hair inside its bounds)
+    out[f] = np.where(held, lo, _settled(r.x))  # (trf stays a hair inside its bounds)
     return out, held
 
 
@@ -303,17 +328,22 @@ def _objective(sys: _System, c: np.ndarray, w: np.ndarray, sigma: float) -> floa
     return float(r @ r + np.sum((sigma * (c[reg] - sys.prior[reg]) / sys.sd[reg]) ** 2))
 
 
-def _jacobian(sys: _System, c: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """d(weighted prediction)/d(coefficient), all columns (the max form: its active branch)."""
-    X = sys.X
-    if sys.combine != "max":
-        return X / w[:, None]
+def _branch_jacobian(X: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """d(max-form prediction)/d(coefficient) per row, all columns: its active branch's
+    (:func:`simcap.engine.step_time.roofline_forward`; memory where the two groups tie)."""
     J = X.copy()
     parts = X * c
     compute_wins = (parts[:, 5] + parts[:, 6]) > (parts[:, 3] + parts[:, 4] + parts[:, 7])
     J[:, [3, 4, 7]] *= (~compute_wins)[:, None]
     J[:, [5, 6]] *= compute_wins[:, None]
-    return J / w[:, None]
+    return J
+
+
+def _jacobian(sys: _System, c: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """d(weighted prediction)/d(coefficient), all columns (the max form: its active branch)."""
+    if sys.combine != "max":
+        return sys.X / w[:, None]
+    return _branch_jacobian(sys.X, c) / w[:, None]
 
 
 def _fit_once(sys: _System, sigma_fixed: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
@@ -336,8 +366,8 @@ def _fit_held(sys: _System, sigma_fixed: float | None = None
             ok = (pred > 0) & (sys.y > 0)
             lr = np.log(sys.y[ok] / pred[ok])
             sigma = float(1.4826 * np.median(np.abs(lr - np.median(lr)))) if ok.any() else 1.0
-            sigma = max(sigma, 1e-3)
-        w = np.maximum(pred, 1e-9)
+            sigma = _settled(max(sigma, 1e-3))
+        w = _settled(np.maximum(pred, 1e-9)) if sys.combine == "max" else np.maximum(pred, 1e-9)
         c, held = _solve_bounded(sys, rows, w, sigma, c)
     return c, w, float(sigma), held
 
