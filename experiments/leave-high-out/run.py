@@ -5,6 +5,8 @@
     PYTHONPATH=. python experiments/leave-high-out/run.py --rows   # A800: leave each row out
     PYTHONPATH=. python experiments/leave-high-out/run.py --skew   # A800: routing skew on a grid,
                                                                    # and without the odd low row
+    PYTHONPATH=. python experiments/leave-high-out/run.py --experts   # A800: the experts' term
+                                                                      # pinned from elsewhere
 
 Each shipped recipe is refitted (no bootstrap) on a LOW subset of its published figures and
 the fitted profile PREDICTS the held-out figures, which the fit never saw; the table reports
@@ -277,6 +279,42 @@ def a800_skew_grid(combine: str) -> list[dict]:
     return out
 
 
+def a800_experts() -> list[dict]:
+    """The A800 roofline split (sum) with the experts' efficiency pinned from outside the low
+    rows: by the catalog's only class of MoE kernels on NVIDIA (``hopper-vllm-mxfp4-moe``,
+    centre and sigma as published there), and held at the shipped profile's value, which the
+    full table (held-out rows included) fitted: a diagnosis of where the split's error sits,
+    not a prediction."""
+    import yaml
+
+    from simcap.catalog import resolve_kernel_class
+
+    name = "hopper-vllm-mxfp4-moe"
+    hopper = resolve_kernel_class(name, "kernel class")
+    full = yaml.safe_load((ROOT / "calibration" / "profiles" / "a800-minimax-m3.roofline.yaml").read_text())
+    full_experts = float(full["step_time"]["efficiency"]["experts"])
+    trials = (("low rows alone (the recipe's prior, 1, sd 0.7)", None, None),
+              (f"prior {name} ({hopper.efficiency['experts']:g}, sd {hopper.sigma:g})",
+               {"value": hopper.efficiency["experts"], "sigma": hopper.sigma}, None),
+              (f"held at the full table's fit ({full_experts:.3g})", None, full_experts))
+    out = []
+    for label, prior, fixed in trials:
+        recipe = Recipe.load(RECIPES / a800_recipe("roofline"))
+        if prior:
+            recipe.prior = {**recipe.prior, "terms": {**(recipe.prior.get("terms") or {}), "efficiency.experts": prior}}
+        if fixed:
+            recipe.form = ",".join(t for t in recipe.form.split(",") if t != "efficiency.experts")
+            recipe.step_time = {**recipe.step_time,
+                                "efficiency": {**recipe.step_time["efficiency"], "experts": fixed}}
+        pts = points_of(recipe)
+        st = fitted_step_time(fit_on(recipe, [p for p in pts if a800_fitted(p)]), recipe)
+        held = predict([p for p in pts if a800_held(p)], st, A800_METRICS)
+        out.append({"experts": label, "experts_efficiency": st["efficiency"]["experts"],
+                    "held_out": [{k: r[k] for k in ("point", "metric", "error_pct")} for r in held],
+                    "max_abs_error_pct": max(abs(r["error_pct"]) for r in held)})
+    return out
+
+
 def b4(variant: str, intervals: int = 0) -> dict:
     recipe = {"linear": "ascend910b4-minimax-m2.7.yaml"}.get(
         variant, "ascend910b4-minimax-m2.7.roofline.yaml")
@@ -296,9 +334,20 @@ def main() -> None:
     ap.add_argument("--skew", action="store_true",
                     help="A800 only: the roofline split at each routing skew of a grid (sum and max), "
                          "and each form without the low row the other low rows predict worst")
+    ap.add_argument("--experts", action="store_true",
+                    help="A800 only: the roofline split with the experts' efficiency pinned from outside "
+                         "its low rows (a kernel class's prior; the full table's fit)")
     args = ap.parse_args()
     out_path = HERE / "results.json"
     out = json.loads(out_path.read_text()) if out_path.exists() else {}
+    if args.experts:
+        out["a800_experts"] = a800_experts()
+        for r in out["a800_experts"]:
+            errs = ", ".join(f"{x['error_pct']:+.1f}" for x in r["held_out"])
+            print(f"a800 experts {r['experts']}: fitted {r['experts_efficiency']:.2f}  held out {errs}  "
+                  f"max {r['max_abs_error_pct']:.1f}%")
+        out_path.write_text(json.dumps(out, indent=2) + "\n")
+        return
     if args.skew:
         out["a800_routing_skew"] = {}
         for combine in ("sum", "max"):
