@@ -296,6 +296,8 @@ def a800_experts() -> list[dict]:
     trials = (("low rows alone (the recipe's prior, 1, sd 0.7)", None, None),
               (f"prior {name} ({hopper.efficiency['experts']:g}, sd {hopper.sigma:g})",
                {"value": hopper.efficiency["experts"], "sigma": hopper.sigma}, None),
+              ("prior at the class's centre, sd 0.1 (a third of its spread)",
+               {"value": hopper.efficiency["experts"], "sigma": 0.1}, None),
               (f"held at the full table's fit ({full_experts:.3g})", None, full_experts))
     out = []
     for label, prior, fixed in trials:
