@@ -245,7 +245,8 @@ def coverage(data: Sequence[Sample], level: float = LEVEL) -> dict[str, Any]:
         widths = [math.exp(r["half_width"]) - math.exp(-r["half_width"]) for r in sel]
         return {"inside": sum(r["inside"] for r in sel), "figures": len(sel),
                 "share": sum(r["inside"] for r in sel) / len(sel) if sel else None,
-                "median_width": float(np.median(widths)) if widths else None}
+                # (6 decimals: the last digits of a leave-one-out fit are the machine's, not the data's)
+                "median_width": round(float(np.median(widths)), 6) if widths else None}
 
     def by(key: str) -> dict[str, Any]:
         return {v: share([r for r in rows if r[key] == v]) for v in sorted({r[key] for r in rows})}
