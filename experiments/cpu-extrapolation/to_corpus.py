@@ -65,8 +65,8 @@ def level_runs(model: str, run: int, level: int) -> list[tuple[LiveRun, list[str
     facts = json.loads((A.DATA / model / f"run{run}" / "run.json").read_text())["levels"][str(level)]
     logs = A.round_files(model, run, level, "iterations.log.gz")
     out = []
-    for k, (records, log) in enumerate(zip(A.records_by_round(model, run, level), logs)):
-        stats = facts["rounds"][k] if "rounds" in facts else facts
+    for i, (records, log) in enumerate(zip(A.records_by_round(model, run, level), logs)):
+        stats = facts["rounds"][i] if "rounds" in facts else facts
         records = with_clients(records, level)
         specs = {r.request_id: RequestSpec(r.request_id, r.num_prompt_tokens, r.max_tokens,
                                            ((-2 * r.request_id - 1, r.num_prompt_tokens),)) for r in records}
@@ -90,16 +90,26 @@ def scenario(model: str, level: int, num_requests: int) -> dict:
                          "output_len": {"dist": "uniform", "low": 64, "high": 128}}}
 
 
-# name -> (model, runs, what the description says of them); the first run is also the fit part's
+# name -> (model, runs); the first run is also the fit part's
 CASES = {
-    "cpu-dense-closed-levels": ("dense", (1, 2), ""),
-    "cpu-moe-closed-levels": ("moe", (1, 2), ""),
-    "cpu-moe-closed-rounds": ("moe", (5, 6, 7, 8), "three interleaved rounds of the levels a run"),
+    "cpu-dense-closed-levels": ("dense", (1, 2)),
+    "cpu-moe-closed-levels": ("moe", (1, 2)),
+    "cpu-moe-closed-rounds": ("moe", (5, 6, 7, 8)),
 }
+NUMBER = {2: "two", 3: "three", 4: "four"}
+
+
+def description(model: str, machine: str, runs: tuple[int, ...], rounds: int) -> str:
+    where = " (Intel Xeon)" if "Xeon" in machine else ""
+    how = f", {NUMBER[rounds]} interleaved rounds of the levels a run" if rounds > 1 else ""
+    each = f" ({NUMBER[rounds]} rounds each)" if rounds > 1 else ""
+    return (f"The tiny {model} model on vLLM's CPU build{where}, closed loops of 1-32 clients (prompts and "
+            f"outputs uniform on 64-128 tokens{how}): fitted on one server instance's loops of 1, 2 and 4 "
+            f"clients{each}, predicting 8, 16 and 32 on {NUMBER[len(runs)]} instances.")
 
 
 def main() -> None:
-    for name, (model, runs, protocol) in CASES.items():
+    for name, (model, runs) in CASES.items():
         folder = CORPUS / name
         shutil.rmtree(folder, ignore_errors=True)
         facts = json.loads((A.DATA / model / f"run{runs[0]}" / "run.json").read_text())
@@ -113,25 +123,19 @@ def main() -> None:
                 if instance and level in FIT_LEVELS:
                     continue
                 kind = "fit" if level in FIT_LEVELS else f"c{level}"
-                for k, (live, lines, cpu) in enumerate(level_runs(model, run, level)):
+                for i, (live, lines, cpu) in enumerate(level_runs(model, run, level)):
                     counts[level] = len(live.records)
-                    stem = f"i{instance}c{level}" + (f"r{k + 1}" if k else "")
+                    stem = f"i{instance}c{level}" + (f"r{i + 1}" if i else "")
                     path = save_run(folder / kind / stem, live, iterations=[lines], cpu=cpu)
                     rel = path.relative_to(folder).as_posix()
                     if level in FIT_LEVELS:
                         fit_runs.append(rel)
                     else:
                         points[level].append({"file": rel, "instance": instance})
-        rounds = X.rounds_of(model, runs[0])
-        where = " (Intel Xeon)" if "Xeon" in machines.pop() else ""
-        how = f", {protocol}" if protocol else ""
-        runs_said = f"{rounds} rounds each" if rounds > 1 else ""
+        machine, rounds = machines.pop(), X.rounds_of(model, runs[0])
         write_case(folder, {
             "format": FORMAT, "kind": "live", "name": name,
-            "description": (f"The tiny {model} model on vLLM's CPU build{where}, closed loops of 1-32 clients "
-                            f"(prompts and outputs uniform on 64-128 tokens{how}): fitted on one server "
-                            f"instance's loops of 1, 2 and 4 clients{' (' + runs_said + ')' if runs_said else ''}, "
-                            f"predicting 8, 16 and 32 on {len(runs) if len(runs) > 2 else 'two'} instances."),
+            "description": description(model, machine, runs, rounds),
             "mechanisms": ["closed loop", "batch growth past the fit range", "chunked prefill",
                            *(["MoE experts"] if model == "moe" else [])],
             "source": {"converted_from": f"experiments/cpu-extrapolation/data/{model}/run<k> (collect.py)",
@@ -142,7 +146,7 @@ def main() -> None:
                        **({"runs": list(runs), "rounds": rounds} if rounds > 1 else {})},
             "fit": {"runs": fit_runs, "engine": {**X.ENGINE, "num_gpu_blocks": X.BLOCKS[model]},
                     "speculative_method": None,
-                    "roofline": {"hardware": X.HARDWARE[X.machine_of(model, runs[0])], "model": X.SHAPES[model],
+                    "roofline": {"hardware": X.HARDWARE[machine], "model": X.SHAPES[model],
                                  "combine": "max"}},
             "points": [{"name": f"c{lv}", "scenario": scenario(model, lv, counts[lv]), "replay": "closed",
                         "runs": points[lv]} for lv in HELD_LEVELS],
