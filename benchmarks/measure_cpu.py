@@ -12,7 +12,9 @@ timings on stderr. What it measures:
   importable, multi-threaded with torch (one fused kernel per triad, so no temporaries).
   The entry's ``memory_bandwidth_gbps`` is the best copy/triad figure over all of them.
 * dense GEMM throughput: fp32 with numpy's matmul (its BLAS, all threads) and, if torch is
-  importable, fp32 and bf16 with torch.matmul, on square N x N matrices (2 N^3 FLOPs each).
+  importable, fp32 and bf16 with torch.matmul, on square N x N matrices (2 N^3 FLOPs each);
+  N grows from 256 by doubling up to ``--gemm`` while one product stays under half a second,
+  so a CPU without native bf16 (about 1 GFLOP/s) is measured in seconds, not minutes.
 * the CPU model and its vector/matrix ISA flags from /proc/cpuinfo.
 
 Each figure is timed ``--repeats`` times; the best and the median are reported, and the entry
@@ -149,21 +151,47 @@ def bandwidth(mib: int, repeats: int, torch) -> list[dict]:
     return res
 
 
+# One product may take this long: N doubles from GEMM_MIN_N up to the requested size while the
+# next size's product (8x the work) stays within it. A CPU without native bf16 (AVX2 only)
+# multiplies bf16 at about 1 GFLOP/s: 17 s a product at N = 2048, 0.2 s at 512.
+GEMM_BUDGET_S = 0.5
+GEMM_MIN_N = 256
+
+
+def sized(make, size: int):
+    """The operands of the largest square product of ``make(n)``, n from ``GEMM_MIN_N``
+    doubling up to ``size``, whose product takes at most ``GEMM_BUDGET_S`` (as its half-size
+    one, timed warm, foretells: 8x the work), and n."""
+    n = min(GEMM_MIN_N, size)
+    x, y = make(n)
+    x @ y  # warm-up
+    while 2 * n <= size:
+        t0 = time.perf_counter()
+        x @ y
+        if 8 * (time.perf_counter() - t0) > GEMM_BUDGET_S:
+            break
+        n *= 2
+        x, y = make(n)
+        x @ y
+    return x, y, n
+
+
 def gemm(size: int, repeats: int, torch) -> dict[str, list[dict]]:
-    flops = 2.0 * size ** 3
     out: dict[str, list[dict]] = {"fp32": [], "bf16": []}
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((size, size), dtype=np.float32)
-    y = rng.standard_normal((size, size), dtype=np.float32)
-    out["fp32"].append(summarise(f"gemm fp32 numpy N={size}", flops,
-                                 timed(lambda: x @ y, repeats), "GFLOP/s", 1e9))
+
+    def numpy_fp32(n):
+        return (rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32))
+
+    def add(kind: str, label: str, make) -> None:
+        x, y, n = sized(make, size)
+        out[kind].append(summarise(f"gemm {label} N={n}", 2.0 * n ** 3, timed(lambda: x @ y, repeats),
+                                   "GFLOP/s", 1e9))
+
+    add("fp32", "fp32 numpy", numpy_fp32)
     if torch is not None:
-        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-        out["fp32"].append(summarise(f"gemm fp32 torch N={size}", flops,
-                                     timed(lambda: tx @ ty, repeats), "GFLOP/s", 1e9))
-        bx, by = tx.to(torch.bfloat16), ty.to(torch.bfloat16)
-        out["bf16"].append(summarise(f"gemm bf16 torch N={size}", flops,
-                                     timed(lambda: bx @ by, repeats), "GFLOP/s", 1e9))
+        add("fp32", "fp32 torch", lambda n: tuple(torch.from_numpy(a) for a in numpy_fp32(n)))
+        add("bf16", "bf16 torch", lambda n: tuple(torch.from_numpy(a).to(torch.bfloat16) for a in numpy_fp32(n)))
     return out
 
 
@@ -172,7 +200,8 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="entry name (default: from the CPU model)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--mib", type=int, default=256, help="MiB per bandwidth array")
-    ap.add_argument("--gemm", type=int, default=2048, help="GEMM matrix size N")
+    ap.add_argument("--gemm", type=int, default=2048,
+                    help="largest GEMM matrix size N (smaller where one product would take over 0.5 s)")
     args = ap.parse_args()
 
     try:
@@ -214,7 +243,7 @@ def main() -> None:
   rates: measured
   sources:
     memory_bandwidth_gbps: "measured by benchmarks/measure_cpu.py on {date}, STREAM-style copy/triad over {args.mib} MiB float64 arrays (STREAM byte counting: copy 16 B/element, triad 24 B/element; numpy triad counted at its real 5 passes), {how}, {versions}. {bw_txt}. Quoted: {best_bw['label']}. memory_gb: MemTotal from /proc/meminfo."
-    peak_tflops: "measured by benchmarks/measure_cpu.py on {date}, dense square GEMM N={args.gemm} (2 N^3 FLOPs), {how}, {versions}. {gf_txt}. fp16/int8/fp8 not measured (null). Achieved GEMM throughput, not the ISA's theoretical peak."
+    peak_tflops: "measured by benchmarks/measure_cpu.py on {date}, dense square GEMM (2 N^3 FLOPs; N up to {args.gemm}, smaller where one product would take over {GEMM_BUDGET_S} s: each label gives its N), {how}, {versions}. {gf_txt}. fp16/int8/fp8 not measured (null). Achieved GEMM throughput, not the ISA's theoretical peak."
     interconnect: "not used on CPU (tp = 1, one socket): null"
 """)
     print(f"host: {platform.node()} python {platform.python_version()}", file=sys.stderr)
