@@ -187,7 +187,7 @@ def moe_server():
 @pytest.fixture(scope="session")
 def machine_hardware(pytestconfig) -> dict:
     """This machine's roofline hardware entry, measured now (``benchmarks/measure_cpu.py``,
-    run by the vLLM venv's Python for torch's bf16 GEMM, about 6 s): the bandwidth and FLOPs
+    run by the vLLM venv's Python for torch's bf16 GEMM, 6-10 s: smaller products where bf16 is not native): the bandwidth and FLOPs
     the servers here run on, beside the catalog entry of another machine. Measured when first
     asked for, before the test that asks starts its server."""
     import yaml
