@@ -240,6 +240,22 @@ def a800(variant: str, intervals: int = 0) -> dict:
     return run_case(a800_recipe(variant), variant, a800_fitted, a800_held, A800_METRICS, intervals)
 
 
+def held_out_summary(held: list[dict]) -> dict:
+    """The held-out rows' errors as the trials record them, and their largest."""
+    return {"held_out": [{k: r[k] for k in ("point", "metric", "error_pct")} for r in held],
+            "max_abs_error_pct": max(abs(r["error_pct"]) for r in held)}
+
+
+def a800_low_fit(recipe: Recipe):
+    """The recipe's points and the step time its fit on the A800 split's low rows gives."""
+    pts = points_of(recipe)
+    return pts, fitted_step_time(fit_on(recipe, [p for p in pts if a800_fitted(p)]), recipe)
+
+
+def errors_line(rows: list[dict]) -> str:
+    return ", ".join(f"{r['error_pct']:+.1f}" for r in rows)
+
+
 def a800_drop_worst(variant: str) -> dict:
     """The A800 split refitted without the low row the other low rows predict worst (their
     leave-one-out, as ``simcap calibrate --leave-one-out``): a fit that trusts the rows which
@@ -254,9 +270,7 @@ def a800_drop_worst(variant: str) -> dict:
     worst = max(loo, key=lambda r: abs(r["rel_error"]))["point"]
     st = fitted_step_time(fit_on(recipe, [p for p in low if p.label != worst]), recipe)
     held = predict([p for p in pts if a800_held(p)], st, A800_METRICS)
-    return {"left_out": worst, "low_rows_leave_one_out": loo,
-            "held_out": [{k: r[k] for k in ("point", "metric", "error_pct")} for r in held],
-            "max_abs_error_pct": max(abs(r["error_pct"]) for r in held)}
+    return {"left_out": worst, "low_rows_leave_one_out": loo, **held_out_summary(held)}
 
 
 def a800_skew_grid(combine: str) -> list[dict]:
@@ -266,16 +280,12 @@ def a800_skew_grid(combine: str) -> list[dict]:
     for skew in SKEW_GRID:
         recipe = Recipe.load(RECIPES / a800_recipe("roofline"))
         recipe.step_time = {**recipe.step_time, "routing_skew": skew, "combine": combine}
-        pts = points_of(recipe)
-        fit_pts = [p for p in pts if a800_fitted(p)]
-        st = fitted_step_time(fit_on(recipe, fit_pts), recipe)
-        fitted = predict(fit_pts, st, A800_METRICS)
+        pts, st = a800_low_fit(recipe)
+        fitted = predict([p for p in pts if a800_fitted(p)], st, A800_METRICS)
         held = predict([p for p in pts if a800_held(p)], st, A800_METRICS)
         out.append({"routing_skew": skew,
                     "fit_rms_error_pct": float(np.sqrt(np.mean([r["error_pct"] ** 2 for r in fitted]))),
-                    "experts_efficiency": st["efficiency"]["experts"],
-                    "held_out": [{k: r[k] for k in ("point", "metric", "error_pct")} for r in held],
-                    "max_abs_error_pct": max(abs(r["error_pct"]) for r in held)})
+                    "experts_efficiency": st["efficiency"]["experts"], **held_out_summary(held)})
     return out
 
 
@@ -308,12 +318,9 @@ def a800_experts() -> list[dict]:
             recipe.form = ",".join(t for t in recipe.form.split(",") if t != "efficiency.experts")
             recipe.step_time = {**recipe.step_time,
                                 "efficiency": {**recipe.step_time["efficiency"], "experts": fixed}}
-        pts = points_of(recipe)
-        st = fitted_step_time(fit_on(recipe, [p for p in pts if a800_fitted(p)]), recipe)
+        pts, st = a800_low_fit(recipe)
         held = predict([p for p in pts if a800_held(p)], st, A800_METRICS)
-        out.append({"experts": label, "experts_efficiency": st["efficiency"]["experts"],
-                    "held_out": [{k: r[k] for k in ("point", "metric", "error_pct")} for r in held],
-                    "max_abs_error_pct": max(abs(r["error_pct"]) for r in held)})
+        out.append({"experts": label, "experts_efficiency": st["efficiency"]["experts"], **held_out_summary(held)})
     return out
 
 
@@ -345,7 +352,7 @@ def main() -> None:
     if args.experts:
         out["a800_experts"] = a800_experts()
         for r in out["a800_experts"]:
-            errs = ", ".join(f"{x['error_pct']:+.1f}" for x in r["held_out"])
+            errs = errors_line(r["held_out"])
             print(f"a800 experts {r['experts']}: fitted {r['experts_efficiency']:.2f}  held out {errs}  "
                   f"max {r['max_abs_error_pct']:.1f}%")
         out_path.write_text(json.dumps(out, indent=2) + "\n")
@@ -356,13 +363,13 @@ def main() -> None:
             grid = out["a800_routing_skew"][f"roofline-{combine}"] = a800_skew_grid(combine)
             print("a800 routing skew, roofline", combine)
             for g in grid:
-                errs = ", ".join(f"{r['error_pct']:+.1f}" for r in g["held_out"])
+                errs = errors_line(g["held_out"])
                 print(f"   skew {g['routing_skew']:<5} fit rms {g['fit_rms_error_pct']:.2f}%  experts "
                       f"{g['experts_efficiency']:.2f}  held out {errs}  max {g['max_abs_error_pct']:.1f}%")
         out["a800_drop_worst"] = {}
         for variant in ("linear", "roofline-sum", "roofline-max"):
             r = out["a800_drop_worst"][variant] = a800_drop_worst(variant)
-            errs = ", ".join(f"{x['error_pct']:+.1f}" for x in r["held_out"])
+            errs = errors_line(r["held_out"])
             print(f"a800 without {r['left_out']} ({variant}): held out {errs}  max {r['max_abs_error_pct']:.1f}%")
         out_path.write_text(json.dumps(out, indent=2) + "\n")
         return

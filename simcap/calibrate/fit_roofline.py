@@ -287,11 +287,12 @@ def _solve_bounded(sys: _System, rows: np.ndarray, w: np.ndarray, sigma: float,
     fixed[f] = lo  # (the sum form solves for the excess over the bound, >= 0)
     scale = sigma / sys.sd[reg] if len(reg) else np.zeros(0)
     out = np.array(sys.prior, dtype=float)
+    prior_rows = np.zeros((len(reg), len(f)))  # d(prior residual)/d(free coefficient)
+    for i, j in enumerate(reg):
+        prior_rows[i, list(f).index(j)] = scale[i]
     if sys.combine != "max":
-        A = np.vstack([X[:, f] / wr[:, None], np.zeros((len(reg), len(f)))])
+        A = np.vstack([X[:, f] / wr[:, None], prior_rows])
         b = np.concatenate([(y - X @ fixed) / wr, scale * (sys.prior[reg] - sys.lower[reg])])
-        for i, j in enumerate(reg):
-            A[len(y) + i, list(f).index(j)] = scale[i]
         try:
             sol = nnls(A, b, maxiter=100 * len(f))[0]
         except RuntimeError as exc:
@@ -305,10 +306,6 @@ def _solve_bounded(sys: _System, rows: np.ndarray, w: np.ndarray, sigma: float,
         c = np.array(sys.prior, dtype=float)
         c[f] = _settled(v)
         return np.concatenate([(roofline_forward(X, c, "max") - y) / wr, scale * (c[reg] - sys.prior[reg])])
-
-    prior_rows = np.zeros((len(reg), len(f)))
-    for i, j in enumerate(reg):
-        prior_rows[i, list(f).index(j)] = scale[i]
 
     def jac(v: np.ndarray) -> np.ndarray:  # exact (the max's active branch): no finite differences
         c = np.array(sys.prior, dtype=float)
